@@ -1,0 +1,200 @@
+"""Hugging Face checkpoints: import a target LM, import/export DFlash drafters.
+
+NNX parameter paths mirror checkpoint names (`layers.3.self_attn.q_proj.kernel` <->
+`layers.3.self_attn.q_proj.weight`), so the mapping is mechanical: `kernel` and `embedding`
+become `weight`, Linear kernels are transposed ([in, out] here, [out, in] in torch), and target
+names carry the `model.` prefix except `lm_head`.
+
+Loading builds the model abstractly, then reads one tensor at a time, converts it to the
+parameter dtype and places it (optionally with a NamedSharding on a mesh), so host memory never
+holds more than one tensor of an 8B model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from dflash_jax.models.config import DrafterConfig, TransformerConfig
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.sharding import param_sharding
+
+log = logging.getLogger(__name__)
+
+_NUMPY_DTYPES = {
+    jnp.dtype(jnp.float32): np.float32,
+    jnp.dtype(jnp.bfloat16): ml_dtypes.bfloat16,
+    jnp.dtype(jnp.float16): np.float16,
+}
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
+    return json.loads(config_file.read_text())
+
+
+class SafetensorsReader:
+    """Random access to the tensors of a single-file or sharded (`*.index.json`) checkpoint."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: path / f for name, f in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {path}")
+            self.files = {}
+            for f in files:
+                with safe_open(f, framework="numpy") as handle:
+                    self.files.update({name: f for name in handle.keys()})
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.files:
+            raise KeyError(name)
+        with safe_open(self.files[name], framework="numpy") as handle:
+            return handle.get_tensor(name)
+
+
+def checkpoint_name(path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
+    """NNX param path -> (checkpoint tensor name, whether the tensor is transposed)."""
+    parts = [str(p) for p in path]
+    transposed = parts[-1] == "kernel"
+    if parts[-1] in ("kernel", "embedding"):
+        parts[-1] = "weight"
+    name = ".".join(parts)
+    if prefix and not name.startswith("lm_head"):
+        name = prefix + name
+    return name, transposed
+
+
+def _param_paths(state) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
+    pure = nnx.to_pure_dict(state)
+    return [
+        (tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keys), leaf)
+        for keys, leaf in jax.tree_util.tree_leaves_with_path(pure)
+    ]
+
+
+def _fill(abstract_model, prefix: str, reader: SafetensorsReader, mesh: Mesh | None, source: str):
+    """Replace every abstract parameter by its tensor from the checkpoint."""
+    graphdef, state = nnx.split(abstract_model)
+    loaded = {}
+    for path, leaf in _param_paths(state):
+        name, transposed = checkpoint_name(path, prefix)
+        try:
+            tensor = reader.get(name)
+        except KeyError:
+            raise ValueError(f"{source}: missing tensor {name!r}") from None
+        if transposed:
+            tensor = tensor.T
+        if tuple(tensor.shape) != tuple(leaf.shape):
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(leaf.shape)}{' (after transposing)' if transposed else ''}"
+            )
+        host = np.ascontiguousarray(tensor.astype(_NUMPY_DTYPES[jnp.dtype(leaf.dtype)]))
+        sharding = param_sharding(mesh, leaf.shape) if mesh is not None else None
+        loaded[path] = jax.device_put(host, sharding)
+        del tensor, host
+    pure = nnx.to_pure_dict(state)
+    pure = _set_leaves(pure, loaded)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state), set(
+        checkpoint_name(p, prefix)[0] for p in loaded
+    )
+
+
+def _set_leaves(tree: dict, values: dict[tuple, jax.Array], prefix: tuple = ()) -> dict:
+    return {
+        k: _set_leaves(v, values, prefix + (k,)) if isinstance(v, dict) else values[prefix + (k,)]
+        for k, v in tree.items()
+    }
+
+
+def load_target(
+    path: str | os.PathLike,
+    *,
+    param_dtype=jnp.bfloat16,
+    compute_dtype=jnp.bfloat16,
+    mesh: Mesh | None = None,
+) -> Transformer:
+    """Load a Hugging Face Qwen3/Llama checkpoint directory into a `Transformer`."""
+    cfg = TransformerConfig.from_hf(read_config(path))
+    abstract = nnx.eval_shape(
+        lambda: Transformer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+    )
+    model, _ = _fill(abstract, "model.", SafetensorsReader(path), mesh, source=str(path))
+    return model
+
+
+def load_drafter(
+    path: str | os.PathLike,
+    *,
+    param_dtype=jnp.float32,
+    compute_dtype=jnp.float32,
+    mesh: Mesh | None = None,
+) -> DFlashDrafter:
+    """Load a drafter in the DESIGN §2 export format (ours, or a released one)."""
+    cfg = DrafterConfig.from_hf(read_config(path))
+    abstract = nnx.eval_shape(
+        lambda: DFlashDrafter(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+    )
+    reader = SafetensorsReader(path)
+    model, used = _fill(abstract, "", reader, mesh, source=str(path))
+    extra = sorted(reader.names() - used)
+    if extra:  # released drafters sometimes ship unused tensors; they are not ours to train
+        log.warning("%s: ignoring %d tensors the drafter does not use: %s", path, len(extra), extra[:5])
+    return model
+
+
+def export_drafter(
+    drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype=jnp.bfloat16
+) -> Path:
+    """Write config.json + model.safetensors in the DESIGN §2 format, atomically."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _, state = nnx.split(drafter)
+    tensors = {}
+    for path, value in _param_paths(state):
+        name, transposed = checkpoint_name(path, "")
+        array = np.asarray(jax.device_get(value)).astype(_NUMPY_DTYPES[jnp.dtype(dtype)])
+        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf(), indent=2) + "\n")
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Swap `src` into place at `dst` so readers never see a half-written export."""
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        dst.rename(old)
+        src.rename(dst)
+        shutil.rmtree(old)
+    else:
+        src.rename(dst)
+

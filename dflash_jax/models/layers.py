@@ -1,0 +1,124 @@
+"""Building blocks shared by the target LM and the drafter: RMSNorm, RoPE, projections, SwiGLU.
+
+Numerics follow the Hugging Face Qwen3/Llama code so that parity holds in fp32: RMSNorm
+normalizes in fp32 and multiplies the weight in the compute dtype, RoPE uses the rotate-half
+layout, and q/k norms act per head before RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.config import RopeConfig
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.compute_dtype) * normed.astype(self.compute_dtype)
+
+
+def linear(in_features: int, out_features: int, *, param_dtype, compute_dtype, rngs, init_std=None):
+    """A bias-free projection; kernel stored [in, out] (torch stores the transpose)."""
+    init = (
+        nnx.initializers.normal(init_std) if init_std is not None
+        else nnx.initializers.lecun_normal()
+    )
+    return nnx.Linear(
+        in_features, out_features, use_bias=False, dtype=compute_dtype,
+        param_dtype=param_dtype, kernel_init=init, rngs=rngs,
+    )
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim/2], including Llama-3's long-context rescaling."""
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    if rope.kind == "default":
+        return inv_freq.astype(np.float32)
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
+    # interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [..., T, heads, head_dim], positions [..., T] -> rotated x (rotate-half layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # broadcast over heads
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class AttentionProjections(nnx.Module):
+    """q/k/v/o projections with optional per-head q/k RMSNorm applied before RoPE.
+
+    The attention pattern itself lives in `attention.py`; target and drafter differ only there.
+    """
+
+    def __init__(
+        self, *, hidden_size, num_heads, num_kv_heads, head_dim, rope: RopeConfig, qk_norm: bool,
+        eps, param_dtype, compute_dtype, rngs, init_std=None,
+    ):
+        kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
+        self.q_proj = linear(hidden_size, num_heads * head_dim, **kw)
+        self.k_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.v_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.o_proj = linear(num_heads * head_dim, hidden_size, **kw)
+        norm_kw = dict(eps=eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.q_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.rope = rope
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [..., T, H] -> q [..., T, heads, head_dim], normalized and rotated."""
+        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, positions, rope_inv_freq(self.rope, self.head_dim))
+
+    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [..., T, H] -> (k, v) [..., T, kv_heads, head_dim]; k normalized and rotated."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = self.k_proj(x).reshape(shape)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        inv_freq = rope_inv_freq(self.rope, self.head_dim)
+        return apply_rope(k, positions, inv_freq), self.v_proj(x).reshape(shape)
+
+    def output(self, attn: jax.Array) -> jax.Array:
+        """attn [..., T, heads, head_dim] -> [..., T, H]."""
+        return self.o_proj(attn.reshape(*attn.shape[:-2], self.num_heads * self.head_dim))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, hidden_size, intermediate_size, *, param_dtype, compute_dtype, rngs, init_std=None):
+        kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
+        self.gate_proj = linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = linear(intermediate_size, hidden_size, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
