@@ -1,0 +1,195 @@
+"""Target-only generation (greedy or sampled), batched, with static shapes.
+
+This is the baseline that speculative decoding must reproduce exactly in greedy mode, the
+"target alone" speed in `evaluate`, and the built-in back-end of `regenerate`. The pieces that
+speculative decoding shares live here too: prompt batching, the prefill and the host loop.
+
+Static shapes: a decoder fixes (batch size, cache length) when it is built; prompts are
+right-padded to power-of-two buckets, so only one step function and a few prefill functions
+are ever compiled, whatever the prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.decoding import outputs as outputs_lib
+from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, choose
+from dflash_jax.models.qwen3 import KVCache, Transformer
+
+MIN_PROMPT_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One prompt's output: the new tokens (stop token included) and, per decoding step, how
+    many tokens that step added (the first token comes from the prefill and is in no step)."""
+
+    tokens: np.ndarray
+    step_lengths: np.ndarray
+
+
+def prompt_bucket(length: int) -> int:
+    """Prompts are padded to a power of two (at least MIN_PROMPT_BUCKET) to bound compilations."""
+    return max(MIN_PROMPT_BUCKET, 1 << max(0, int(length) - 1).bit_length())
+
+
+def pad_batch(prompts: Sequence[np.ndarray], batch_size: int, max_prompt_len: int):
+    """Right-pad up to batch_size prompts -> (tokens [B, bucket], lengths [B], valid [B]).
+
+    Missing rows (a short last batch) get a one-token dummy prompt and valid=False.
+    """
+    if not 0 < len(prompts) <= batch_size:
+        raise ValueError(f"expected 1..{batch_size} prompts, got {len(prompts)}")
+    lengths = np.ones((batch_size,), np.int32)
+    for i, p in enumerate(prompts):
+        if p.ndim != 1 or not len(p):
+            raise ValueError(f"prompt {i} must be a non-empty 1-D token array, got shape {p.shape}")
+        if len(p) > max_prompt_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_prompt_len={max_prompt_len}")
+        lengths[i] = len(p)
+    tokens = np.zeros((batch_size, prompt_bucket(lengths.max())), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    valid = np.arange(batch_size) < len(prompts)
+    return tokens, lengths, valid
+
+
+def prefill(target: Transformer, tokens, lengths, cache: KVCache, key, sampling, feature_layers=()):
+    """Run the padded prompts; returns (first new token [B], prompt features or None, cache).
+
+    The cache is rolled back to each prompt's true length, so padding is never attended to.
+    """
+    logits, features, cache = target.decode(tokens, cache, feature_layers=feature_layers)
+    last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
+    return choose(last, sampling, key), features, cache.replace(lengths=lengths)
+
+
+@flax.struct.dataclass
+class TargetState:
+    """The last output token is not in the cache yet: the next step feeds it."""
+
+    cache: KVCache
+    last: jax.Array
+    outputs: outputs_lib.Outputs
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "capacity", "sampling", "stop_tokens"))
+def _target_prefill(graphdef, state, tokens, lengths, valid, key, max_new_tokens, *,
+                    cache_len, capacity, sampling, stop_tokens):
+    target = nnx.merge(graphdef, state)
+    cache = KVCache.create(target.cfg, tokens.shape[0], cache_len, target.compute_dtype)
+    key, prefill_key = jax.random.split(key)
+    first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling)
+    out = outputs_lib.Outputs.create(tokens.shape[0], capacity).replace(done=~valid)
+    out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
+                                stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+    return TargetState(cache, first, out, key)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_tokens"), donate_argnums=(2,))
+def _target_step(graphdef, state, st: TargetState, max_new_tokens, *, sampling, stop_tokens):
+    target = nnx.merge(graphdef, state)
+    logits, _, cache = target.decode(st.last[:, None], st.cache)
+    key, step_key = jax.random.split(st.key)
+    token = choose(logits[:, 0], sampling, step_key)
+    out, emitted = outputs_lib.append(st.outputs, token[:, None], jnp.ones_like(token),
+                                      stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+    # Finished rows keep their cache length, so their (ignored) writes never run off the end.
+    cache = cache.replace(lengths=jnp.where(out.done, st.cache.lengths, cache.lengths))
+    return TargetState(cache, token, out, key), emitted
+
+
+def run_loop(step: Callable, st) -> tuple[object, np.ndarray | None]:
+    """Call `step(st) -> (st, emitted [B])` until every row is done.
+
+    Returns (final state, emitted per step [steps, B]). Every running row emits >= 1 token per
+    step, so this ends after at most max_new_tokens steps.
+    """
+    emitted_steps = []
+    while not bool(np.all(np.asarray(st.outputs.done))):
+        st, emitted = step(st)
+        emitted_steps.append(emitted)
+    emitted = np.stack([np.asarray(e) for e in emitted_steps]) if emitted_steps else None
+    return st, emitted
+
+
+def collect(outputs: outputs_lib.Outputs, emitted: np.ndarray | None, num_rows: int) -> list[Generation]:
+    tokens, lengths = np.asarray(outputs.tokens), np.asarray(outputs.lengths)
+    result = []
+    for i in range(num_rows):
+        steps = emitted[:, i] if emitted is not None else np.zeros((0,), np.int32)
+        result.append(Generation(tokens[i, : lengths[i]].copy(), steps[steps > 0].astype(np.int32)))
+    return result
+
+
+class Decoder:
+    """Common driver: batching, seeds, warm-up. Subclasses provide `_prefill` and `_step`."""
+
+    block_size = 1
+
+    def __init__(self, *, max_prompt_len: int, max_new_tokens: int, batch_size: int = 1,
+                 sampling: SamplingConfig = GREEDY, stop_tokens: Sequence[int] = ()):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.max_prompt_len = max_prompt_len
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+        self.sampling = sampling
+        self.stop_tokens = tuple(sorted({int(t) for t in stop_tokens}))
+        # Room for the padded prompt, every new token and one block of (rejected) drafts.
+        self.cache_len = prompt_bucket(max_prompt_len) + max_new_tokens + self.block_size
+        self.capacity = max_new_tokens + self.block_size
+
+    def generate(self, prompts: Sequence[np.ndarray], *, seed: int = 0) -> list[Generation]:
+        prompts = [np.asarray(p, np.int32) for p in prompts]
+        key = jax.random.key(seed)
+        result = []
+        for start in range(0, len(prompts), self.batch_size):
+            batch = prompts[start : start + self.batch_size]
+            tokens, lengths, valid = pad_batch(batch, self.batch_size, self.max_prompt_len)
+            key, batch_key = jax.random.split(key)
+            st = self._prefill(tokens, lengths, valid, batch_key)
+            st, emitted = run_loop(self._step, st)
+            result += collect(st.outputs, emitted, len(batch))
+        return result
+
+    def warmup(self, prompt_lengths: Sequence[int]) -> None:
+        """Compile the prefill of every bucket these prompt lengths need, and the step."""
+        for bucket in sorted({prompt_bucket(n) for n in prompt_lengths}):
+            n = min(bucket, self.max_prompt_len)
+            st = self._prefill(*pad_batch([np.zeros((n,), np.int32)], self.batch_size, self.max_prompt_len),
+                               jax.random.key(0))
+            jax.block_until_ready(self._step(st))
+
+    @property
+    def _max_new(self) -> jax.Array:
+        return jnp.asarray(self.max_new_tokens, jnp.int32)
+
+
+class TargetDecoder(Decoder):
+    """Target-only decoding: one target forward per token."""
+
+    def __init__(self, target: Transformer, **kwargs):
+        super().__init__(**kwargs)
+        self._graphdef, self._state = nnx.split(target)
+
+    def _prefill(self, tokens, lengths, valid, key):
+        return _target_prefill(
+            self._graphdef, self._state, tokens, lengths, valid, key, self._max_new,
+            cache_len=self.cache_len, capacity=self.capacity, sampling=self.sampling,
+            stop_tokens=self.stop_tokens,
+        )
+
+    def _step(self, st):
+        return _target_step(self._graphdef, self._state, st, self._max_new,
+                            sampling=self.sampling, stop_tokens=self.stop_tokens)

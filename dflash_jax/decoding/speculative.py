@@ -1,0 +1,131 @@
+"""DFlash speculative decoding (DESIGN §2), batched, with static shapes.
+
+Invariant between steps, per row: the target KV cache and the drafter's context cache both hold
+positions 0..p-1 (prompt and accepted output), and the anchor (the last output token) sits at
+position p, in neither cache yet. One step:
+
+  1. the drafter fills the block [anchor, MASK × (B-1)] at positions p..p+B-1 in one forward;
+  2. the target verifies [anchor, d1..d_{B-1}] in one forward (its cache now holds p..p+B-1);
+  3. a drafts are accepted and the target's bonus token is appended: the output gains a+1 tokens;
+  4. the target cache is rolled back to p+a+1, the context cache gets the target features of
+     positions p..p+a, and the bonus token becomes the next anchor at p+a+1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.decoding import outputs as outputs_lib
+from dflash_jax.decoding.generate import Decoder, prefill
+from dflash_jax.decoding.sampling import choose, verify_block
+from dflash_jax.models.drafter import ContextCache, DFlashDrafter
+from dflash_jax.models.qwen3 import KVCache, Transformer
+
+
+@flax.struct.dataclass
+class SpecState:
+    target_cache: KVCache
+    context: ContextCache
+    anchor: jax.Array
+    outputs: outputs_lib.Outputs
+    key: jax.Array
+
+
+@functools.partial(
+    jax.jit, static_argnames=("target_def", "drafter_def", "cache_len", "capacity", "sampling", "stop_tokens")
+)
+def _spec_prefill(target_def, target_state, drafter_def, drafter_state, tokens, lengths, valid, key,
+                  max_new_tokens, *, cache_len, capacity, sampling, stop_tokens):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state)
+    batch, prompt_len = tokens.shape
+    cache = KVCache.create(target.cfg, batch, cache_len, target.compute_dtype)
+    key, prefill_key = jax.random.split(key)
+    first, features, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling,
+                                     feature_layers=drafter.cfg.target_layer_ids)
+    context = ContextCache.create(drafter.cfg, batch, cache_len, drafter.compute_dtype)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
+    context = drafter.extend_context(context, features, positions, lengths)
+    out = outputs_lib.Outputs.create(batch, capacity).replace(done=~valid)
+    out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
+                                stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+    return SpecState(cache, context, first, out, key)
+
+
+def draft_block(target: Transformer, drafter: DFlashDrafter, anchor, positions, context, sampling, key):
+    """Step 1: drafts [B, B-1] and their logits [B, B-1, V] for the slots after the anchor."""
+    block = jnp.full(positions.shape, drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
+    hidden = drafter.decode(target.embed(block), positions, context)
+    logits = target.unembed(hidden[:, 1:])
+    return choose(logits, sampling, key), logits
+
+
+@functools.partial(
+    jax.jit, static_argnames=("target_def", "drafter_def", "sampling", "stop_tokens"), donate_argnums=(4,)
+)
+def _spec_step(target_def, target_state, drafter_def, drafter_state, st: SpecState, max_new_tokens, *,
+               sampling, stop_tokens):
+    target = nnx.merge(target_def, target_state)
+    drafter = nnx.merge(drafter_def, drafter_state)
+    key, draft_key, verify_key = jax.random.split(st.key, 3)
+    start = st.target_cache.lengths
+    positions = start[:, None] + jnp.arange(drafter.cfg.block_size)[None, :]
+    drafts, draft_logits = draft_block(target, drafter, st.anchor, positions, st.context, sampling, draft_key)
+
+    block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
+    logits, features, cache = target.decode(block, st.target_cache,
+                                            feature_layers=drafter.cfg.target_layer_ids)
+    accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key)
+
+    out, emitted = outputs_lib.append(st.outputs, tokens, accepted + 1,
+                                      stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+    # Rows still running keep anchor + accepted drafts; finished rows freeze their caches, so
+    # their (ignored) writes stay inside the cache length the decoder sized.
+    kept = jnp.where(out.done, 0, accepted + 1)
+    cache = cache.replace(lengths=start + kept)
+    context = drafter.extend_context(st.context, features, positions, kept)
+    anchor = jnp.where(out.done, st.anchor, tokens[jnp.arange(tokens.shape[0]), accepted])
+    return SpecState(cache, context, anchor, out, key), emitted
+
+
+class SpeculativeDecoder(Decoder):
+    """DFlash decoding: one drafter forward and one target forward per step.
+
+    Greedy mode reproduces target-only greedy decoding token for token; sampling mode keeps the
+    target's output distribution. `Generation.step_lengths` are the acceptance lengths (a+1,
+    cut where a stop token or max_new_tokens ends the output).
+    """
+
+    def __init__(self, target: Transformer, drafter: DFlashDrafter, **kwargs):
+        self.block_size = drafter.cfg.block_size
+        super().__init__(**kwargs)
+        if drafter.cfg.vocab_size != target.cfg.vocab_size or drafter.cfg.hidden_size != target.cfg.hidden_size:
+            raise ValueError(
+                f"drafter (vocab {drafter.cfg.vocab_size}, hidden {drafter.cfg.hidden_size}) does not "
+                f"fit the target (vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size})"
+            )
+        if drafter.cfg.num_target_layers != target.cfg.num_layers:
+            raise ValueError(
+                f"drafter was built for a {drafter.cfg.num_target_layers}-layer target, "
+                f"this target has {target.cfg.num_layers} layers"
+            )
+        self._target_def, self._target_state = nnx.split(target)
+        self._drafter_def, self._drafter_state = nnx.split(drafter)
+
+    def _prefill(self, tokens, lengths, valid, key):
+        return _spec_prefill(
+            self._target_def, self._target_state, self._drafter_def, self._drafter_state,
+            tokens, lengths, valid, key, self._max_new, cache_len=self.cache_len,
+            capacity=self.capacity, sampling=self.sampling, stop_tokens=self.stop_tokens,
+        )
+
+    def _step(self, st):
+        return _spec_step(
+            self._target_def, self._target_state, self._drafter_def, self._drafter_state, st,
+            self._max_new, sampling=self.sampling, stop_tokens=self.stop_tokens,
+        )
