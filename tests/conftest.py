@@ -54,3 +54,9 @@ def qwen3_tied_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory):
     return write_hf_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def make_hf_checkpoint():
+    """Factory fixture: `make_hf_checkpoint(out_dir, arch=..., **config_overrides)`."""
+    return write_hf_checkpoint
