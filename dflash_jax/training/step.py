@@ -1,0 +1,216 @@
+"""The jitted train step: frozen target forward, drafter forward/backward, AdamW update.
+
+The drafter is split once into a static graph and a `TrainState` of plain arrays; the step is
+one pure function jitted over the mesh with explicit shardings (batch rows over every device,
+weights and optimizer state FSDP-split over `fsdp`). Master weights are fp32; the modules
+compute in their compute dtype (bf16 by default).
+
+A step whose loss, gradient norm or new weights are not finite is skipped: the weights and
+optimizer state stay as they were, `skipped_updates` and `nonfinite_streak` count it. The
+state therefore never holds a non-finite weight, and neither does a checkpoint of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.sharding import state_shardings
+from dflash_jax.training import objective
+from dflash_jax.training.mesh import BATCH_AXES, batch_sharding
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32: batches consumed so far
+    params: nnx.State  # drafter weights (fp32 master copy)
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32 key data; step s samples anchors with fold_in(rng, s)
+    skipped_updates: jax.Array  # int32: non-finite steps skipped so far
+    nonfinite_streak: jax.Array  # int32: consecutive non-finite steps up to now
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 6e-4
+    warmup_fraction: float = 0.04
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup over `warmup_fraction` of training, then cosine to 0."""
+    warmup = int(round(cfg.warmup_fraction * total_steps))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1)
+    )
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip_norm),
+        optax.adamw(
+            learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
+            weight_decay=cfg.weight_decay,
+            # Decay matrices only: norm scales shrinking towards 0 is not regularization.
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
+
+
+def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int) -> DFlashDrafter:
+    return DFlashDrafter(
+        cfg, param_dtype=jnp.float32, compute_dtype=compute_dtype, rngs=nnx.Rngs(seed)
+    )
+
+
+def drafter_graph(cfg: DrafterConfig, compute_dtype) -> nnx.GraphDef:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: _new_drafter(cfg, compute_dtype, 0)))
+    return graphdef
+
+
+def _state_initializer(cfg: DrafterConfig, tx, seed: int, compute_dtype) -> Callable[[], TrainState]:
+    def init() -> TrainState:
+        _, params = nnx.split(_new_drafter(cfg, compute_dtype, seed))
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(
+            step=zero, params=params, opt_state=tx.init(params),
+            rng=jax.random.key_data(jax.random.key(seed)),
+            skipped_updates=zero, nonfinite_streak=zero,
+        )
+    return init
+
+
+def abstract_train_state(
+    cfg: DrafterConfig, tx: optax.GradientTransformation, *, seed: int, compute_dtype, mesh: Mesh
+) -> TrainState:
+    """ShapeDtypeStructs carrying their shardings: what a checkpoint is restored onto."""
+    abstract = jax.eval_shape(_state_initializer(cfg, tx, seed, compute_dtype))
+    shardings = state_shardings(mesh, abstract)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def init_train_state(
+    cfg: DrafterConfig, tx: optax.GradientTransformation, *, seed: int, compute_dtype,
+    mesh: Mesh,
+) -> TrainState:
+    """A fresh drafter (normal(0.02) init) and optimizer state, created already sharded."""
+    abstract = abstract_train_state(cfg, tx, seed=seed, compute_dtype=compute_dtype, mesh=mesh)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    return jax.jit(_state_initializer(cfg, tx, seed, compute_dtype), out_shardings=shardings)()
+
+
+def _split_micro_batches(batch: objective.Batch, num_micro: int, mesh: Mesh) -> objective.Batch:
+    """[R, S] -> [num_micro, R/num_micro, S], each micro-batch spread over every device.
+
+    Micro-batch m takes rows m, m + num_micro, …, so the rows each device holds split evenly.
+    """
+    spec = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
+
+    def split(x):
+        x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, spec)
+
+    return {k: split(batch[k]) for k in objective.BATCH_KEYS}
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+def make_train_step(
+    *,
+    drafter_graphdef: nnx.GraphDef,
+    target_graphdef: nnx.GraphDef,
+    target_params: nnx.State,
+    tx: optax.GradientTransformation,
+    cfg: objective.ObjectiveConfig,
+    grad_accum_steps: int,
+    mesh: Mesh,
+    state_sharding,
+) -> Callable[[TrainState, nnx.State, objective.Batch], tuple[TrainState, dict]]:
+    """Returns jitted `step(state, target_params, batch) -> (state, additive metrics)`.
+
+    `batch` is a dict of global int32 [rows, seq_len] arrays sharded with `batch_sharding`.
+    Each micro-batch's loss is normalized by its own Σw and the gradients are averaged.
+    """
+
+    def loss_fn(params, target, features, block_embeds, positions, blocks):
+        drafter = nnx.merge(drafter_graphdef, params)
+        return objective.drafter_loss(
+            drafter, target.unembed, features, block_embeds, positions, blocks, cfg
+        )
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, target_params: nnx.State, batch: objective.Batch):
+        target = nnx.merge(target_graphdef, target_params)
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def accumulate(grads, xs):
+            micro, index = xs
+            features, block_embeds, blocks = objective.frozen_inputs(
+                target, micro, jax.random.fold_in(step_key, index), cfg
+            )
+            (_, sums), micro_grads = grad_fn(
+                state.params, target, features, block_embeds, micro["positions"], blocks
+            )
+            return jax.tree.map(jnp.add, grads, micro_grads), sums
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        micro_batches = _split_micro_batches(batch, grad_accum_steps, mesh)
+        grads, micro_sums = jax.lax.scan(
+            accumulate, zeros, (micro_batches, jnp.arange(grad_accum_steps))
+        )
+        grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+        sums = jax.tree.map(lambda x: x.sum(0), micro_sums)
+
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & _all_finite(params)
+
+        def keep_if_ok(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        # A skipped step contributes nothing to the metrics but its count.
+        sums = {k: jnp.where(ok, v, 0.0) for k, v in sums.items()}
+
+        new_state = TrainState(
+            step=state.step + 1,
+            params=keep_if_ok(params, state.params),
+            opt_state=keep_if_ok(opt_state, state.opt_state),
+            rng=state.rng,
+            skipped_updates=state.skipped_updates + (~ok).astype(jnp.int32),
+            nonfinite_streak=jnp.where(ok, 0, state.nonfinite_streak + 1),
+        )
+        segment_ids = batch["segment_ids"]
+        metrics = {
+            **sums,
+            "grad_norm_sum": jnp.where(ok, grad_norm, 0.0),
+            "updates_applied": ok.astype(jnp.float32),
+            "real_tokens": (segment_ids != 0).sum().astype(jnp.float32),
+            "padded_tokens": jnp.float32(segment_ids.size),
+        }
+        return new_state, metrics
+
+    target_sharding = jax.tree.map(lambda x: x.sharding, target_params)
+    return jax.jit(
+        step,
+        in_shardings=(state_sharding, target_sharding, batch_sharding(mesh)),
+        out_shardings=(state_sharding, None),
+        donate_argnums=0,
+    )
