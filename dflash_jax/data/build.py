@@ -1,0 +1,294 @@
+"""Building the tokenized cache from the sources: streamed, tokenized on every core, counted,
+published atomically, and rebuilt only when something it depends on changed."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import ml_collections
+import numpy as np
+import tqdm
+
+from dflash_jax.data import cache as cache_lib
+from dflash_jax.data.chat import SampleEncoder, tokenizer_fingerprint
+from dflash_jax.data.formats import FORMATS, SKIP_REASONS, BadSample, decode_json_line, normalize_record
+from dflash_jax.data.sources import RawChunk, describe_sources, iter_chunks, resolve_sources
+
+# Bump when the cache's contents change meaning (masking rules, layout): old caches go stale.
+CACHE_FORMAT_VERSION = 1
+ROWS_PER_CHUNK = 256
+EXAMPLES_PER_REASON = 5
+
+
+def ensure_cache(data: ml_collections.ConfigDict, target_path: str, *, rebuild: bool = False) -> cache_lib.TokenizedCache:
+    """The cache for `data` and the tokenizer in `target_path`, built if missing or stale."""
+    _check_options(data)
+    cache_dir = resolve_cache_dir(data, target_path)
+    inputs = cache_inputs(data, target_path)
+    manifest = cache_lib.read_manifest(cache_dir)
+    if manifest is not None and not rebuild:
+        reasons = stale_reasons(manifest["inputs"], inputs)
+        if not reasons:
+            _check_skips_allowed(manifest, data.on_bad_sample)
+            return cache_lib.TokenizedCache(cache_dir)
+        logging.info("tokenized cache %s is stale: %s", cache_dir, "; ".join(reasons))
+    return build_cache(data, target_path, cache_dir, inputs)
+
+
+def resolve_cache_dir(data: ml_collections.ConfigDict, target_path: str) -> str:
+    if data.cache_dir:
+        return os.path.abspath(os.path.expanduser(data.cache_dir))
+    key = hashlib.sha256(json.dumps([data.train, os.path.abspath(target_path)]).encode()).hexdigest()[:12]
+    name = f"{os.path.basename(os.path.normpath(target_path))}-{key}"
+    return os.path.join(os.path.expanduser("~/.cache/dflash_jax/tokenized"), name)
+
+
+def cache_inputs(data: ml_collections.ConfigDict, target_path: str) -> dict:
+    """Everything the cache contents depend on; any change makes the cache stale."""
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "sources": describe_sources(resolve_sources(data.train)),
+        "tokenizer_files": tokenizer_fingerprint(target_path),
+        "options": {
+            "format": data.format,
+            "enable_thinking": data.enable_thinking,
+            "seq_len": data.seq_len,
+            "overlength": data.overlength,
+        },
+    }
+
+
+def stale_reasons(old: dict, new: dict) -> list[str]:
+    """Human-readable differences between the inputs a cache was built from and current ones."""
+    reasons = []
+    if old.get("format_version") != new["format_version"]:
+        reasons.append(f"cache format {old.get('format_version')} -> {new['format_version']}")
+    old_sources = {s["path"]: s for s in old.get("sources", [])}
+    new_sources = {s["path"]: s for s in new["sources"]}
+    for path in sorted(old_sources.keys() | new_sources.keys()):
+        before, after = old_sources.get(path), new_sources.get(path)
+        if before is None:
+            reasons.append(f"new source {path}")
+        elif after is None:
+            reasons.append(f"source {path} no longer selected")
+        elif before != after:
+            reasons.append(f"source {path} changed (size {before['size']} -> {after['size']}, modified)")
+    old_files, new_files = old.get("tokenizer_files", {}), new["tokenizer_files"]
+    for name in sorted(old_files.keys() | new_files.keys()):
+        if old_files.get(name) != new_files.get(name):
+            reasons.append(f"tokenizer file {name} changed")
+    old_options, new_options = old.get("options", {}), new["options"]
+    for key in sorted(new_options):
+        if old_options.get(key) != new_options[key]:
+            reasons.append(f"data.{key} {old_options.get(key)!r} -> {new_options[key]!r}")
+    return reasons
+
+
+def build_cache(data: ml_collections.ConfigDict, target_path: str, cache_dir: str, inputs: dict) -> cache_lib.TokenizedCache:
+    started = time.time()
+    encoder = _encoder(target_path, data.enable_thinking)  # fails fast on a bad tokenizer
+    paths = [s["path"] for s in inputs["sources"]]
+    tokenize = ChunkTokenizer(target_path, data.enable_thinking, data.format, data.seq_len, data.overlength)
+    processes = data.tokenize_processes or os.cpu_count() or 1
+    counts = _Counts()
+    partial = cache_lib.new_partial_dir(cache_dir)
+    writer = cache_lib.CacheWriter(partial)
+    total_bytes = sum(s["size"] for s in inputs["sources"])
+    try:
+        with tqdm.tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.1) as bar:
+            for result in _ordered_map(tokenize, iter_chunks(paths, ROWS_PER_CHUNK), processes):
+                if data.on_bad_sample == "error" and result.examples:
+                    raise ValueError(_bad_sample_message(*result.examples[0], dict(result.skipped)))
+                counts.add(result)
+                writer.add(result.tokens, result.loss_mask, result.lengths)
+                bar.update(result.nbytes)
+                bar.set_postfix(samples=counts.samples, skipped=sum(counts.skipped.values()), refresh=False)
+        if counts.samples == 0:
+            raise ValueError(f"no usable sample in {data.train}; skipped by reason: {dict(counts.skipped)} {counts.examples}")
+        manifest = writer.finish(
+            {
+                "inputs": inputs,
+                **counts.as_manifest(),
+                **length_statistics(writer.lengths, data.seq_len),
+                "tokenizer": {"chat_template_sha256": encoder.chat_template_sha256, "vocab_size": encoder.vocab_size},
+                "build_seconds": round(time.time() - started, 1),
+            }
+        )
+        cache_lib.publish(partial, cache_dir)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    logging.info("tokenized cache %s: %s", cache_dir, summarize(manifest))
+    return cache_lib.TokenizedCache(cache_dir)
+
+
+def length_statistics(lengths: np.ndarray, seq_len: int) -> dict:
+    edges = np.linspace(0, seq_len, 17).round().astype(int)
+    counts, _ = np.histogram(lengths, bins=edges)
+    return {
+        "length_histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
+        "length_percentiles": {f"p{q}": int(np.percentile(lengths, q)) for q in (10, 50, 90, 99, 100)},
+        "mean_length": float(lengths.mean()),
+    }
+
+
+def summarize(manifest: dict) -> str:
+    skipped = {k: v for k, v in manifest["skipped"].items() if v}
+    return (
+        f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens "
+        f"({manifest['num_loss_tokens']} trained on) from {manifest['rows_read']} rows; "
+        f"{manifest['truncated']} truncated; skipped {sum(skipped.values())}: {skipped or 'none'}"
+    )
+
+
+@dataclasses.dataclass
+class ChunkResult:
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    lengths: np.ndarray
+    rows: int
+    nbytes: int
+    truncated: int
+    skipped: collections.Counter
+    # (reason, "location: detail") of the first bad rows, in row order, a few per reason.
+    examples: list[tuple[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTokenizer:
+    """Turns one raw chunk into cache-ready arrays. Picklable: the tokenizer itself is loaded
+    once per process (see `_encoder`)."""
+
+    tokenizer_dir: str
+    enable_thinking: bool
+    data_format: str
+    seq_len: int
+    overlength: str
+
+    def __call__(self, chunk: RawChunk) -> ChunkResult:
+        encoder = _encoder(self.tokenizer_dir, self.enable_thinking)
+        tokens, masks = [], []
+        rows = truncated = 0
+        skipped: collections.Counter = collections.Counter()
+        examples: list[tuple[str, str]] = []
+        for i, row in enumerate(chunk.rows):
+            if isinstance(row, bytes) and not row.strip():
+                continue  # blank JSONL line: not a row
+            rows += 1
+            try:
+                record = decode_json_line(row) if isinstance(row, bytes) else row
+                ids, mask = encoder.encode(normalize_record(record, self.data_format))
+                if len(ids) > self.seq_len:
+                    ids, mask = self._fit(ids, mask)
+                    truncated += 1
+            except BadSample as e:
+                skipped[e.reason] += 1
+                if skipped[e.reason] <= EXAMPLES_PER_REASON:
+                    examples.append((e.reason, f"{chunk.location(i)}: {e.detail}"))
+                continue
+            tokens.append(ids)
+            masks.append(mask)
+        return ChunkResult(
+            tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+            loss_mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
+            lengths=np.array([len(t) for t in tokens], np.int64),
+            rows=rows,
+            nbytes=chunk.nbytes,
+            truncated=truncated,
+            skipped=skipped,
+            examples=examples,
+        )
+
+    def _fit(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.overlength == "drop":
+            raise BadSample("overlength", f"{len(ids)} tokens > seq_len {self.seq_len}")
+        if not mask[: self.seq_len].any():
+            raise BadSample("no_loss_after_truncation", f"{len(ids)} tokens, none trained on in the first {self.seq_len}")
+        return ids[: self.seq_len], mask[: self.seq_len]
+
+
+class _Counts:
+    """Running totals of a build, for the manifest."""
+
+    def __init__(self):
+        self.samples = self.rows = self.tokens = self.loss_tokens = self.truncated = 0
+        self.skipped: collections.Counter = collections.Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def add(self, result: ChunkResult) -> None:
+        self.samples += len(result.lengths)
+        self.rows += result.rows
+        self.tokens += len(result.tokens)
+        self.loss_tokens += int(result.loss_mask.sum())
+        self.truncated += result.truncated
+        self.skipped.update(result.skipped)
+        for reason, example in result.examples:
+            kept = self.examples.setdefault(reason, [])
+            if len(kept) < EXAMPLES_PER_REASON:
+                kept.append(example)
+
+    def as_manifest(self) -> dict:
+        return {
+            "num_samples": self.samples,
+            "num_tokens": self.tokens,
+            "num_loss_tokens": self.loss_tokens,
+            "rows_read": self.rows,
+            "truncated": self.truncated,
+            "skipped": {reason: self.skipped.get(reason, 0) for reason in SKIP_REASONS},
+            "skipped_examples": self.examples,
+        }
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder(tokenizer_dir: str, enable_thinking: bool) -> SampleEncoder:
+    return SampleEncoder(tokenizer_dir, enable_thinking)
+
+
+def _ordered_map(fn: Callable, items: Iterable, processes: int) -> Iterator:
+    """`map(fn, items)` over a process pool, in order, with a bounded number of items in flight
+    (Pool.imap would read the whole input ahead)."""
+    if processes == 1:
+        yield from map(fn, items)
+        return
+    # spawn, not fork: the caller may be a training process with JAX threads running.
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        pending: collections.deque = collections.deque()
+        for item in items:
+            pending.append(pool.apply_async(fn, (item,)))
+            if len(pending) >= 2 * processes:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _check_options(data: ml_collections.ConfigDict) -> None:
+    choices = {"format": FORMATS, "on_bad_sample": ("skip", "error"), "overlength": ("truncate", "drop")}
+    for key, allowed in choices.items():
+        if data[key] not in allowed:
+            raise ValueError(f"data.{key}={data[key]!r}; expected one of {allowed}")
+
+
+def _check_skips_allowed(manifest: dict, on_bad_sample: str) -> None:
+    """A cache built with skips must not be used silently when bad samples are errors."""
+    skipped = {k: v for k, v in manifest["skipped"].items() if v}
+    if on_bad_sample == "error" and skipped:
+        reason = next(iter(skipped))
+        raise ValueError(_bad_sample_message(reason, manifest["skipped_examples"][reason][0], skipped))
+
+
+def _bad_sample_message(reason: str, example: str, skipped: dict) -> str:
+    return (
+        f"bad sample at {example} [{reason}: {SKIP_REASONS[reason]}]; rows skipped so far by reason: "
+        f"{skipped}. Fix the data or set data.on_bad_sample='skip' to skip and count such rows."
+    )

@@ -1,0 +1,134 @@
+"""The tokenized cache on disk: flat token / loss-mask arrays plus sample offsets, read through
+memory maps, and a JSON manifest.
+
+    tokens.u32     all samples' token ids, concatenated (uint32)
+    loss_mask.u8   1 where the token is trained on (uint8), aligned with tokens
+    offsets.npy    int64 [num_samples + 1]: sample i is tokens[offsets[i]:offsets[i+1]]
+    manifest.json  written last: what the cache was built from, counts, skips by reason
+
+A cache is built in a hidden sibling directory and renamed into place, so a directory with a
+manifest is always complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+TOKENS = "tokens.u32"
+LOSS_MASK = "loss_mask.u8"
+OFFSETS = "offsets.npy"
+
+
+class CacheWriter:
+    """Appends samples to a cache directory under construction."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._tokens = open(os.path.join(directory, TOKENS), "wb")
+        self._mask = open(os.path.join(directory, LOSS_MASK), "wb")
+        self._lengths: list[np.ndarray] = []
+        self._digest = hashlib.sha256()
+
+    def add(self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
+        """Appends samples given concatenated, with their lengths."""
+        tokens, loss_mask = tokens.astype(np.uint32), loss_mask.astype(np.uint8)
+        for array, f in ((tokens, self._tokens), (loss_mask, self._mask)):
+            f.write(array.tobytes())
+            self._digest.update(array.tobytes())
+        self._lengths.append(np.asarray(lengths, np.int64))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Lengths of the samples added so far."""
+        return np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+
+    def finish(self, manifest: dict) -> dict:
+        """Writes offsets, then the manifest (last, so it marks the directory complete)."""
+        self._tokens.close()
+        self._mask.close()
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        np.save(os.path.join(self.directory, OFFSETS), offsets)
+        self._digest.update(offsets.tobytes())
+        manifest = {**manifest, "content_sha256": self._digest.hexdigest(), "complete": True}
+        write_json_atomically(os.path.join(self.directory, MANIFEST), manifest)
+        return manifest
+
+    def abort(self) -> None:
+        self._tokens.close()
+        self._mask.close()
+
+
+class TokenizedCache:
+    """Read-only view of a complete cache directory; samples are memory-mapped, not loaded."""
+
+    def __init__(self, directory: str):
+        manifest = read_manifest(directory)
+        if manifest is None:
+            raise FileNotFoundError(f"{directory} holds no complete tokenized cache")
+        self.directory = directory
+        self.manifest = manifest
+        self.offsets = np.load(os.path.join(directory, OFFSETS))
+        self.lengths = np.diff(self.offsets)
+        self.tokens = np.memmap(os.path.join(directory, TOKENS), np.uint32, mode="r")
+        self.loss_mask = np.memmap(os.path.join(directory, LOSS_MASK), np.uint8, mode="r")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lengths)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        start, end = self.offsets[i], self.offsets[i + 1]
+        return self.tokens[start:end], self.loss_mask[start:end]
+
+
+def read_manifest(directory: str) -> dict | None:
+    """The manifest of a complete cache in `directory`, else None."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+    return manifest if manifest.get("complete") else None
+
+
+def new_partial_dir(final_dir: str) -> str:
+    """A fresh hidden directory beside `final_dir` to build into."""
+    parent, name = os.path.split(os.path.abspath(final_dir))
+    os.makedirs(parent, exist_ok=True)
+    partial = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    os.mkdir(partial)
+    return partial
+
+
+def publish(partial_dir: str, final_dir: str) -> None:
+    """Moves a finished cache into place, replacing a stale one; never leaves a half state
+    that looks complete (at worst, no cache at all)."""
+    stale = None
+    if os.path.exists(final_dir):
+        stale = f"{partial_dir}.stale"
+        os.rename(final_dir, stale)
+    try:
+        os.rename(partial_dir, final_dir)
+    except OSError:
+        # Another process published first (shared filesystem): keep theirs if it is complete.
+        if read_manifest(final_dir) is None:
+            raise
+        shutil.rmtree(partial_dir, ignore_errors=True)
+    if stale:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def write_json_atomically(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

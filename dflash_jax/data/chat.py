@@ -1,0 +1,164 @@
+"""Tokenizing samples with the target's own tokenizer and chat template, and their loss masks.
+
+Templates such as Qwen3's carry no generation markers, and render an assistant turn differently
+when it is the last one (with a `<think>` block) than when it is history. So the mask is derived
+from token-level differences of rendered conversation prefixes, and every prefix relation it
+relies on is checked; a conversation where one does not hold is rejected, never guessed at.
+
+An assistant turn's loss tokens are what the model generates for it: from the end of the
+generation prompt (`add_generation_prompt=True`, honouring `enable_thinking`) to the end-of-turn
+token. With thinking disabled Qwen3's empty `<think></think>` block is part of the prompt; with
+thinking enabled it is generated, so it is trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+import jinja2
+import numpy as np
+
+from dflash_jax.data.formats import BadSample, Conversation, PlainText
+
+# Files that define a Hugging Face tokenizer and its chat template; the cache depends on them.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def tokenizer_fingerprint(tokenizer_dir: str) -> dict[str, str]:
+    """sha256 of each tokenizer file present in `tokenizer_dir`."""
+    digests = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                digests[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    if not digests:
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}) in {tokenizer_dir}")
+    return digests
+
+
+class SampleEncoder:
+    """Turns normalized samples into (token ids, loss mask) with the target's tokenizer."""
+
+    def __init__(self, tokenizer_dir: str, enable_thinking: bool):
+        import transformers  # slow to import; only the processes that tokenize need it
+
+        self._tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        self._enable_thinking = enable_thinking
+        self._eos_id = self._tokenizer.eos_token_id
+        template = self._tokenizer.chat_template
+        self.chat_template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
+        self.vocab_size = len(self._tokenizer)
+        self._tokenizer_dir = tokenizer_dir
+
+    def encode(self, sample: Conversation | PlainText) -> tuple[np.ndarray, np.ndarray]:
+        """int32 token ids and uint8 loss mask of equal length."""
+        if isinstance(sample, PlainText):
+            ids = self._ids(sample.text, add_special_tokens=True)
+            return ids, np.ones_like(ids, dtype=np.uint8)
+        return self._encode_conversation(sample.messages)
+
+    def _ids(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=add_special_tokens), np.int32)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> np.ndarray:
+        if self._tokenizer.chat_template is None:
+            raise ValueError(f"the tokenizer in {self._tokenizer_dir} has no chat template")
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=self._enable_thinking,
+            )
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise BadSample("template_error", f"{type(e).__name__}: {e}") from None
+        return self._ids(text)
+
+    def _encode_conversation(self, messages: tuple[dict[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
+        rendered: dict[tuple[int, bool], np.ndarray] = {}
+
+        def prefix(k: int, add_generation_prompt: bool = False) -> np.ndarray:
+            """Tokens of the first k messages (memoized: turns share most prefixes)."""
+            if k == 0 and not add_generation_prompt:
+                return np.zeros(0, np.int32)
+            if (k, add_generation_prompt) not in rendered:
+                rendered[k, add_generation_prompt] = self._render(list(messages[:k]), add_generation_prompt)
+            return rendered[k, add_generation_prompt]
+
+        full = prefix(len(messages))
+        mask = np.zeros(len(full), np.uint8)
+        end = 0
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start, end = self._turn_span(messages, i, prefix, full)
+                end = self._loss_end(full, start, end)
+                mask[start:end] = 1
+        # What follows the last assistant turn carries no loss; leave it out of the sample.
+        full, mask = full[:end], mask[:end]
+        if not mask.any():
+            raise BadSample("empty_loss_mask")
+        if mask.all():
+            raise BadSample("all_loss_mask")
+        return full, mask
+
+    def _turn_span(
+        self, messages, i: int, prefix: Callable[..., np.ndarray], full: np.ndarray
+    ) -> tuple[int, int]:
+        """Token range of assistant message i inside `full`, after its generation prompt."""
+        context, prompt, own = prefix(i), prefix(i, True), prefix(i + 1)
+        if not (_is_prefix(context, full) and _is_prefix(context, prompt)):
+            raise BadSample("template_mismatch", f"messages before turn {i} render differently in the full conversation")
+        if not _is_prefix(prompt, own):
+            raise BadSample(
+                "template_mismatch",
+                f"the generation prompt is not a prefix of assistant turn {i} "
+                f"(does enable_thinking={self._enable_thinking} match the data?)",
+            )
+        if _is_prefix(own, full):
+            return len(prompt), len(own)
+        # The turn renders differently as history than as the last turn (Qwen3 drops its think
+        # block): its own tokens start where the generation prompt and the history form part...
+        start = _common_prefix_len(prompt, full)
+        # ...and end where the next message starts, which is measured from the other side: that
+        # message, rendered right after the context with turn i left out, follows turn i in `full`.
+        through_next = prefix(i + 2)
+        without_turn = self._render(list(messages[:i]) + [messages[i + 1]], add_generation_prompt=False)
+        next_message = without_turn[len(context) :]
+        end = len(through_next) - len(next_message)
+        if not (
+            _is_prefix(through_next, full)
+            and _is_prefix(context, without_turn)
+            and np.array_equal(through_next[end:], next_message)
+            and end > start
+        ):
+            raise BadSample("template_mismatch", f"cannot find where assistant turn {i} ends in the conversation")
+        return start, end
+
+    def _loss_end(self, tokens: np.ndarray, start: int, end: int) -> int:
+        """End of the turn's loss span: just after its last end-of-turn token (what follows, e.g.
+        a newline, is template text the model never generates)."""
+        eos = np.flatnonzero(tokens[start:end] == self._eos_id) if self._eos_id is not None else []
+        return start + int(eos[-1]) + 1 if len(eos) else end
+
+
+def _is_prefix(a: np.ndarray, b: np.ndarray) -> bool:
+    return len(a) <= len(b) and np.array_equal(a, b[: len(a)])
+
+
+def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
