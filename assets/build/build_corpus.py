@@ -127,7 +127,7 @@ def extract(root: pathlib.Path, rel: str, max_lines: int, max_chars: int) -> lis
         if node.end_lineno - node.lineno + 1 > max_lines:
             continue
         src = _dedented_source(lines, node)
-        if src is None or len(src) > max_chars:
+        if src is None:
             continue
         if cls is None:
             prompt = f"Implement `{_signature(node)}` from module `{module}`:"
@@ -135,6 +135,8 @@ def extract(root: pathlib.Path, rel: str, max_lines: int, max_chars: int) -> lis
             prompt = f"Implement the method `{cls}.{_signature(node)}` from module `{module}`:"
         user = f"{prompt}\n\n{doc}"
         assistant = f"```python\n{src}\n```"
+        if len(user) + len(assistant) > max_chars:  # keeps conversations under ~512 tokens
+            continue
         if any(s in user + assistant for s in SPECIAL_STRINGS):
             continue
         qual = node.name if cls is None else f"{cls}.{node.name}"
@@ -154,7 +156,7 @@ def is_heldout(rel: str, seed: int, heldout_frac: float) -> bool:
 
 
 def build_corpus(root: pathlib.Path, seed: int = 0, max_functions: int = 0,
-                 max_lines: int = 60, max_chars: int = 1500,
+                 max_lines: int = 60, max_chars: int = 1700,
                  heldout_frac: float = 0.06, num_prompts: int = 32,
                  only: tuple[str, ...] = ()) -> dict[str, list[dict]]:
     """Returns {"train", "heldout", "heldout_prompts"}: lists of records."""
@@ -209,7 +211,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", default=0, type=int)
     p.add_argument("--max-functions", default=0, type=int, help="0 = all")
     p.add_argument("--max-lines", default=60, type=int)
-    p.add_argument("--max-chars", default=1500, type=int)
+    p.add_argument("--max-chars", default=1700, type=int,
+                   help="cap on user + assistant characters")
     p.add_argument("--heldout-frac", default=0.06, type=float)
     p.add_argument("--num-prompts", default=32, type=int)
     p.add_argument("--only", nargs="*", default=(),
