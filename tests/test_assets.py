@@ -1,0 +1,129 @@
+"""The bundled demo assets: the stdlib corpus, the tiny Qwen3 target, and their build scripts."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "assets"
+TARGET = ASSETS / "tiny-qwen3"
+DATA = ASSETS / "data"
+
+
+def _load(name):
+    """assets/build/ is not a package: import its scripts by path."""
+    spec = importlib.util.spec_from_file_location(name, ASSETS / "build" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_corpus = _load("build_corpus")
+train_tiny_target = _load("train_tiny_target")
+
+# A few packages keep the stdlib walk short; a large held-out fraction makes both sides non-empty.
+SMALL = dict(seed=0, max_functions=50, heldout_frac=0.3, num_prompts=4,
+             only=("json", "email", "logging", "concurrent", "importlib"))
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _check_split(train, heldout, prompts):
+    assert train and heldout and prompts
+    assert not {r["source"] for r in train} & {r["source"] for r in heldout}
+    heldout_ids = {r["id"]: r for r in heldout}
+    for p in prompts:
+        assert [m["role"] for m in p["messages"]] == ["user"]
+        assert heldout_ids[p["id"]]["messages"][0] == p["messages"][0]
+    for r in train + heldout:
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
+        assert r["messages"][1]["content"].startswith("```python\n")
+        assert "<|MASK|>" not in json.dumps(r)
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    root = build_corpus.stdlib_dir()
+    build_corpus.write_corpus(out, build_corpus.build_corpus(root, **SMALL), root)
+    return out
+
+
+def test_corpus_build_is_deterministic(small_corpus, tmp_path):
+    root = build_corpus.stdlib_dir()
+    build_corpus.write_corpus(tmp_path, build_corpus.build_corpus(root, **SMALL), root)
+    names = sorted(p.name for p in small_corpus.iterdir())
+    assert names == sorted(p.name for p in tmp_path.iterdir())
+    assert {"stdlib_train.jsonl", "stdlib_heldout.jsonl", "heldout_prompts.jsonl"} <= set(names)
+    for name in names:
+        assert (small_corpus / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_corpus_split_is_by_source_file(small_corpus):
+    train = _read_jsonl(small_corpus / "stdlib_train.jsonl")
+    heldout = _read_jsonl(small_corpus / "stdlib_heldout.jsonl")
+    assert len(train) + len(heldout) == SMALL["max_functions"]
+    _check_split(train, heldout, _read_jsonl(small_corpus / "heldout_prompts.jsonl"))
+
+
+def _build_tiny(data, out):
+    return train_tiny_target.main([
+        "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size", "4",
+        "--vocab-size", "320", "--hidden-size", "32", "--intermediate-size", "64",
+        "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16",
+        "--eval-docs", "4", "--eval-every", "0", "--log-every", "1"])
+
+
+def test_tiny_target_trains_deterministically_and_loads(small_corpus, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    metrics = _build_tiny(small_corpus, tmp_path / "a")
+    _build_tiny(small_corpus, tmp_path / "b")
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert metrics["vocab_size"] == 320 and len(metrics["log"]) == 3
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], 320)
+
+
+def test_committed_corpus():
+    train = _read_jsonl(DATA / "stdlib_train.jsonl")
+    heldout = _read_jsonl(DATA / "stdlib_heldout.jsonl")
+    prompts = _read_jsonl(DATA / "heldout_prompts.jsonl")
+    _check_split(train, heldout, prompts)
+    assert len(train) > 1000 and len(prompts) == 32
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE" in (DATA / "LICENSE-PSF.txt").read_text()
+
+
+def test_committed_target_loads_in_transformers():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((TARGET / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    mask_id = tok.convert_tokens_to_ids("<|MASK|>")
+    assert tok.mask_token_id == mask_id and 0 <= mask_id < config["vocab_size"]
+    for special in train_tiny_target.SPECIAL_TOKENS:  # each is one token, not split by BPE
+        assert tok(special, add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids(special)]
+
+    prompt = _read_jsonl(DATA / "heldout_prompts.jsonl")[0]["messages"]
+    text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=False)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    model = AutoModelForCausalLM.from_pretrained(TARGET)
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], config["vocab_size"])
+    assert torch.isfinite(logits).all()
