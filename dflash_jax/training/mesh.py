@@ -47,3 +47,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Joins a multi-process run when a coordinator is given (before any device is touched)."""
+    if coordinator_address:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+        )

@@ -1,0 +1,222 @@
+"""The training config: its sections, its checks, and what it resolves to.
+
+`resolve(config)` reads only small files (the target's config.json and tokenizer.json) and
+raises `ConfigError` with one message naming the offending field for every mistake that
+would otherwise surface late (inside compilation, or hours into a run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax.numpy as jnp
+import ml_collections
+
+from dflash_jax.data.config import default_data_config
+from dflash_jax.data.sources import resolve_sources
+from dflash_jax.models.config import DrafterConfig, TransformerConfig
+from dflash_jax.models.hf import read_config
+from dflash_jax.training.mesh import mesh_shape
+from dflash_jax.training.objective import ObjectiveConfig, PAPER_LOSS_DECAY_GAMMA, loss_decay_gamma
+from dflash_jax.training.step import OptimizerConfig
+
+MASK_TOKEN = "<|MASK|>"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A mistake in the config, found before anything is compiled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """Everything the run needs that the config determines."""
+
+    target: TransformerConfig
+    drafter: DrafterConfig
+    objective: ObjectiveConfig
+    optimizer: OptimizerConfig
+    mesh_shape: tuple[int, int]
+    target_dtype: object
+    compute_dtype: object
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field with the paper's recipe as default; config files override what differs."""
+    c = ml_collections.ConfigDict()
+    c.workdir = ""  # checkpoints, logs and exports; rerunning with the same workdir resumes
+    c.seed = 0  # drafter init and anchor sampling (the data order has data.seed)
+
+    c.target = ml_collections.ConfigDict()
+    c.target.path = ""  # Hugging Face model directory (config.json, safetensors, tokenizer)
+    c.target.dtype = "bfloat16"  # weights and compute of the frozen target
+
+    c.drafter = ml_collections.ConfigDict()
+    c.drafter.num_layers = 5
+    c.drafter.block_size = 16
+    c.drafter.target_layer_ids = ()  # () = DESIGN §2 default spread
+    c.drafter.mask_token_id = -1  # -1 = the id of <|MASK|> in the target tokenizer
+    c.drafter.intermediate_size = 0  # 0 = the target's
+
+    c.data = default_data_config()
+
+    c.train = ml_collections.ConfigDict()
+    c.train.num_epochs = 6
+    c.train.max_steps = 0  # > 0: stop (and end the LR schedule) after this many steps
+    c.train.grad_accum_steps = 1
+    c.train.num_anchors = 512  # per row
+    c.train.loss_decay_gamma = 0.0  # 0 = the paper's value for the block size
+    c.train.learning_rate = 6e-4
+    c.train.warmup_fraction = 0.04
+    c.train.b1 = 0.9
+    c.train.b2 = 0.999
+    c.train.weight_decay = 0.0
+    c.train.grad_clip_norm = 1.0
+    c.train.compute_dtype = "bfloat16"  # drafter compute; master weights are always fp32
+    c.train.remat = False  # recompute each drafter layer in the backward pass
+    c.train.attention_chunk_blocks = 32  # blocks per attention chunk (memory vs speed)
+    c.train.lm_head_chunk_blocks = 32  # blocks per LM-head/cross-entropy chunk
+    c.train.max_nonfinite_streak = 20  # stop after this many consecutive skipped updates
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1 = every device fsdp leaves over
+    c.mesh.fsdp = 1
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 1000
+    c.checkpoint.keep = 3
+    c.checkpoint.async_save = True
+
+    c.log = ml_collections.ConfigDict()
+    c.log.every_steps = 10
+    c.log.progress_bars = True
+    c.log.tensorboard = True
+    c.log.wandb = False  # needs `pip install wandb`
+    c.log.wandb_project = "dflash_jax"
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.prompts = ""  # JSONL of chat prompts; '' = no acceptance evaluation
+    c.eval.every_steps = 1000
+    c.eval.num_prompts = 32
+    c.eval.max_new_tokens = 128
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""  # host:port of process 0; '' = single process
+    c.distributed.num_processes = 1
+    c.distributed.process_id = 0
+    return c
+
+
+def resolve(config: ml_collections.ConfigDict, *, num_devices: int) -> TrainSetup:
+    if not config.workdir:
+        raise ConfigError("workdir is empty: set --config.workdir=/path/to/run")
+    target = _target_config(config.target.path)
+    _check_data(config.data)
+    train, drafter_section = config.train, config.drafter
+    target_dtype = _dtype(config.target.dtype, "target.dtype")
+    compute_dtype = _dtype(train.compute_dtype, "train.compute_dtype")
+
+    layer_ids = tuple(drafter_section.target_layer_ids) or None
+    bad = [i for i in layer_ids or () if not 0 <= i < target.num_layers]
+    if bad:
+        raise ConfigError(
+            f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
+            f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})"
+        )
+    mask_token_id = _mask_token_id(drafter_section.mask_token_id, config.target.path)
+    if not 0 <= mask_token_id < target.vocab_size:
+        raise ConfigError(
+            f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
+            f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}"
+        )
+    block_size, seq_len = drafter_section.block_size, config.data.seq_len
+    if not 2 <= block_size < seq_len:
+        raise ConfigError(
+            f"drafter.block_size={block_size} must be at least 2 and below data.seq_len={seq_len}"
+        )
+    if not 1 <= train.num_anchors <= seq_len:
+        raise ConfigError(f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}")
+    if not train.loss_decay_gamma and block_size not in PAPER_LOSS_DECAY_GAMMA:
+        raise ConfigError(
+            f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
+            f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma"
+        )
+    try:
+        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
+    rows, accum = config.data.global_batch_rows, train.grad_accum_steps
+    if accum < 1 or rows % (num_devices * accum):
+        raise ConfigError(
+            f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
+            f"train.grad_accum_steps ({accum}) = {num_devices * accum}"
+        )
+    drafter = DrafterConfig.for_target(
+        target, num_layers=drafter_section.num_layers, mask_token_id=mask_token_id,
+        block_size=block_size, target_layer_ids=layer_ids,
+        intermediate_size=drafter_section.intermediate_size or None,
+    )
+    return TrainSetup(
+        target=target,
+        drafter=drafter,
+        objective=ObjectiveConfig(
+            block_size=block_size, mask_token_id=mask_token_id, num_anchors=train.num_anchors,
+            loss_decay_gamma=loss_decay_gamma(block_size, train.loss_decay_gamma),
+            target_layer_ids=drafter.target_layer_ids,
+            attention_chunk_blocks=train.attention_chunk_blocks,
+            lm_head_chunk_blocks=train.lm_head_chunk_blocks,
+        ),
+        optimizer=OptimizerConfig(
+            learning_rate=train.learning_rate, warmup_fraction=train.warmup_fraction,
+            b1=train.b1, b2=train.b2, weight_decay=train.weight_decay,
+            grad_clip_norm=train.grad_clip_norm,
+        ),
+        mesh_shape=shape,
+        target_dtype=target_dtype,
+        compute_dtype=compute_dtype,
+    )
+
+
+def _target_config(path: str) -> TransformerConfig:
+    if not path:
+        raise ConfigError("target.path is empty: set --config.target.path=/path/to/hf_model_dir")
+    if not os.path.isdir(path):
+        raise ConfigError(f"target.path={path!r} does not exist or is not a directory")
+    try:
+        return TransformerConfig.from_hf(read_config(path))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise ConfigError(f"target.path={path!r}: {e}") from None
+
+
+def _check_data(data: ml_collections.ConfigDict) -> None:
+    if not data.train:
+        raise ConfigError("data.train is empty: set --config.data.train=/path/to/train.jsonl")
+    try:
+        resolve_sources(data.train)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"data.train: {e}") from None
+
+
+def _dtype(name: str, field: str):
+    if name not in DTYPES:
+        raise ConfigError(f"{field}={name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _mask_token_id(configured: int, target_path: str) -> int:
+    """An explicit id, or (-1) the id of `<|MASK|>` in the target's tokenizer.json."""
+    if configured >= 0:
+        return configured
+    tokenizer_file = os.path.join(target_path, "tokenizer.json")
+    if os.path.isfile(tokenizer_file):
+        with open(tokenizer_file, encoding="utf-8") as f:
+            added = json.load(f).get("added_tokens", [])
+        for token in added:
+            if token.get("content") == MASK_TOKEN:
+                return int(token["id"])
+    raise ConfigError(
+        f"drafter.mask_token_id=-1 looks up {MASK_TOKEN} in {tokenizer_file}, which has no such "
+        "token; set drafter.mask_token_id to an existing reserved token id"
+    )

@@ -1,0 +1,198 @@
+"""The DFlash objective: anchors, blocks, the strict context mask, chunked CE, loss and tau."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.training import objective
+from dflash_jax.training.synthetic import packed_batch
+
+VOCAB, MASK = 64, 63
+TARGET = TransformerConfig(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+    num_kv_heads=2, head_dim=8, rope=RopeConfig(10000.0),
+)
+
+
+def _cfg(**overrides):
+    kw = dict(
+        block_size=4, mask_token_id=MASK, num_anchors=6, loss_decay_gamma=4.0,
+        target_layer_ids=(0, 2), attention_chunk_blocks=4, lm_head_chunk_blocks=4,
+    )
+    return objective.ObjectiveConfig(**{**kw, **overrides})
+
+
+def _row(tokens, segment_ids, loss_mask):
+    segment_ids = np.asarray([segment_ids], np.int32)
+    positions = np.zeros_like(segment_ids)
+    for s in set(segment_ids[0]) - {0}:
+        where = segment_ids[0] == s
+        positions[0, where] = np.arange(where.sum())
+    return {
+        "tokens": jnp.asarray([tokens], jnp.int32), "segment_ids": jnp.asarray(segment_ids),
+        "positions": jnp.asarray(positions), "loss_mask": jnp.asarray([loss_mask], jnp.int32),
+    }
+
+
+# Two documents and padding: doc 1 = positions 0..5 (response from 3), doc 2 = 6..9 (response from 8).
+ROW = _row(
+    tokens=[10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 0, 0],
+    segment_ids=[1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0],
+    loss_mask=[0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0],
+)
+CANDIDATES = {2, 3, 4, 7, 8}  # next token is a response token of the same document
+
+
+def test_anchors_are_distinct_candidates_and_uniform():
+    counts = np.zeros(12)
+    for seed in range(600):
+        index, valid = objective.sample_anchors(
+            jax.random.key(seed), ROW["segment_ids"], ROW["loss_mask"], num_anchors=3
+        )
+        chosen = np.asarray(index[0])[np.asarray(valid[0])]
+        assert len(chosen) == 3 and len(set(chosen)) == 3
+        assert set(chosen) <= CANDIDATES
+        counts[chosen] += 1
+    # Uniform: each of the 5 candidates is picked with probability 3/5.
+    np.testing.assert_allclose(counts[sorted(CANDIDATES)] / 600, 0.6, atol=0.08)
+
+
+def test_rows_with_few_candidates_get_invalid_anchors():
+    index, valid = objective.sample_anchors(
+        jax.random.key(0), ROW["segment_ids"], ROW["loss_mask"], num_anchors=8
+    )
+    assert int(valid.sum()) == len(CANDIDATES)
+    assert set(np.asarray(index[0])[np.asarray(valid[0])]) == CANDIDATES
+
+
+def test_blocks_inputs_labels_weights_and_strict_context():
+    anchors = jnp.asarray([[3, 8, 0]], jnp.int32)
+    valid = jnp.asarray([[True, True, False]])
+    blocks = objective.make_blocks(ROW, anchors, valid, _cfg())
+    np.testing.assert_array_equal(blocks.tokens[0], [[13, MASK, MASK, MASK], [22, MASK, MASK, MASK], [10, MASK, MASK, MASK]])
+    np.testing.assert_array_equal(blocks.positions[0, :2], [[3, 4, 5, 6], [2, 3, 4, 5]])
+    np.testing.assert_array_equal(blocks.labels[0, 0], [14, 15, 20])
+    # Anchor 3: slots 1, 2 in the document; slot 3 crosses into doc 2. Anchor 8: slot 1 only,
+    # then padding. The invalid anchor scores nothing.
+    np.testing.assert_array_equal(blocks.label_mask[0], [[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    decay = np.exp(-np.arange(3) / 4.0)
+    np.testing.assert_allclose(blocks.weights[0], np.asarray(blocks.label_mask[0]) * decay)
+    # Strictly before the anchor, same document only.
+    expected = np.zeros((3, 12), bool)
+    expected[0, 0:3] = True
+    expected[1, 6:8] = True
+    np.testing.assert_array_equal(blocks.ctx_mask[0], expected)
+
+
+def test_chunked_cross_entropy_matches_dense_values_and_gradients():
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(2, 7, 3, 16)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 50, (2, 7, 3)), jnp.int32)
+    head = jnp.asarray(rng.normal(size=(16, 50)), jnp.float32)
+
+    def dense(h):
+        logits = h @ head
+        ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+        return ce, logits.argmax(-1) == labels
+
+    def chunked(h):
+        return objective.lm_head_cross_entropy(lambda x: x @ head, h, labels, chunk_blocks=3)
+
+    ce_dense, hit_dense = dense(hidden)
+    ce, hit = chunked(hidden)
+    np.testing.assert_allclose(ce, ce_dense, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(hit, hit_dense)
+    w = jnp.asarray(rng.random((2, 7, 3)), jnp.float32)
+    g_dense = jax.grad(lambda h: (dense(h)[0] * w).sum())(hidden)
+    g = jax.grad(lambda h: (chunked(h)[0] * w).sum())(hidden)
+    np.testing.assert_allclose(g, g_dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = Transformer(TARGET, rngs=nnx.Rngs(0))
+    cfg = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=MASK, block_size=4, target_layer_ids=(0, 2))
+    return target, DFlashDrafter(cfg, rngs=nnx.Rngs(1))
+
+
+def _batch(seed=0, rows=2, seq_len=40):
+    return {k: jnp.asarray(v) for k, v in packed_batch(np.random.default_rng(seed), rows, seq_len, VOCAB - 1).items()}
+
+
+def test_loss_is_weighted_mean_of_slot_cross_entropies(models):
+    target, drafter = models
+    cfg = _cfg()
+    batch = _batch()
+
+    @nnx.jit
+    def run(target, drafter, batch):
+        features, embeds, blocks = objective.frozen_inputs(target, batch, jax.random.key(0), cfg)
+        loss, sums = objective.drafter_loss(drafter, target.unembed, features, embeds, batch["positions"], blocks, cfg)
+        hidden = drafter(embeds, blocks.positions, drafter.context(features), batch["positions"], blocks.ctx_mask, blocks_per_chunk=None)
+        return loss, sums, blocks, target.unembed(hidden[:, :, 1:])
+
+    with jax.default_matmul_precision("highest"):
+        loss, sums, blocks, logits = run(target, drafter, batch)
+    logits = np.asarray(logits, np.float64)
+    labels, w = np.asarray(blocks.labels), np.asarray(blocks.weights)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    ce = lse - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    assert w.sum() > 0
+    np.testing.assert_allclose(float(loss), (w * ce).sum() / w.sum(), rtol=1e-4)
+    hits = (logits.argmax(-1) == labels) & np.asarray(blocks.label_mask)
+    np.testing.assert_array_equal(sums["slot_hits"], hits.sum((0, 1)))
+    np.testing.assert_array_equal(sums["slot_scored"], np.asarray(blocks.label_mask).sum((0, 1)))
+
+
+def test_drafter_never_sees_the_anchor_or_later_context(models):
+    """d(block j output)/d(features at p) is zero unless p < anchor_j in the anchor's document."""
+    target, drafter = models
+    cfg = _cfg(num_anchors=4)
+    batch = _batch(seed=1, rows=1, seq_len=24)
+
+    @nnx.jit
+    def influence(target, drafter, batch):
+        features, embeds, blocks = objective.frozen_inputs(target, batch, jax.random.key(3), cfg)
+
+        def per_block(f):
+            ctx = drafter.context(f)
+            hidden = drafter(embeds, blocks.positions, ctx, batch["positions"], blocks.ctx_mask, blocks_per_chunk=2)
+            return hidden[0].sum((1, 2))
+
+        jacobian = jax.jacrev(per_block)(features)  # [N, 1, S, k*H]
+        return jnp.abs(jacobian[:, 0]).sum(-1) > 0, blocks
+
+    seen, blocks = influence(target, drafter, batch)
+    assert blocks.valid[0].sum() >= 2
+    expected = np.asarray(blocks.ctx_mask[0]) & np.asarray(blocks.valid[0])[:, None]
+    np.testing.assert_array_equal(np.asarray(seen) & np.asarray(blocks.valid[0])[:, None], expected)
+    assert expected.any()
+
+
+def test_tau_train_counts_leading_hits_of_valid_blocks():
+    label_mask = jnp.asarray([[[1, 1, 1], [1, 1, 1], [1, 0, 1], [1, 1, 1]]], bool)
+    blocks = objective.Blocks(
+        tokens=None, positions=None, labels=None, label_mask=label_mask, weights=None,
+        valid=jnp.asarray([[True, True, True, False]]), ctx_mask=None,
+    )
+    correct = jnp.asarray([[[1, 1, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]], bool)
+    sums = objective.metric_sums(jnp.float32(2.0), correct, blocks)
+    # Leading hits: 2, 0, 1 (a slot that is not scored ends the run); the invalid block is ignored.
+    assert float(sums["tau_sum"]) == (1 + 2) + (1 + 0) + (1 + 1)
+    summary = objective.summarize(jax.device_get(sums))
+    assert summary["tau_train"] == pytest.approx(6 / 3)
+    assert summary["acc_slot_1"] == pytest.approx(3 / 4)
+
+
+def test_loss_decay_gamma_is_the_paper_value_or_explicit():
+    assert [objective.loss_decay_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert objective.loss_decay_gamma(12, 6.0) == 6.0
+    with pytest.raises(ValueError, match="block_size=12"):
+        objective.loss_decay_gamma(12)
