@@ -83,27 +83,27 @@ class TargetState:
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "capacity", "sampling", "stop_tokens"))
-def _target_prefill(graphdef, state, tokens, lengths, valid, key, max_new_tokens, *,
-                    cache_len, capacity, sampling, stop_tokens):
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "capacity", "sampling"))
+def _target_prefill(graphdef, state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *,
+                    cache_len, capacity, sampling):
     target = nnx.merge(graphdef, state)
     cache = KVCache.create(target.cfg, tokens.shape[0], cache_len, target.compute_dtype)
     key, prefill_key = jax.random.split(key)
     first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling)
     out = outputs_lib.Outputs.create(tokens.shape[0], capacity).replace(done=~valid)
     out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
-                                stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+                                stop_ids=stop_ids, max_new_tokens=max_new_tokens)
     return TargetState(cache, first, out, key)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "stop_tokens"), donate_argnums=(2,))
-def _target_step(graphdef, state, st: TargetState, max_new_tokens, *, sampling, stop_tokens):
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(2,))
+def _target_step(graphdef, state, st: TargetState, max_new_tokens, stop_ids, *, sampling):
     target = nnx.merge(graphdef, state)
     logits, _, cache = target.decode(st.last[:, None], st.cache)
     key, step_key = jax.random.split(st.key)
     token = choose(logits[:, 0], sampling, step_key)
     out, emitted = outputs_lib.append(st.outputs, token[:, None], jnp.ones_like(token),
-                                      stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+                                      stop_ids=stop_ids, max_new_tokens=max_new_tokens)
     # Finished rows keep their cache length, so their (ignored) writes never run off the end.
     cache = cache.replace(lengths=jnp.where(out.done, st.cache.lengths, cache.lengths))
     return TargetState(cache, token, out, key), emitted
@@ -132,6 +132,10 @@ def collect(outputs: outputs_lib.Outputs, emitted: np.ndarray | None, num_rows: 
     return result
 
 
+def _round_up(n: int, multiple: int = 64) -> int:
+    return -(-n // multiple) * multiple
+
+
 class Decoder:
     """Common driver: batching, seeds, warm-up. Subclasses provide `_prefill` and `_step`."""
 
@@ -145,10 +149,12 @@ class Decoder:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.sampling = sampling
-        self.stop_tokens = tuple(sorted({int(t) for t in stop_tokens}))
-        # Room for the padded prompt, every new token and one block of (rejected) drafts.
-        self.cache_len = prompt_bucket(max_prompt_len) + max_new_tokens + self.block_size
-        self.capacity = max_new_tokens + self.block_size
+        self._stop_ids = outputs_lib.stop_ids(stop_tokens)
+        self._max_new = jnp.asarray(max_new_tokens, jnp.int32)
+        # Room for the padded prompt, every new token and one block of (rejected) drafts, rounded
+        # up so that nearby max_new_tokens settings share compiled steps.
+        self.cache_len = _round_up(prompt_bucket(max_prompt_len) + max_new_tokens + self.block_size)
+        self.capacity = _round_up(max_new_tokens + self.block_size)
 
     def generate(self, prompts: Sequence[np.ndarray], *, seed: int = 0) -> list[Generation]:
         prompts = [np.asarray(p, np.int32) for p in prompts]
@@ -171,10 +177,6 @@ class Decoder:
                                jax.random.key(0))
             jax.block_until_ready(self._step(st))
 
-    @property
-    def _max_new(self) -> jax.Array:
-        return jnp.asarray(self.max_new_tokens, jnp.int32)
-
 
 class TargetDecoder(Decoder):
     """Target-only decoding: one target forward per token."""
@@ -185,11 +187,11 @@ class TargetDecoder(Decoder):
 
     def _prefill(self, tokens, lengths, valid, key):
         return _target_prefill(
-            self._graphdef, self._state, tokens, lengths, valid, key, self._max_new,
+            self._graphdef, self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
             cache_len=self.cache_len, capacity=self.capacity, sampling=self.sampling,
-            stop_tokens=self.stop_tokens,
+            
         )
 
     def _step(self, st):
-        return _target_step(self._graphdef, self._state, st, self._max_new,
-                            sampling=self.sampling, stop_tokens=self.stop_tokens)
+        return _target_step(self._graphdef, self._state, st, self._max_new, self._stop_ids,
+                            sampling=self.sampling)

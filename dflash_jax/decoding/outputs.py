@@ -36,10 +36,13 @@ def append(
     new: jax.Array,
     num_new: jax.Array,
     *,
-    stop_tokens: tuple[int, ...],
+    stop_ids: jax.Array,
     max_new_tokens: jax.Array,
 ) -> tuple[Outputs, jax.Array]:
     """Append new[:, :num_new] [B, T] to the rows that are not done, up to the stop rules.
+
+    stop_ids [S] holds the stop tokens padded with -1 (an array, so that changing them never
+    recompiles); max_new_tokens is a scalar array for the same reason.
 
     Returns (outputs, emitted [B]): how many tokens each row really took (0 for done rows).
     The buffer needs capacity >= max_new_tokens + T: all T slots are written at `lengths`
@@ -48,10 +51,7 @@ def append(
     t = new.shape[1]
     slots = jnp.arange(t)[None, :]
     valid = slots < num_new[:, None]
-    if stop_tokens:
-        is_stop = jnp.isin(new, jnp.asarray(stop_tokens, jnp.int32)) & valid
-    else:
-        is_stop = jnp.zeros_like(valid)
+    is_stop = (new[:, :, None] == stop_ids[None, None, :]).any(-1) & valid
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, axis=-1), t)
     emitted = jnp.minimum(num_new, first_stop + 1)
     emitted = jnp.minimum(emitted, max_new_tokens - out.lengths)
@@ -61,3 +61,12 @@ def append(
     done = out.done | stopped | (lengths >= max_new_tokens)
     tokens = write_at(out.tokens, new.astype(jnp.int32), out.lengths)
     return Outputs(tokens, lengths, done), emitted
+
+
+def stop_ids(stop_tokens, size: int = 8) -> jax.Array:
+    """Stop tokens as a -1-padded array; sizes are multiples of `size` to keep shapes few."""
+    tokens = sorted({int(t) for t in stop_tokens})
+    if any(t < 0 for t in tokens):
+        raise ValueError(f"stop tokens must be token ids >= 0, got {tokens}")
+    padded = -(-max(len(tokens), 1) // size) * size
+    return jnp.asarray(tokens + [-1] * (padded - len(tokens)), jnp.int32)

@@ -37,10 +37,10 @@ class SpecState:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("target_def", "drafter_def", "cache_len", "capacity", "sampling", "stop_tokens")
+    jax.jit, static_argnames=("target_def", "drafter_def", "cache_len", "capacity", "sampling")
 )
 def _spec_prefill(target_def, target_state, drafter_def, drafter_state, tokens, lengths, valid, key,
-                  max_new_tokens, *, cache_len, capacity, sampling, stop_tokens):
+                  max_new_tokens, stop_ids, *, cache_len, capacity, sampling):
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     batch, prompt_len = tokens.shape
@@ -53,7 +53,7 @@ def _spec_prefill(target_def, target_state, drafter_def, drafter_state, tokens, 
     context = drafter.extend_context(context, features, positions, lengths)
     out = outputs_lib.Outputs.create(batch, capacity).replace(done=~valid)
     out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
-                                stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+                                stop_ids=stop_ids, max_new_tokens=max_new_tokens)
     return SpecState(cache, context, first, out, key)
 
 
@@ -66,10 +66,10 @@ def draft_block(target: Transformer, drafter: DFlashDrafter, anchor, positions, 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("target_def", "drafter_def", "sampling", "stop_tokens"), donate_argnums=(4,)
+    jax.jit, static_argnames=("target_def", "drafter_def", "sampling"), donate_argnums=(4,)
 )
-def _spec_step(target_def, target_state, drafter_def, drafter_state, st: SpecState, max_new_tokens, *,
-               sampling, stop_tokens):
+def _spec_step(target_def, target_state, drafter_def, drafter_state, st: SpecState, max_new_tokens,
+               stop_ids, *, sampling):
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     key, draft_key, verify_key = jax.random.split(st.key, 3)
@@ -83,7 +83,7 @@ def _spec_step(target_def, target_state, drafter_def, drafter_state, st: SpecSta
     accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key)
 
     out, emitted = outputs_lib.append(st.outputs, tokens, accepted + 1,
-                                      stop_tokens=stop_tokens, max_new_tokens=max_new_tokens)
+                                      stop_ids=stop_ids, max_new_tokens=max_new_tokens)
     # Rows still running keep anchor + accepted drafts; finished rows freeze their caches, so
     # their (ignored) writes stay inside the cache length the decoder sized.
     kept = jnp.where(out.done, 0, accepted + 1)
@@ -120,12 +120,12 @@ class SpeculativeDecoder(Decoder):
     def _prefill(self, tokens, lengths, valid, key):
         return _spec_prefill(
             self._target_def, self._target_state, self._drafter_def, self._drafter_state,
-            tokens, lengths, valid, key, self._max_new, cache_len=self.cache_len,
-            capacity=self.capacity, sampling=self.sampling, stop_tokens=self.stop_tokens,
+            tokens, lengths, valid, key, self._max_new, self._stop_ids, cache_len=self.cache_len,
+            capacity=self.capacity, sampling=self.sampling,
         )
 
     def _step(self, st):
         return _spec_step(
             self._target_def, self._target_state, self._drafter_def, self._drafter_state, st,
-            self._max_new, sampling=self.sampling, stop_tokens=self.stop_tokens,
+            self._max_new, self._stop_ids, sampling=self.sampling,
         )

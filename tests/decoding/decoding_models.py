@@ -1,0 +1,97 @@
+"""Tiny targets and drafters for the decoding tests, built directly in JAX (no torch, seconds).
+
+* `random_target`: a random Qwen3-style target; its greedy output depends on the whole context.
+* `successor_target`: the next token is mostly `successor[current token]`; `noise` scales the
+  layers' contributions, so the context decides some of the tokens (0 means never).
+* `OracleDrafter`: a drafter double that drafts successor[anchor], successor[successor[anchor]],
+  ... through the same interface as `DFlashDrafter`. Against the noise-free successor target it
+  copies the target exactly (full blocks are accepted); against a noisy one it is right until
+  the context disagrees, which exercises every acceptance length and the cache roll-back.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.drafter import ContextCache, DFlashDrafter
+from dflash_jax.models.qwen3 import Transformer
+
+VOCAB = 64
+BLOCK = 4
+MASK_ID = VOCAB - 1
+
+
+def target_config(vocab: int = VOCAB) -> TransformerConfig:
+    return TransformerConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, rope=RopeConfig(theta=10000.0), max_position_embeddings=512,
+    )
+
+
+def make_target(seed: int = 0, vocab: int = VOCAB, logit_scale: float = 1.0) -> Transformer:
+    target = Transformer(target_config(vocab), rngs=nnx.Rngs(seed))
+    target.lm_head.kernel.value = target.lm_head.kernel.value * logit_scale
+    return target
+
+
+def make_drafter(target: Transformer, seed: int = 0, block_size: int = BLOCK, mask_id: int = MASK_ID):
+    cfg = DrafterConfig.for_target(
+        target.cfg, num_layers=1, mask_token_id=mask_id, block_size=block_size, target_layer_ids=(0, 1)
+    )
+    return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
+
+
+def make_successor_target(seed: int = 0, noise: float = 0.0) -> tuple[Transformer, np.ndarray]:
+    """A target whose next token is successor[token] up to context noise; returns (target, successor).
+
+    Embedding rows get equal norms and lm_head row j is the embedding of successor⁻¹(j), so a
+    hidden state equal to E[x] scores successor[x] highest by a wide margin; scaling each layer's
+    output projections by `noise` lets attention over the context move that choice.
+    """
+    target = make_target(seed)
+    rng = np.random.default_rng(seed)
+    successor = rng.permutation(VOCAB).astype(np.int32)
+    embed = rng.standard_normal((VOCAB, target.cfg.hidden_size)).astype(np.float32)
+    embed *= np.sqrt(target.cfg.hidden_size) / np.linalg.norm(embed, axis=1, keepdims=True)
+    target.embed_tokens.embedding.value = jnp.asarray(embed)
+    inverse = np.argsort(successor)
+    target.lm_head.kernel.value = jnp.asarray(embed[inverse].T)
+    target.norm.weight.value = jnp.ones_like(target.norm.weight.value)
+    for layer in target.layers:
+        layer.self_attn.o_proj.kernel.value = layer.self_attn.o_proj.kernel.value * noise
+        layer.mlp.down_proj.kernel.value = layer.mlp.down_proj.kernel.value * noise
+    return target, successor
+
+
+class OracleDrafter(nnx.Module):
+    """Drafts by following the successor table from the anchor; keeps only context bookkeeping."""
+
+    def __init__(self, target: Transformer, successor: np.ndarray, block_size: int = BLOCK):
+        self.cfg = DrafterConfig.for_target(
+            target.cfg, num_layers=1, mask_token_id=MASK_ID, block_size=block_size, target_layer_ids=(0,)
+        )
+        self.compute_dtype = jnp.float32
+        self.embedding = nnx.Variable(target.embed_tokens.embedding.value)
+        self.successor = nnx.Variable(jnp.asarray(successor))
+
+    def extend_context(self, cache: ContextCache, features, positions, num_valid) -> ContextCache:
+        return cache.replace(lengths=cache.lengths + num_valid)
+
+    def decode(self, block_embeds, block_positions, cache: ContextCache):
+        """Slot k returns E[successor^(k-1)(anchor)], which the target's head maps to successor^k."""
+        table = self.embedding.value
+        token = jnp.argmax(block_embeds[:, 0] @ table.T, axis=-1)
+        hidden = [table[token]]
+        for _ in range(1, self.cfg.block_size):
+            hidden.append(table[token])
+            token = self.successor.value[token]
+        return jnp.stack(hidden, axis=1)
+
+
+def random_prompts(seed: int, lengths, vocab: int = VOCAB - 1) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+

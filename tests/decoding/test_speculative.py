@@ -1,0 +1,215 @@
+"""Greedy speculative decoding is lossless, its bookkeeping is consistent, its steps compile once."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from decoding_models import (
+    BLOCK, MASK_ID, OracleDrafter, make_drafter, make_successor_target, make_target, random_prompts,
+)
+
+from dflash_jax.decoding import generate as generate_lib
+from dflash_jax.decoding import speculative
+from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.speculative import SpeculativeDecoder
+from dflash_jax.models.attention import block_context_mask
+
+# Lengths straddle the 16-token prompt bucket; 5 prompts with batch 2 leave a short last batch.
+PROMPT_LENGTHS = (3, 16, 17, 9, 30)
+MAX_PROMPT = 32
+MAX_NEW = 24
+
+
+def naive_greedy(target, prompt, max_new):
+    """Greedy decoding by a full forward over the growing sequence each token, without a cache."""
+    graphdef, state = nnx.split(target)
+    width = len(prompt) + max_new
+
+    @jax.jit
+    def next_token(state, seq, length):
+        segment_ids = (jnp.arange(width) < length).astype(jnp.int32)[None]
+        logits, _ = nnx.merge(graphdef, state)(seq[None], segment_ids, jnp.arange(width)[None])
+        return jnp.argmax(logits[0, length - 1])
+
+    seq = np.zeros(width, np.int32)
+    seq[: len(prompt)] = prompt
+    for length in range(len(prompt), width):
+        seq[length] = next_token(state, seq, length)
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def cases(random_target, untrained_drafter):
+    """name -> (target, drafter): almost nothing accepted, everything accepted, in between."""
+    copy_target, successor = make_successor_target(seed=3, noise=0.0)
+    noisy_target, noisy_successor = make_successor_target(seed=4, noise=2.0)
+    return {
+        "untrained": (random_target, untrained_drafter),
+        "copies_target": (copy_target, OracleDrafter(copy_target, successor)),
+        "partial": (noisy_target, OracleDrafter(noisy_target, noisy_successor)),
+    }
+
+
+def decode_both(target, drafter, prompts, **kw):
+    kw = dict(max_prompt_len=MAX_PROMPT, **kw)
+    return TargetDecoder(target, **kw).generate(prompts), SpeculativeDecoder(target, drafter, **kw).generate(prompts)
+
+
+def test_target_decoder_matches_uncached_greedy(random_target):
+    prompts = random_prompts(0, (5, 17))
+    got = TargetDecoder(random_target, max_prompt_len=MAX_PROMPT, max_new_tokens=10, batch_size=2).generate(prompts)
+    for prompt, g in zip(prompts, got):
+        np.testing.assert_array_equal(g.tokens, naive_greedy(random_target, prompt, 10))
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("name, tau_range", [
+    ("untrained", (1.0, 1.3)),
+    ("copies_target", (BLOCK - 0.5, BLOCK)),
+    ("partial", (1.5, BLOCK - 0.5)),
+])
+def test_greedy_is_lossless(cases, name, tau_range, batch_size):
+    target, drafter = cases[name]
+    prompts = random_prompts(10, PROMPT_LENGTHS)
+    ref, spec = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=batch_size)
+    for r, s in zip(ref, spec):
+        np.testing.assert_array_equal(s.tokens, r.tokens)
+        assert len(s.tokens) == MAX_NEW
+    taus = [s.step_lengths.mean() for s in spec]
+    assert tau_range[0] <= np.mean(taus) <= tau_range[1], taus
+
+
+@pytest.mark.parametrize("name", ["untrained", "copies_target", "partial"])
+def test_greedy_is_lossless_across_stop_tokens(cases, name):
+    target, drafter = cases[name]
+    prompts = random_prompts(20, PROMPT_LENGTHS)
+    free, _ = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=2)
+    # Stop at tokens that occur mid-output, so stops land inside accepted blocks too.
+    stop_tokens = {int(g.tokens[k]) for g, k in zip(free, (4, 7, 10, 13, 18))}
+    ref, spec = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=2,
+                            stop_tokens=stop_tokens)
+    stopped = 0
+    for r, s in zip(ref, spec):
+        np.testing.assert_array_equal(s.tokens, r.tokens)
+        stopped += int(s.tokens[-1] in stop_tokens and len(s.tokens) < MAX_NEW)
+        assert not set(s.tokens[:-1].tolist()) & stop_tokens
+    assert stopped == len(prompts)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7])
+def test_greedy_is_lossless_at_every_max_new_tokens(cases, max_new):
+    target, drafter = cases["copies_target"]
+    prompts = random_prompts(30, (4, 11))
+    ref, spec = decode_both(target, drafter, prompts, max_new_tokens=max_new, batch_size=2)
+    for r, s in zip(ref, spec):
+        np.testing.assert_array_equal(s.tokens, r.tokens)
+        assert len(s.tokens) == max_new
+        assert 1 + s.step_lengths.sum() == max_new
+
+
+def test_first_token_stop_ends_without_a_step(cases):
+    target, drafter = cases["partial"]
+    prompts = random_prompts(40, (6,))
+    first = SpeculativeDecoder(target, drafter, max_prompt_len=8, max_new_tokens=1).generate(prompts)[0]
+    out = SpeculativeDecoder(target, drafter, max_prompt_len=8, max_new_tokens=MAX_NEW,
+                             stop_tokens=[int(first.tokens[0])]).generate(prompts)[0]
+    np.testing.assert_array_equal(out.tokens, first.tokens)
+    assert len(out.step_lengths) == 0
+
+
+@pytest.mark.parametrize("name", ["untrained", "partial"])
+def test_step_bookkeeping(cases, name):
+    """Per step: a+1 tokens emitted (1..B), both caches hold exactly prompt + output minus anchor."""
+    target, drafter = cases[name]
+    prompts = random_prompts(50, (5, 13, 20))
+    lengths = np.array([len(p) for p in prompts])
+    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                                 batch_size=3)
+    st = decoder._prefill(*generate_lib.pad_batch(prompts, 3, MAX_PROMPT), jax.random.key(0))
+    total = np.ones(3, int)
+    while not np.all(np.asarray(st.outputs.done)):
+        running = ~np.asarray(st.outputs.done)
+        st, emitted = decoder._step(st)
+        emitted = np.asarray(emitted)
+        assert np.all((emitted[running] >= 1) & (emitted[running] <= BLOCK))
+        assert np.all(emitted[~running] == 0)
+        total += emitted
+        np.testing.assert_array_equal(np.asarray(st.outputs.lengths), total)
+        still = ~np.asarray(st.outputs.done)
+        cache_len = np.asarray(st.target_cache.lengths)
+        np.testing.assert_array_equal(cache_len[still], (lengths + total - 1)[still])
+        np.testing.assert_array_equal(np.asarray(st.context.lengths)[still], cache_len[still])
+        np.testing.assert_array_equal(np.asarray(st.anchor)[still],
+                                      np.asarray(st.outputs.tokens)[still, total[still] - 1])
+    assert np.all(total == MAX_NEW)
+
+
+def test_steps_compile_once_per_decoder_shape():
+    """New prompts, lengths and stop positions never recompile the step; prefill compiles per bucket."""
+    target = make_target(seed=7)
+    drafter = make_drafter(target, seed=8)
+    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=40, max_new_tokens=9, batch_size=2)
+    decoder.generate(random_prompts(60, (3, 5)))
+    steps, prefills = speculative._spec_step._cache_size(), speculative._spec_prefill._cache_size()
+    decoder.generate(random_prompts(61, (2, 14, 7, 12, 1)))
+    decoder.generate(random_prompts(62, (9,)), seed=3)
+    assert speculative._spec_step._cache_size() == steps
+    assert speculative._spec_prefill._cache_size() == prefills
+    decoder.generate(random_prompts(63, (33, 20)))  # a new prompt bucket: one more prefill only
+    assert speculative._spec_step._cache_size() == steps
+    assert speculative._spec_prefill._cache_size() == prefills + 1
+
+
+def test_rejects_mismatched_drafter_and_long_prompts(random_target):
+    other = make_target(seed=0, vocab=32)
+    with pytest.raises(ValueError, match="does not fit the target"):
+        SpeculativeDecoder(random_target, make_drafter(other, mask_id=31), max_prompt_len=8, max_new_tokens=4)
+    decoder = SpeculativeDecoder(random_target, make_drafter(random_target), max_prompt_len=8, max_new_tokens=4)
+    with pytest.raises(ValueError, match="more than max_prompt_len"):
+        decoder.generate(random_prompts(0, (9,)))
+
+
+def test_served_drafts_equal_the_training_forward(random_target, untrained_drafter):
+    """At every step, the drafter's logits as served equal its training forward for that anchor.
+
+    The training forward sees the target features of the final sequence at positions strictly
+    before the anchor (DESIGN §2); serving builds the same context incrementally from prefill and
+    accepted tokens. A mismatch here is the train/serve skew that ruins acceptance.
+    """
+    target, drafter = random_target, untrained_drafter
+    prompt = random_prompts(70, (9,))
+    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=16, max_new_tokens=16)
+    graphs = nnx.split((target, drafter))
+
+    @jax.jit
+    def served_logits(state, st):
+        t, d = nnx.merge(graphs[0], state)
+        positions = st.target_cache.lengths[:, None] + jnp.arange(BLOCK)[None, :]
+        return speculative.draft_block(t, d, st.anchor, positions, st.context, decoder.sampling,
+                                       jax.random.key(0))[1]
+
+    st = decoder._prefill(*generate_lib.pad_batch(prompt, 1, 16), jax.random.key(0))
+    anchors, served = [], []
+    while not np.all(np.asarray(st.outputs.done)):
+        anchors.append(int(st.target_cache.lengths[0]))
+        served.append(np.asarray(served_logits(graphs[1], st)[0]))
+        st, _ = decoder._step(st)
+    out = np.asarray(st.outputs.tokens[0, : int(st.outputs.lengths[0])])
+
+    @jax.jit
+    def training_logits(state, seq, anchor_index):
+        t, d = nnx.merge(graphs[0], state)
+        segment_ids, positions = jnp.ones_like(seq), jnp.arange(seq.shape[1])[None]
+        features = t.features(seq, segment_ids, positions, d.cfg.target_layer_ids)
+        blocks = jnp.full((1, anchor_index.shape[1], BLOCK), MASK_ID).at[..., 0].set(seq[0, anchor_index[0]])
+        hidden = d(t.embed(blocks), anchor_index[..., None] + jnp.arange(BLOCK), d.context(features),
+                   positions, block_context_mask(segment_ids, anchor_index))
+        return t.unembed(hidden[0, :, 1:])
+
+    seq = jnp.asarray(np.concatenate([prompt[0], out]))[None]
+    trained = np.asarray(training_logits(graphs[1], seq, jnp.asarray(anchors)[None]))
+    assert len(anchors) > 3
+    np.testing.assert_allclose(np.stack(served), trained, atol=2e-4, rtol=2e-4)
