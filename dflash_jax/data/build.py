@@ -4,6 +4,7 @@ published atomically, and rebuilt only when something it depends on changed."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -28,6 +29,7 @@ from dflash_jax.data.sources import RawChunk, describe_sources, iter_chunks, res
 CACHE_FORMAT_VERSION = 1
 ROWS_PER_CHUNK = 256
 EXAMPLES_PER_REASON = 5
+BYTES_PER_WORKER = 32 << 20
 
 
 def ensure_cache(data: ml_collections.ConfigDict, target_path: str, *, rebuild: bool = False) -> cache_lib.TokenizedCache:
@@ -41,7 +43,7 @@ def ensure_cache(data: ml_collections.ConfigDict, target_path: str, *, rebuild: 
         if not reasons:
             _check_skips_allowed(manifest, data.on_bad_sample)
             return cache_lib.TokenizedCache(cache_dir)
-        logging.info("tokenized cache %s is stale: %s", cache_dir, "; ".join(reasons))
+        logging.warning("rebuilding tokenized cache %s, which is stale: %s", cache_dir, "; ".join(reasons))
     return build_cache(data, target_path, cache_dir, inputs)
 
 
@@ -99,11 +101,11 @@ def build_cache(data: ml_collections.ConfigDict, target_path: str, cache_dir: st
     encoder = _encoder(target_path, data.enable_thinking)  # fails fast on a bad tokenizer
     paths = [s["path"] for s in inputs["sources"]]
     tokenize = ChunkTokenizer(target_path, data.enable_thinking, data.format, data.seq_len, data.overlength)
-    processes = data.tokenize_processes or os.cpu_count() or 1
+    total_bytes = sum(s["size"] for s in inputs["sources"])
+    processes = data.tokenize_processes or _default_processes(total_bytes)
     counts = _Counts()
     partial = cache_lib.new_partial_dir(cache_dir)
     writer = cache_lib.CacheWriter(partial)
-    total_bytes = sum(s["size"] for s in inputs["sources"])
     try:
         with tqdm.tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.1) as bar:
             for result in _ordered_map(tokenize, iter_chunks(paths, ROWS_PER_CHUNK), processes):
@@ -255,21 +257,35 @@ def _encoder(tokenizer_dir: str, enable_thinking: bool) -> SampleEncoder:
     return SampleEncoder(tokenizer_dir, enable_thinking)
 
 
+def _default_processes(total_bytes: int) -> int:
+    """One per core, but fewer for small sources: a worker takes seconds to start (it imports
+    transformers and loads the tokenizer), about what it tokenizes from 32 MB of JSONL."""
+    return max(1, min(os.cpu_count() or 1, total_bytes // BYTES_PER_WORKER))
+
+
 def _ordered_map(fn: Callable, items: Iterable, processes: int) -> Iterator:
-    """`map(fn, items)` over a process pool, in order, with a bounded number of items in flight
-    (Pool.imap would read the whole input ahead)."""
+    """`map(fn, items)` over worker processes, in order, with a bounded number of items in
+    flight (Pool.imap would read the whole input ahead; a dead worker raises, never hangs)."""
     if processes == 1:
         yield from map(fn, items)
         return
     # spawn, not fork: the caller may be a training process with JAX threads running.
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+    executor = concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+    try:
         pending: collections.deque = collections.deque()
         for item in items:
-            pending.append(pool.apply_async(fn, (item,)))
+            pending.append(executor.submit(fn, item))
             if len(pending) >= 2 * processes:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    except concurrent.futures.process.BrokenProcessPool as e:
+        raise RuntimeError(
+            "a tokenizer process died (out of memory, or spawned processes cannot re-import the main "
+            "module, e.g. code read from stdin); data.tokenize_processes=1 tokenizes in this process"
+        ) from e
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_options(data: ml_collections.ConfigDict) -> None:

@@ -21,7 +21,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     data.on_bad_sample = "skip"
     # Samples longer than seq_len: 'truncate' or 'drop' (both counted in the manifest).
     data.overlength = "truncate"
-    # Processes that tokenize while building the cache; 0 = one per CPU core.
+    # Processes that tokenize while building the cache; 0 = one per CPU core (fewer for small data).
     data.tokenize_processes = 0
     # Packed row length and rows per global batch (across all processes).
     data.seq_len = 3072

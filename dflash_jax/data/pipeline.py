@@ -6,7 +6,7 @@ How training uses it::
 
     # Builds the tokenized cache if missing or stale (same as `python -m dflash_jax.prepare`).
     data = data_lib.DataPipeline.from_config(config.data, config.target.path)
-    total_steps = data.total_steps(config.num_epochs)     # exact: every epoch is planned up front
+    total_steps = data.total_steps(config.train.num_epochs)  # exact: every epoch is planned up front
     data.steps_in_epoch(epoch)                             # varies by epoch; for progress and ETA
 
     # Batch rows split over the data axes; each process loads only its own rows.
