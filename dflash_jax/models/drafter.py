@@ -74,26 +74,34 @@ class DFlashDrafter(nnx.Module):
         ctx_mask: jax.Array,
         *,
         blocks_per_chunk: int | None = 32,
+        remat: bool = False,
     ) -> jax.Array:
         """Training forward over many blocks of one packed row batch.
 
         block_embeds [B, N, Bk, H], block_positions [B, N, Bk], ctx [B, S, H],
         ctx_positions [B, S], ctx_mask [B, N, S] (see `attention.block_context_mask`).
         Returns the final-normed hidden states [B, N, Bk, H]. blocks_per_chunk=None uses the
-        dense reference attention (tests only: memory quadratic in blocks).
+        dense reference attention (tests only: memory quadratic in blocks). remat=True
+        recomputes each layer in the backward pass, so only one layer's activations are stored.
         """
-        x = block_embeds.astype(self.compute_dtype)
-        for layer in self.layers:
+
+        def run_layer(layer, x):
             k_ctx, v_ctx = layer.self_attn.keys_values(ctx, ctx_positions)
 
-            def attend_blocks(q, k, v, k_ctx=k_ctx, v_ctx=v_ctx):
+            def attend_blocks(q, k, v):
                 if blocks_per_chunk is None:
                     return attention.block_attention_dense(q, k_ctx, v_ctx, k, v, ctx_mask)
                 return attention.block_attention(
                     q, k_ctx, v_ctx, k, v, ctx_mask, blocks_per_chunk=blocks_per_chunk
                 )
 
-            x = layer(x, block_positions, attend_blocks)
+            return layer(x, block_positions, attend_blocks)
+
+        if remat:
+            run_layer = nnx.remat(run_layer)
+        x = block_embeds.astype(self.compute_dtype)
+        for layer in self.layers:
+            x = run_layer(layer, x)
         return self.norm(x)
 
     def extend_context(
