@@ -109,6 +109,21 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+PAPER_BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
+
+
+def apply_variants(c: ml_collections.ConfigDict, variants: str) -> ml_collections.ConfigDict:
+    """Config-file variants (`file.py:b10,fsdp`): a paper block size, or FSDP over 4 devices."""
+    for variant in filter(None, variants.split(",")):
+        if variant in PAPER_BLOCK_SIZES:
+            c.drafter.block_size = PAPER_BLOCK_SIZES[variant]
+        elif variant == "fsdp":
+            c.mesh.fsdp = 4
+        else:
+            raise ConfigError(f"unknown config variant {variant!r}: use {sorted(PAPER_BLOCK_SIZES)} or 'fsdp'")
+    return c
+
+
 def resolve(config: ml_collections.ConfigDict, *, num_devices: int) -> TrainSetup:
     if not config.workdir:
         raise ConfigError("workdir is empty: set --config.workdir=/path/to/run")
@@ -167,6 +182,7 @@ def resolve(config: ml_collections.ConfigDict, *, num_devices: int) -> TrainSetu
             target_layer_ids=drafter.target_layer_ids,
             attention_chunk_blocks=train.attention_chunk_blocks,
             lm_head_chunk_blocks=train.lm_head_chunk_blocks,
+            remat=train.remat,
         ),
         optimizer=OptimizerConfig(
             learning_rate=train.learning_rate, warmup_fraction=train.warmup_fraction,

@@ -52,6 +52,7 @@ class ObjectiveConfig:
     target_layer_ids: tuple[int, ...]
     attention_chunk_blocks: int = 32
     lm_head_chunk_blocks: int = 32
+    remat: bool = False  # recompute each drafter layer in the backward pass
 
 
 @flax.struct.dataclass
@@ -184,7 +185,7 @@ def drafter_loss(
     """Decay-weighted CE normalized by Σw (0 when nothing is scored), and metric sums."""
     hidden = drafter(
         block_embeds, blocks.positions, drafter.context(features), ctx_positions, blocks.ctx_mask,
-        blocks_per_chunk=cfg.attention_chunk_blocks,
+        blocks_per_chunk=cfg.attention_chunk_blocks, remat=cfg.remat,
     )
     ce, correct = lm_head_cross_entropy(
         unembed, hidden[:, :, 1:], blocks.labels, chunk_blocks=cfg.lm_head_chunk_blocks
