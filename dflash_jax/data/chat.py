@@ -55,12 +55,12 @@ class SampleEncoder:
     def __init__(self, tokenizer_dir: str, enable_thinking: bool):
         import transformers  # slow to import; only the processes that tokenize need it
 
-        self._tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
         self._enable_thinking = enable_thinking
-        self._eos_id = self._tokenizer.eos_token_id
-        template = self._tokenizer.chat_template
+        self._eos_id = self.tokenizer.eos_token_id
+        template = self.tokenizer.chat_template
         self.chat_template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
-        self.vocab_size = len(self._tokenizer)
+        self.vocab_size = len(self.tokenizer)
         self._tokenizer_dir = tokenizer_dir
 
     def encode(self, sample: Conversation | PlainText) -> tuple[np.ndarray, np.ndarray]:
@@ -71,13 +71,13 @@ class SampleEncoder:
         return self._encode_conversation(sample.messages)
 
     def _ids(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
-        return np.asarray(self._tokenizer.encode(text, add_special_tokens=add_special_tokens), np.int32)
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=add_special_tokens), np.int32)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> np.ndarray:
-        if self._tokenizer.chat_template is None:
+        if self.tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer in {self._tokenizer_dir} has no chat template")
         try:
-            text = self._tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
@@ -115,7 +115,7 @@ class SampleEncoder:
         return full, mask
 
     def _turn_span(
-        self, messages, i: int, prefix: Callable[..., np.ndarray], full: np.ndarray
+        self, messages: tuple[dict[str, str], ...], i: int, prefix: Callable[..., np.ndarray], full: np.ndarray
     ) -> tuple[int, int]:
         """Token range of assistant message i inside `full`, after its generation prompt."""
         context, prompt, own = prefix(i), prefix(i, True), prefix(i + 1)

@@ -25,19 +25,19 @@ def encode(encoder, record):
 def loss_spans(encoder, ids, mask):
     """Decoded runs of trained-on tokens."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
-    return [encoder._tokenizer.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
+    return [encoder.tokenizer.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def rendered(encoder, record, thinking):
-    text = encoder._tokenizer.apply_chat_template(record["messages"], tokenize=False, enable_thinking=thinking)
-    return encoder._tokenizer.decode(encoder._tokenizer.encode(text, add_special_tokens=False))
+    text = encoder.tokenizer.apply_chat_template(record["messages"], tokenize=False, enable_thinking=thinking)
+    return encoder.tokenizer.decode(encoder.tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_single_turn_thinking_off_trains_on_the_answer_not_the_empty_think_block(encoders):
     record = chat("What is the capital of France?", "The capital of France is Paris.")
     ids, mask = encode(encoders[False], record)
     assert loss_spans(encoders[False], ids, mask) == ["The capital of France is Paris.<|im_end|>"]
-    text = encoders[False]._tokenizer.decode(ids)
+    text = encoders[False].tokenizer.decode(ids)
     # The sample is the template's own rendering (its trailing newline is not generated).
     assert text + "\n" == rendered(encoders[False], record, False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe capital of France is Paris.<|im_end|>")
@@ -55,7 +55,7 @@ def test_single_turn_thinking_on_trains_on_the_think_block_too(encoders):
 def test_system_prompt_is_context_not_loss(encoders):
     record = chat("How many legs does a spider have?", "A spider has eight legs.", system="You are a helpful assistant.")
     ids, mask = encode(encoders[False], record)
-    text = encoders[False]._tokenizer.decode(ids)
+    text = encoders[False].tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
     assert loss_spans(encoders[False], ids, mask) == ["A spider has eight legs.<|im_end|>"]
 
@@ -77,7 +77,7 @@ def test_multi_turn_masks_every_assistant_turn_in_its_history_form(encoders, thi
         "Paris.<|im_end|>",
         "<think>\n\n</think>\n\n" + last if thinking else last,
     ]
-    assert encoders[thinking]._tokenizer.decode(ids) + "\n" == rendered(encoders[thinking], record, thinking)
+    assert encoders[thinking].tokenizer.decode(ids) + "\n" == rendered(encoders[thinking], record, thinking)
 
 
 def test_sharegpt_conversations_match_openai_messages(encoders):
@@ -90,7 +90,7 @@ def test_sharegpt_conversations_match_openai_messages(encoders):
 
 def test_plain_text_trains_on_every_token(encoders):
     ids, mask = encode(encoders[False], {"text": "A spider has eight legs."})
-    assert encoders[False]._tokenizer.decode(ids) == "A spider has eight legs."
+    assert encoders[False].tokenizer.decode(ids) == "A spider has eight legs."
     assert mask.all()
 
 
