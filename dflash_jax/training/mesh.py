@@ -34,10 +34,14 @@ def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
     return data, fsdp
 
 
-def make_mesh(data: int, fsdp: int) -> Mesh:
-    data, fsdp = mesh_shape(data, fsdp, jax.device_count())
+def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
+    """A data x fsdp mesh over `devices` (default: every device of every process)."""
+    devices = jax.devices() if devices is None else devices
+    data, fsdp = mesh_shape(data, fsdp, len(devices))
     # Auto axes: the compiler propagates shardings through the models' plain einsums.
-    return jax.make_mesh((data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    return jax.make_mesh(
+        (data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

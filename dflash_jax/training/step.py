@@ -180,7 +180,7 @@ def make_train_step(
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & _all_finite(params)
 
         def keep_if_ok(new, old):

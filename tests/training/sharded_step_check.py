@@ -1,0 +1,72 @@
+"""Runs identical train steps on 1 device, on 8 devices (data=8) and on 2x4 (fsdp=4), and
+checks that weights and metrics agree. Needs 8 simulated devices, so test_step.py runs it in a
+subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.sharding import FSDP_AXIS, state_shardings
+from dflash_jax.training import objective, step
+from dflash_jax.training.mesh import batch_sharding, make_mesh
+from dflash_jax.training.synthetic import packed_batch
+
+# Big enough that the FSDP rule really splits matrices (>= 2**16 elements).
+TARGET = TransformerConfig(
+    vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, rope=RopeConfig(10000.0),
+)
+DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=255, block_size=8)
+OBJECTIVE = objective.ObjectiveConfig(
+    block_size=8, mask_token_id=255, num_anchors=12, loss_decay_gamma=4.0,
+    target_layer_ids=DRAFTER.target_layer_ids, attention_chunk_blocks=4, lm_head_chunk_blocks=4,
+)
+STEPS, ACCUM = 2, 2
+TX = step.make_optimizer(step.OptimizerConfig(learning_rate=1e-3, warmup_fraction=0.0), 10)
+BATCHES = [packed_batch(np.random.default_rng(i), 16, 64, 250) for i in range(STEPS)]
+
+
+def run(mesh):
+    graphdef, target_params = nnx.split(nnx.eval_shape(lambda: Transformer(TARGET, rngs=nnx.Rngs(0))))
+    target_params = jax.jit(
+        lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(0)))[1],
+        out_shardings=state_shardings(mesh, target_params),
+    )()
+    state = step.init_train_state(DRAFTER, TX, seed=0, compute_dtype=jnp.float32, mesh=mesh)
+    opt_specs = [x.sharding.spec for x in jax.tree.leaves(state.opt_state)]
+    train_step = step.make_train_step(
+        drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32), target_graphdef=graphdef,
+        target_params=target_params, tx=TX, cfg=OBJECTIVE, grad_accum_steps=ACCUM, mesh=mesh,
+        state_sharding=jax.tree.map(lambda x: x.sharding, state),
+    )
+    metrics = []
+    for batch in BATCHES:
+        state, m = train_step(state, target_params, jax.device_put(batch, batch_sharding(mesh)))
+        metrics.append(jax.device_get(m))
+    return jax.device_get(state.params), metrics, opt_specs
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    single = run(make_mesh(1, 1, devices=jax.devices()[:1]))
+    data_parallel = run(make_mesh(8, 1))
+    fsdp = run(make_mesh(2, 4))
+    assert any(FSDP_AXIS in spec for spec in fsdp[2]), "the fsdp mesh left the optimizer state replicated"
+    assert not any(FSDP_AXIS in spec for spec in data_parallel[2])
+    for name, (params, metrics, _) in {"data=8": data_parallel, "data=2,fsdp=4": fsdp}.items():
+        for step_index, (got, want) in enumerate(zip(metrics, single[1])):
+            for key in want:
+                np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=1e-5, err_msg=f"{name} step {step_index} {key}")
+        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params, single[0]))
+        print(f"{name}: max |param difference| vs 1 device = {max(diffs):.3g}")
+        # Adam turns the last-bit differences of tiny gradients into differences of a few
+        # percent of the learning rate (1e-3); a wrong gradient would move weights by ~1e-3.
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name), params, single[0])
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The train step: sharding-invariance, learning, and skipping non-finite updates."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.training import objective, step
+from dflash_jax.training.mesh import batch_sharding, make_mesh, replicated
+from dflash_jax.training.synthetic import packed_batch
+
+HERE = Path(__file__).resolve().parent
+
+# A learnable toy: every document counts upwards (mod 15), so slot k must predict anchor + k.
+VOCAB = 16
+TARGET = TransformerConfig(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=8, rope=RopeConfig(10000.0),
+)
+DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=VOCAB - 1, block_size=4)
+OBJECTIVE = objective.ObjectiveConfig(
+    block_size=4, mask_token_id=VOCAB - 1, num_anchors=16, loss_decay_gamma=4.0,
+    target_layer_ids=DRAFTER.target_layer_ids, attention_chunk_blocks=8, lm_head_chunk_blocks=8,
+)
+STEPS = 40
+
+
+def test_sharded_steps_match_one_device():
+    """data=8 and data=2 x fsdp=4 (sharded optimizer state) give the 1-device step."""
+    env = {
+        **os.environ, "JAX_PLATFORMS": "cpu",
+        # Compiling without LLVM optimization halves the time; these tiny steps do not care.
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    }
+    result = subprocess.run(
+        [sys.executable, str(HERE / "sharded_step_check.py")], env=env, capture_output=True,
+        text=True, timeout=300,
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    mesh = make_mesh(1, 1)
+    graphdef, target_params = nnx.split(nnx.eval_shape(lambda: Transformer(TARGET, rngs=nnx.Rngs(1))))
+    target_params = jax.jit(
+        lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(1)))[1], out_shardings=replicated(mesh)
+    )()
+    tx = step.make_optimizer(step.OptimizerConfig(learning_rate=3e-2, warmup_fraction=0.1), STEPS)
+
+    def new_state():
+        return step.init_train_state(DRAFTER, tx, seed=0, compute_dtype=jnp.float32, mesh=mesh)
+
+    train_step = step.make_train_step(
+        drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32), target_graphdef=graphdef,
+        target_params=target_params, tx=tx, cfg=OBJECTIVE, grad_accum_steps=1, mesh=mesh,
+        state_sharding=jax.tree.map(lambda x: x.sharding, new_state()),
+    )
+
+    def batch(seed):
+        data = packed_batch(np.random.default_rng(seed), 4, 64, VOCAB - 1, counting=True)
+        return jax.device_put(data, batch_sharding(mesh))
+
+    return new_state, train_step, target_params, batch
+
+
+def test_loss_decreases_and_tau_train_rises(trainer):
+    new_state, train_step, target_params, batch = trainer
+    state, history = new_state(), []
+    for i in range(STEPS):
+        state, metrics = train_step(state, target_params, batch(i))
+        history.append(jax.device_get(metrics))
+
+    def window(steps):
+        return objective.summarize(jax.tree.map(lambda *x: np.sum(x, axis=0), *steps))
+
+    first, last = window(history[:10]), window(history[-10:])
+    assert last["loss"] < 0.6 * first["loss"], (first, last)
+    assert last["tau_train"] > first["tau_train"] + 0.5, (first, last)
+    assert int(state.step) == STEPS and int(state.skipped_updates) == 0
+
+
+def test_non_finite_step_is_skipped_and_counted(trainer):
+    new_state, train_step, target_params, batch = trainer
+    poisoned = jax.tree.map(lambda x: x * jnp.nan, target_params)  # NaN features -> NaN loss
+    state = new_state()
+    before = jax.device_get((state.params, state.opt_state))
+
+    state, metrics = train_step(state, poisoned, batch(0))
+    after = jax.device_get((state.params, state.opt_state))
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+    assert (int(state.step), int(state.skipped_updates), int(state.nonfinite_streak)) == (1, 1, 1)
+    assert float(metrics["updates_applied"]) == 0 and np.isfinite(float(metrics["loss_sum"]))
+
+    state, metrics = train_step(state, target_params, batch(1))
+    assert (int(state.step), int(state.skipped_updates), int(state.nonfinite_streak)) == (2, 1, 0)
+    assert float(metrics["updates_applied"]) == 1
+    # Applied: the optimizer moments moved (the weights too, once warmup's lr leaves 0).
+    assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(state.opt_state), before[1])))
