@@ -109,14 +109,14 @@ def _target_step(graphdef, state, st: TargetState, max_new_tokens, stop_ids, *, 
     return TargetState(cache, token, out, key), emitted
 
 
-def run_loop(step: Callable, st) -> tuple[object, np.ndarray | None]:
-    """Call `step(st) -> (st, emitted [B])` until every row is done.
+def run_loop(step: Callable, st, max_steps: int | None = None) -> tuple[object, np.ndarray | None]:
+    """Call `step(st) -> (st, emitted [B])` until every row is done (or max_steps).
 
     Returns (final state, emitted per step [steps, B]). Every running row emits >= 1 token per
     step, so this ends after at most max_new_tokens steps.
     """
     emitted_steps = []
-    while not bool(np.all(np.asarray(st.outputs.done))):
+    while not bool(np.all(np.asarray(st.outputs.done))) and len(emitted_steps) != max_steps:
         st, emitted = step(st)
         emitted_steps.append(emitted)
     emitted = np.stack([np.asarray(e) for e in emitted_steps]) if emitted_steps else None
@@ -161,21 +161,21 @@ class Decoder:
         key = jax.random.key(seed)
         result = []
         for start in range(0, len(prompts), self.batch_size):
-            batch = prompts[start : start + self.batch_size]
-            tokens, lengths, valid = pad_batch(batch, self.batch_size, self.max_prompt_len)
             key, batch_key = jax.random.split(key)
-            st = self._prefill(tokens, lengths, valid, batch_key)
-            st, emitted = run_loop(self._step, st)
-            result += collect(st.outputs, emitted, len(batch))
+            result += self._decode_batch(prompts[start : start + self.batch_size], batch_key)
         return result
 
+    def _decode_batch(self, batch, key, max_steps: int | None = None) -> list[Generation]:
+        st = self._prefill(*pad_batch(batch, self.batch_size, self.max_prompt_len), key)
+        st, emitted = run_loop(self._step, st, max_steps)
+        return collect(st.outputs, emitted, len(batch))
+
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
-        """Compile the prefill of every bucket these prompt lengths need, and the step."""
+        """Compile everything `generate` runs for these prompt lengths (prefill per bucket, step),
+        so that timed runs measure decoding only."""
         for bucket in sorted({prompt_bucket(n) for n in prompt_lengths}):
-            n = min(bucket, self.max_prompt_len)
-            st = self._prefill(*pad_batch([np.zeros((n,), np.int32)], self.batch_size, self.max_prompt_len),
-                               jax.random.key(0))
-            jax.block_until_ready(self._step(st))
+            dummy = np.zeros((min(bucket, self.max_prompt_len),), np.int32)
+            self._decode_batch([dummy], jax.random.split(jax.random.key(0))[1], max_steps=2)
 
 
 class TargetDecoder(Decoder):

@@ -1,0 +1,144 @@
+"""Chat prompts for decoding: JSONL conversations -> token ids, rendered as a serving engine would.
+
+Rows are OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value). The prompt of
+a row is its conversation without trailing assistant turns, rendered with the target's own chat
+template and a generation prompt. Bundled held-out sets are named by their file stem in
+`assets/data/` (e.g. `heldout_prompts`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import jinja2
+import numpy as np
+
+BUNDLED_DATA = Path(__file__).resolve().parents[2] / "assets" / "data"
+BUNDLED_SETS = ("heldout_prompts", "stdlib_heldout")
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "tool": "tool"}
+
+
+def resolve_prompt_set(spec: str) -> tuple[str, str]:
+    """A bundled set name or a JSONL path -> (display name, path)."""
+    if os.path.isfile(spec):
+        return Path(spec).stem, spec
+    bundled = BUNDLED_DATA / f"{spec}.jsonl"
+    if bundled.is_file():
+        return spec, str(bundled)
+    raise FileNotFoundError(
+        f"prompt set {spec!r} is neither a file nor a bundled set (bundled: {', '.join(BUNDLED_SETS)})"
+    )
+
+
+class BadRow(ValueError):
+    """A JSONL row that is not a usable conversation; the message names the file and line."""
+
+
+def conversation(record: Any) -> list[dict[str, str]]:
+    """A record's messages as [{"role", "content"}, ...] in OpenAI roles."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        turns, role_key, content_key = record["messages"], "role", "content"
+    elif "conversations" in record:
+        turns, role_key, content_key = record["conversations"], "from", "value"
+    else:
+        raise ValueError(f"no `messages` or `conversations` field (fields: {sorted(record)[:8]})")
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("the conversation must be a non-empty list of turns")
+    messages = []
+    for i, turn in enumerate(turns):
+        role = turn.get(role_key) if isinstance(turn, dict) else None
+        content = turn.get(content_key) if isinstance(turn, dict) else None
+        if role not in ROLES:
+            raise ValueError(f"turn {i} has role {role!r} (known: {', '.join(sorted(ROLES))})")
+        if not isinstance(content, str):
+            raise ValueError(f"turn {i} content is a {type(content).__name__}, not a string")
+        messages.append({"role": ROLES[role], "content": content})
+    return messages
+
+
+def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation up to its last non-assistant turn: what the model is asked to answer."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    if not end:
+        raise ValueError("the conversation has only assistant turns: there is nothing to answer")
+    return messages[:end]
+
+
+def read_jsonl(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded record) for every non-blank line; bad JSON raises BadRow."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadRow(f"{path}:{number}: not valid JSON ({e.msg})") from None
+
+
+class ChatTokenizer:
+    """The target's tokenizer, chat template and end-of-turn tokens."""
+
+    def __init__(self, tokenizer_dir: str, *, enable_thinking: bool = False):
+        import transformers  # slow to import; only the commands that tokenize need it
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the tokenizer in {tokenizer_dir} has no chat template")
+        self.enable_thinking = enable_thinking
+        self.stop_tokens = _stop_tokens(tokenizer_dir, self.tokenizer)
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> np.ndarray:
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+            enable_thinking=self.enable_thinking,
+        )
+        return np.asarray(ids, np.int32)
+
+    def response_text(self, tokens: np.ndarray) -> str:
+        """Generated tokens -> the assistant message text (the end-of-turn token dropped)."""
+        tokens = list(tokens)
+        if tokens and tokens[-1] in self.stop_tokens:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _stop_tokens(tokenizer_dir: str, tokenizer) -> tuple[int, ...]:
+    """The generation config's eos ids (Qwen3 lists several) and the tokenizer's eos."""
+    import transformers
+
+    ids = set()
+    try:
+        eos = transformers.GenerationConfig.from_pretrained(tokenizer_dir).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    except OSError:  # no generation_config.json
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError(f"{tokenizer_dir}: no eos token in the tokenizer or generation config")
+    return tuple(sorted(ids))
+
+
+def load_prompts(spec: str, chat: ChatTokenizer, *, limit: int = 0) -> tuple[str, list[np.ndarray]]:
+    """(set name, chat-templated prompt token arrays) of a bundled set or JSONL file."""
+    name, path = resolve_prompt_set(spec)
+    prompts = []
+    for number, record in read_jsonl(path):
+        if limit and len(prompts) == limit:
+            break
+        try:
+            prompts.append(chat.prompt_ids(prompt_messages(conversation(record))))
+        except (ValueError, jinja2.TemplateError) as e:
+            raise BadRow(f"{path}:{number}: {e}") from None
+    if not prompts:
+        raise BadRow(f"{path} holds no prompt")
+    return name, prompts
