@@ -35,7 +35,7 @@ def resolve_prompt_set(spec: str) -> tuple[str, str]:
 
 
 class BadRow(ValueError):
-    """A JSONL row that is not a usable conversation; the message names the file and line."""
+    """A prompt row that cannot be used; the message names the file and line."""
 
 
 def conversation(record: Any) -> list[dict[str, str]]:
@@ -72,16 +72,19 @@ def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return messages[:end]
 
 
-def read_jsonl(path: str) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded record) for every non-blank line; bad JSON raises BadRow."""
+def jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every non-blank line."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadRow(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if line.strip():
+                yield number, line
+
+
+def decode_row(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 class ChatTokenizer:
@@ -132,11 +135,11 @@ def load_prompts(spec: str, chat: ChatTokenizer, *, limit: int = 0) -> tuple[str
     """(set name, chat-templated prompt token arrays) of a bundled set or JSONL file."""
     name, path = resolve_prompt_set(spec)
     prompts = []
-    for number, record in read_jsonl(path):
+    for number, text in jsonl_lines(path):
         if limit and len(prompts) == limit:
             break
         try:
-            prompts.append(chat.prompt_ids(prompt_messages(conversation(record))))
+            prompts.append(chat.prompt_ids(prompt_messages(conversation(decode_row(text)))))
         except (ValueError, jinja2.TemplateError) as e:
             raise BadRow(f"{path}:{number}: {e}") from None
     if not prompts:

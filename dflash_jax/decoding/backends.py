@@ -1,0 +1,141 @@
+"""Response back-ends for `regenerate`: built-in batched JAX generation, or an OpenAI-compatible
+server (vLLM / SGLang) for targets too large to run here.
+
+Both take (row, messages) pairs and yield (row, Regenerated | Exception) as rows finish; a
+failure belongs to its row and never stops the others. Every assistant turn is rewritten in
+order, each from the conversation so far with the earlier turns already rewritten; a
+conversation ending with a non-assistant turn gets one new assistant turn appended.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+from typing import Generator, Iterable, Iterator
+
+import numpy as np
+
+from dflash_jax.decoding.chat import ChatTokenizer
+from dflash_jax.decoding.generate import TargetDecoder, prompt_bucket
+from dflash_jax.decoding.http_client import ChatCompletionsClient, Reply
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.models.qwen3 import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class Regenerated:
+    messages: list[dict]
+    finish_reasons: list[str]
+
+
+Rewriter = Generator[list[dict], Reply, Regenerated]
+
+
+def rewrite_conversation(messages: list[dict]) -> Rewriter:
+    """Yields the conversation so far whenever an assistant turn is due; `send` it the Reply."""
+    out, reasons = [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            reply = yield list(out)
+            out.append(reply.message)
+            reasons.append(reply.finish_reason)
+        else:
+            out.append(message)
+    if out[-1]["role"] != "assistant":
+        reply = yield list(out)
+        out.append(reply.message)
+        reasons.append(reply.finish_reason)
+    return Regenerated(out, reasons)
+
+
+class JaxBackend:
+    """Greedy or sampled target generation, `batch_size` conversations in lockstep."""
+
+    def __init__(self, target: Transformer, chat: ChatTokenizer, *, max_new_tokens: int, batch_size: int,
+                 sampling: SamplingConfig, max_prompt_len: int, seed: int = 0):
+        self.target, self.chat = target, chat
+        self.max_new_tokens, self.batch_size, self.sampling = max_new_tokens, batch_size, sampling
+        self.max_prompt_len, self.seed = max_prompt_len, seed
+
+    def run(self, rows: Iterable[tuple[int, list[dict]]]) -> Iterator[tuple[int, Regenerated | Exception]]:
+        rows = iter(rows)
+        while chunk := list(itertools.islice(rows, self.batch_size)):
+            yield from self._run_chunk(chunk)
+
+    def _run_chunk(self, chunk):
+        rewriters = {row: rewrite_conversation(messages) for row, messages in chunk}
+        asks = {row: next(rewriter) for row, rewriter in rewriters.items()}
+        while asks:
+            prompts = {}
+            for row, conversation in asks.items():
+                try:
+                    prompts[row] = self._prompt_ids(conversation)
+                except Exception as e:  # a bad row fails alone
+                    yield row, e
+            if not prompts:
+                break
+            # A new seed per batch (greedy, the recipe's default, ignores it).
+            replies = self._generate(list(prompts.values()), seed=self.seed + min(prompts))
+            asks = {}
+            for row, reply in zip(prompts, replies):
+                try:
+                    asks[row] = rewriters[row].send(reply)
+                except StopIteration as done:
+                    yield row, done.value
+
+    def _prompt_ids(self, conversation: list[dict]) -> np.ndarray:
+        ids = self.chat.prompt_ids(conversation)
+        if len(ids) > self.max_prompt_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_prompt_len={self.max_prompt_len}")
+        return ids
+
+    def _generate(self, prompts: list[np.ndarray], seed: int) -> list[Reply]:
+        # One decoder per prompt-length bucket: short batches do not pay for the longest prompt.
+        decoder = TargetDecoder(
+            self.target, max_prompt_len=min(prompt_bucket(max(map(len, prompts))), self.max_prompt_len),
+            max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, sampling=self.sampling,
+            stop_tokens=self.chat.stop_tokens,
+        )
+        replies = []
+        for g in decoder.generate(prompts, seed=seed):
+            stopped = len(g.tokens) and g.tokens[-1] in self.chat.stop_tokens
+            message = {"role": "assistant", "content": self.chat.response_text(g.tokens)}
+            replies.append(Reply(message, "stop" if stopped else "length"))
+        return replies
+
+
+class HttpBackend:
+    """One request per assistant turn; up to `concurrency` conversations in flight."""
+
+    def __init__(self, client: ChatCompletionsClient, *, concurrency: int, **chat_kwargs):
+        self.client, self.concurrency, self.chat_kwargs = client, concurrency, chat_kwargs
+
+    def _rewrite(self, messages: list[dict]) -> Regenerated:
+        rewriter = rewrite_conversation(messages)
+        conversation = next(rewriter)
+        while True:
+            reply = self.client.chat(conversation, **self.chat_kwargs)
+            try:
+                conversation = rewriter.send(reply)
+            except StopIteration as done:
+                return done.value
+
+    def run(self, rows: Iterable[tuple[int, list[dict]]]) -> Iterator[tuple[int, Regenerated | Exception]]:
+        rows = iter(rows)
+        pool = concurrent.futures.ThreadPoolExecutor(self.concurrency)
+        in_flight: dict[concurrent.futures.Future, int] = {}
+        try:
+            while True:
+                # Keep a bounded window in flight: the input can be far larger than memory.
+                for row, messages in itertools.islice(rows, 2 * self.concurrency - len(in_flight)):
+                    in_flight[pool.submit(self._rewrite, messages)] = row
+                if not in_flight:
+                    return
+                finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    row = in_flight.pop(future)
+                    error = future.exception()
+                    yield row, error if error is not None else future.result()
+        finally:  # on interruption, drop queued requests instead of waiting for them
+            pool.shutdown(wait=False, cancel_futures=True)
