@@ -33,7 +33,8 @@ def export_params(cfg: DrafterConfig, params: nnx.State, out_dir: str, *, dtype=
     return out_dir
 
 
-def export_checkpoint(workdir: str, *, step: int | None = None, out_dir: str | None = None, dtype=jnp.bfloat16) -> str:
+def restore_params(workdir: str, step: int | None = None) -> tuple[DrafterConfig, nnx.State]:
+    """The drafter config and weights of a run's checkpoint (default: the latest)."""
     checkpoints = RunCheckpoints(workdir, every_steps=1, keep=None, async_save=False)
     try:
         step = checkpoints.latest_step() if step is None else step
@@ -45,10 +46,14 @@ def export_checkpoint(workdir: str, *, step: int | None = None, out_dir: str | N
             cfg, make_optimizer(OptimizerConfig(), 1), seed=0, compute_dtype=jnp.float32,
             mesh=make_mesh(-1, 1),
         )
-        state = checkpoints.restore_state(step, abstract)
+        return cfg, checkpoints.restore_state(step, abstract).params
     finally:
         checkpoints.close()
-    return export_params(cfg, state.params, out_dir or os.path.join(workdir, "export"), dtype=dtype)
+
+
+def export_checkpoint(workdir: str, *, step: int | None = None, out_dir: str | None = None, dtype=jnp.bfloat16) -> str:
+    cfg, params = restore_params(workdir, step)
+    return export_params(cfg, params, out_dir or os.path.join(workdir, "export"), dtype=dtype)
 
 
 def main(argv=None) -> None:

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as save_policies
 
 from dflash_jax.data.pipeline import DataIterator, DataIteratorRestore, DataIteratorSave
 from dflash_jax.training.step import TrainState
@@ -27,7 +28,9 @@ class RunCheckpoints:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                save_interval_steps=every_steps,
+                # Exactly every N steps (Orbax's default would also save the first step); the
+                # loop forces the final and the on-signal saves.
+                save_decision_policy=save_policies.FixedIntervalPolicy(every_steps),
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
                 cleanup_tmp_directories=True,  # leftovers of saves that never finished

@@ -77,6 +77,10 @@ def train(config: ml_collections.ConfigDict) -> dict:
     setup = resolve(config, num_devices=jax.device_count())
     workdir = os.path.abspath(config.workdir)
     mesh = make_mesh(*setup.mesh_shape)
+    log.info(
+        "mesh data=%d x fsdp=%d: %d devices in %d processes", *setup.mesh_shape,
+        jax.device_count(), jax.process_count(),
+    )
     data = DataPipeline.from_config(config.data, config.target.path)
     total_steps = data.total_steps(config.train.num_epochs)
     if config.train.max_steps:

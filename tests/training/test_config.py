@@ -1,0 +1,96 @@
+"""Config errors are caught before anything compiles, each with one clear message."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from dflash_jax.training import testing
+from dflash_jax.training.config import ConfigError, resolve
+
+
+def load_config_file(name: str, *args):
+    spec = importlib.util.spec_from_file_location(name, testing.REPO / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, module.get_config(*args)
+
+
+def tiny_config(tiny_run, tmp_path, **fields):
+    _, config = load_config_file("default")
+    config.update_from_flattened_dict({**testing.overrides(tiny_run, tmp_path / "run"), **fields})
+    return config
+
+
+def test_tiny_config_resolves(tiny_run, tmp_path):
+    setup = resolve(tiny_config(tiny_run, tmp_path), num_devices=1)
+    assert setup.drafter.mask_token_id == testing.MASK_TOKEN_ID
+    assert setup.drafter.target_layer_ids == (1,)  # one drafter layer reads the middle layer
+    assert setup.objective.loss_decay_gamma == 4.0  # the paper's value for block size 8
+
+
+@pytest.mark.parametrize(
+    "fields, num_devices, message",
+    [
+        ({"drafter.block_size": 128}, 1, "drafter.block_size=128 must be at least 2 and below data.seq_len=128"),
+        ({"drafter.target_layer_ids": (0, 2)}, 1, r"drafter.target_layer_ids \[0, 2\]: \[2\] out of range, the target has 2 layers"),
+        ({"mesh.data": 2}, 1, "mesh: mesh shape data=2 x fsdp=1 = 2 devices, but 1 are available"),
+        ({"mesh.fsdp": 3}, 4, "mesh: mesh fsdp=3 does not divide the 4 available devices"),
+        ({"data.global_batch_rows": 6}, 4, r"data.global_batch_rows=6 must be divisible by devices \(4\)"),
+        ({"train.grad_accum_steps": 8}, 1, r"train.grad_accum_steps \(8\) = 8"),
+        ({"target.path": "/nonexistent/model"}, 1, "target.path='/nonexistent/model' does not exist"),
+        ({"target.path": ""}, 1, "target.path is empty"),
+        ({"data.train": "/nonexistent/train.jsonl"}, 1, "data.train: data source '/nonexistent/train.jsonl' does not exist"),
+        ({"data.train": ""}, 1, "data.train is empty"),
+        ({"workdir": ""}, 1, "workdir is empty"),
+        ({"drafter.mask_token_id": 512}, 1, "drafter.mask_token_id=512 is outside the target vocabulary"),
+        ({"drafter.mask_token_id": -1}, 1, r"looks up <\|MASK\|> in .*tokenizer.json, which has no such token"),
+        ({"drafter.block_size": 12}, 1, r"block_size=12 has no paper loss decay gamma .* set train.loss_decay_gamma"),
+        ({"train.num_anchors": 129}, 1, r"train.num_anchors=129 must be in 1..data.seq_len=128"),
+        ({"train.compute_dtype": "float16"}, 1, "train.compute_dtype='float16' is not one of"),
+    ],
+)
+def test_config_error_messages(tiny_run, tmp_path, fields, num_devices, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(tiny_config(tiny_run, tmp_path, **fields), num_devices=num_devices)
+
+
+def test_explicit_gamma_allows_other_block_sizes(tiny_run, tmp_path):
+    config = tiny_config(tiny_run, tmp_path, **{"drafter.block_size": 12, "train.loss_decay_gamma": 6.0})
+    assert resolve(config, num_devices=1).objective.loss_decay_gamma == 6.0
+
+
+def test_train_py_reports_config_errors_before_compiling(tiny_run, tmp_path):
+    fields = testing.overrides(tiny_run, tmp_path / "run", **{"drafter.mask_token_id": 4096})
+    result = subprocess.run(
+        [sys.executable, str(testing.REPO / "train.py"), *[f"--config.{k}={v}" for k, v in fields.items()]],
+        capture_output=True, text=True, timeout=120, cwd=testing.REPO,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "config error: drafter.mask_token_id=4096 is outside the target vocabulary (vocab_size=512); "
+        "use an existing reserved token such as <|MASK|>"
+    )
+    assert not (tmp_path / "run").exists()  # nothing was set up, let alone compiled
+
+
+@pytest.mark.parametrize("name", ["default", "qwen3_8b", "qwen3_4b"])
+def test_config_files_open_with_their_command(name):
+    module, _ = load_config_file(name)
+    assert "python train.py" in module.__doc__.strip().splitlines()[2]
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_4b"])
+def test_paper_configs_require_a_target_and_take_variants(name, tmp_path):
+    _, config = load_config_file(name)
+    assert (config.drafter.block_size, config.train.num_anchors, config.train.learning_rate) == (16, 512, 6e-4)
+    config.workdir = str(tmp_path)
+    with pytest.raises(ConfigError, match="target.path is empty"):
+        resolve(config, num_devices=8)
+    _, config = load_config_file(name, "b10,fsdp")
+    assert (config.drafter.block_size, config.mesh.fsdp) == (10, 4)
+    with pytest.raises(ConfigError, match="unknown config variant 'b12'"):
+        load_config_file(name, "b12")

@@ -1,0 +1,163 @@
+"""The training loop end to end (train.py in subprocesses): exact resume after a hard kill and
+after SIGTERM, failed saves, non-finite stops, in-training acceptance and the export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dflash_jax.export import restore_params
+from dflash_jax.models.hf import load_drafter
+from dflash_jax.training import testing
+from dflash_jax.training.checkpoint import RunCheckpoints
+
+EPOCHS = 4  # 12 steps each: long enough to interrupt a run reliably
+TOTAL_STEPS = 4 * 12
+
+
+def run_fields(tiny_run, workdir, **fields):
+    return testing.overrides(tiny_run, workdir, **{"train.num_epochs": EPOCHS, **fields})
+
+
+def train_metrics(workdir: Path) -> dict[int, dict]:
+    """Per step, the last logged train metrics (a resumed run logs replayed steps again)."""
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r["kind"] == "train"}
+
+
+def logged_steps(workdir: Path) -> int:
+    path = workdir / "metrics.jsonl"
+    return max(train_metrics(workdir), default=0) if path.exists() else 0
+
+
+def latest_checkpoint(workdir: Path) -> int | None:
+    checkpoints = RunCheckpoints(workdir, every_steps=1, keep=None, async_save=False)
+    try:
+        return checkpoints.latest_step()
+    finally:
+        checkpoints.close()
+
+
+def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache, tmp_path):
+    env = testing.subprocess_env(compilation_cache)
+
+    # Uninterrupted reference, which also measures acceptance with speculative decoding.
+    reference = tmp_path / "reference"
+    proc = testing.start_training(
+        run_fields(tiny_run, reference, **{"eval.prompts": tiny_run.prompts, "eval.every_steps": 24,
+                                           "eval.num_prompts": 2, "eval.max_new_tokens": 8}),
+        env, tmp_path / "reference.log",
+    )
+    testing.finish(proc, tmp_path / "reference.log")
+    assert proc.returncode == 0
+    evals = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals if e["kind"] == "eval"] == [24, TOTAL_STEPS]
+    assert (reference / "export_best" / "model.safetensors").is_file()
+    assert "tau" in train_metrics(reference)[24]
+
+    # Same run, hard-killed right after its checkpoint at step 8 ...
+    interrupted = tmp_path / "interrupted"
+    fields = run_fields(tiny_run, interrupted)
+    proc = testing.start_training(fields, env, tmp_path / "run1.log")
+    testing.wait_for(lambda: (interrupted / "checkpoints" / "8").is_dir(), proc, tmp_path / "run1.log")
+    testing.kill(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (interrupted / "export").exists(), "the run finished before it could be killed"
+
+    # ... resumed, then stopped by SIGTERM, which must leave a checkpoint at the stopping step ...
+    proc = testing.start_training(fields, env, tmp_path / "run2.log")
+    testing.wait_for(lambda: logged_steps(interrupted) >= 20, proc, tmp_path / "run2.log")
+    os.killpg(proc.pid, signal.SIGTERM)
+    output = testing.finish(proc, tmp_path / "run2.log")
+    assert proc.returncode == 0, output[-3000:]
+    stopped_at = int(output.split("stopping at step ")[1].split()[0])
+    assert 20 <= stopped_at < TOTAL_STEPS
+    assert latest_checkpoint(interrupted) == stopped_at
+    assert not (interrupted / "export").exists()
+
+    # ... and resumed to the end: same batches, same losses, bitwise the same weights.
+    proc = testing.start_training(fields, env, tmp_path / "run3.log")
+    testing.finish(proc, tmp_path / "run3.log")
+    assert proc.returncode == 0
+    want, got = train_metrics(reference), train_metrics(interrupted)
+    assert sorted(got) == sorted(want) == list(range(1, TOTAL_STEPS + 1))
+    for step in want:
+        for key in ("loss", "tau_train", "grad_norm", "fill", "learning_rate"):
+            assert got[step][key] == want[step][key], (step, key)
+    _, final = restore_params(str(interrupted))
+    _, reference_final = restore_params(str(reference))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(final), jax.device_get(reference_final))
+
+    # The export at the end is what `python -m dflash_jax.export` writes from the checkpoint.
+    out = tmp_path / "exported"
+    subprocess.run(
+        [sys.executable, "-m", "dflash_jax.export", f"--workdir={reference}", f"--out={out}"],
+        env=env, check=True, capture_output=True, timeout=120,
+    )
+    exported, trained = load_file(out / "model.safetensors"), load_file(reference / "export" / "model.safetensors")
+    assert exported.keys() == trained.keys() and "fc.weight" in exported
+    for name in exported:
+        np.testing.assert_array_equal(exported[name], trained[name], err_msg=name)
+    assert load_drafter(reference / "export").cfg.mask_token_id == testing.MASK_TOKEN_ID
+
+
+def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_run, compilation_cache, tmp_path):
+    target = tmp_path / "nan_target"
+    target.mkdir()
+    for f in Path(tiny_run.target).iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    weights = load_file(target / "model.safetensors")
+    weights["model.layers.0.input_layernorm.weight"][:] = np.nan
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+
+    workdir = tmp_path / "run"
+    fields = run_fields(tiny_run, workdir, **{"target.path": target, "train.max_nonfinite_streak": 3,
+                                              "checkpoint.every_steps": 2})
+    proc = testing.start_training(fields, testing.subprocess_env(compilation_cache), tmp_path / "log")
+    output = testing.finish(proc, tmp_path / "log")
+    assert proc.returncode != 0
+    assert output.strip().splitlines()[-1].startswith(
+        "training stopped: 3 consecutive steps (up to step 3) had a non-finite loss or gradient"
+    )
+    assert latest_checkpoint(workdir) == 2
+    _, params = restore_params(str(workdir))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
+
+
+class _Iterator:
+    def get_state(self):
+        return {"epoch": 0, "step": 1}
+
+
+class _BrokenIterator:
+    """A data iterator whose state cannot be read, so saving a checkpoint with it fails."""
+
+    def get_state(self):
+        raise OSError("disk full")
+
+
+def test_failed_save_never_becomes_latest(tmp_path):
+    checkpoints = RunCheckpoints(tmp_path, every_steps=1, keep=3, async_save=True)
+    checkpoints.save(1, {"w": jnp.arange(4.0)}, {"epoch": 0}, _Iterator())
+    checkpoints.wait()
+    with pytest.raises(OSError, match="disk full"):
+        checkpoints.save(2, {"w": jnp.arange(4.0) + 1}, {"epoch": 0}, _BrokenIterator())
+        checkpoints.wait()
+    assert checkpoints.latest_step() == 1
+    checkpoints.close()
+
+    reopened = RunCheckpoints(tmp_path, every_steps=1, keep=3, async_save=True)
+    assert reopened.manager.all_steps() == [1]
+    restored = reopened.restore_state(1, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    np.testing.assert_array_equal(restored["w"], np.arange(4.0))
+    reopened.close()
