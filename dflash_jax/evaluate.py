@@ -36,21 +36,6 @@ from dflash_jax.models.hf import load_target
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
-flags.DEFINE_string("target", None, "Hugging Face target directory (weights, tokenizer, chat template).")
-flags.DEFINE_string("drafter", None, "Drafter export directory or training workdir.")
-flags.DEFINE_integer("drafter_step", None, "Checkpoint step when --drafter is a workdir (default: latest).")
-flags.DEFINE_list("prompts", ["heldout_prompts"], "Bundled prompt set names and/or JSONL paths.")
-flags.DEFINE_integer("num_prompts", 0, "Prompts per set (0: all).")
-flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt at most (stop tokens end earlier).")
-flags.DEFINE_integer("batch_size", 1, "Prompts decoded together (speed-ups are usually quoted at 1).")
-flags.DEFINE_float("temperature", 0.0, "0: greedy (lossless); > 0: rejection sampling.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
-flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).")
-flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "Weight and compute dtype of both models.")
-flags.DEFINE_string("out_dir", "eval_results", "Where eval.json and eval.png are written.")
-
 
 def timed_generate(decoder: Decoder, prompts, *, seed: int, desc: str) -> list[tuple[float, list]]:
     """Decode batch by batch; returns (seconds, generations) per batch."""
@@ -98,39 +83,74 @@ def evaluate_set(target, drafter, prompts, *, max_new_tokens, batch_size, sampli
     return result
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    if f.max_new_tokens < 1 or f.batch_size < 1 or f.num_prompts < 0:
-        raise app.UsageError("--max_new_tokens and --batch_size must be >= 1, --num_prompts >= 0")
-    sampling = SamplingConfig(f.temperature, top_p=f.top_p, top_k=f.top_k)
-    dtype = DTYPES[f.dtype]
-    chat = ChatTokenizer(f.target, enable_thinking=f.enable_thinking)
-    prompt_sets = dict(load_prompts(spec, chat, limit=f.num_prompts) for spec in f.prompts)
-    target = load_target(f.target, param_dtype=dtype, compute_dtype=dtype)
-    drafter = load_any_drafter(f.drafter, step=f.drafter_step, param_dtype=dtype, compute_dtype=dtype)
-
-    results = {}
+def run_evaluation(target_path: str, drafter_path: str, prompt_specs, *, drafter_step=None, num_prompts=0,
+                   max_new_tokens=256, batch_size=1, sampling=SamplingConfig(), enable_thinking=False,
+                   dtype="bfloat16", seed=0) -> dict:
+    """Evaluate every prompt set; returns {"run": settings, "sets": {name: results}}."""
+    chat = ChatTokenizer(target_path, enable_thinking=enable_thinking)
+    prompt_sets = dict(load_prompts(spec, chat, limit=num_prompts) for spec in prompt_specs)
+    target = load_target(target_path, param_dtype=DTYPES[dtype], compute_dtype=DTYPES[dtype])
+    drafter = load_any_drafter(drafter_path, step=drafter_step, param_dtype=DTYPES[dtype],
+                               compute_dtype=DTYPES[dtype])
+    sets = {}
     for name, prompts in prompt_sets.items():
         print(f"{name}: {len(prompts)} prompts")
-        results[name] = evaluate_set(
-            target, drafter, prompts, max_new_tokens=f.max_new_tokens, batch_size=f.batch_size,
-            sampling=sampling, stop_tokens=chat.stop_tokens, seed=f.seed,
+        sets[name] = evaluate_set(
+            target, drafter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+            sampling=sampling, stop_tokens=chat.stop_tokens, seed=seed,
         )
     run = {
-        "target": f.target, "drafter": f.drafter, "drafter_step": f.drafter_step,
-        "block_size": drafter.cfg.block_size, "max_new_tokens": f.max_new_tokens,
-        "batch_size": f.batch_size, "temperature": f.temperature, "top_p": f.top_p, "top_k": f.top_k,
-        "enable_thinking": f.enable_thinking, "dtype": f.dtype, "device": jax.devices()[0].device_kind,
+        "target": target_path, "drafter": drafter_path, "drafter_step": drafter_step,
+        "block_size": drafter.cfg.block_size, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "enable_thinking": enable_thinking, "dtype": dtype, "device": jax.devices()[0].device_kind,
     }
-    os.makedirs(f.out_dir, exist_ok=True)
-    with open(os.path.join(f.out_dir, "eval.json"), "w") as out:
-        json.dump({"run": run, "sets": results}, out, indent=2)
-    report.plot(results, drafter.cfg.block_size, os.path.join(f.out_dir, "eval.png"))
-    print(report.table(results))
+    return {"run": run, "sets": sets}
+
+
+def write_outputs(evaluation: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "eval.json"), "w") as out:
+        json.dump(evaluation, out, indent=2)
+    report.plot(evaluation["sets"], evaluation["run"]["block_size"], os.path.join(out_dir, "eval.png"))
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """The CLI's flags; defined when run as a program (tests use their own FlagValues, since
+    several CLIs share flag names)."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("target", None, "Hugging Face target directory (weights, tokenizer, chat template).", **fv)
+    flags.DEFINE_string("drafter", None, "Drafter export directory or training workdir.", **fv)
+    flags.DEFINE_integer("drafter_step", None, "Checkpoint step when --drafter is a workdir (default: latest).", **fv)
+    flags.DEFINE_list("prompts", ["heldout_prompts"], "Bundled prompt set names and/or JSONL paths.", **fv)
+    flags.DEFINE_integer("num_prompts", 0, "Prompts per set (0: all).", **fv)
+    flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt at most (stop tokens end earlier).", **fv)
+    flags.DEFINE_integer("batch_size", 1, "Prompts decoded together (speed-ups are usually quoted at 1).", **fv)
+    flags.DEFINE_float("temperature", 0.0, "0: greedy (lossless); > 0: rejection sampling.", **fv)
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
+    flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", **fv)
+    flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
+    flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).", **fv)
+    flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "Weight and compute dtype of both models.", **fv)
+    flags.DEFINE_string("out_dir", "eval_results", "Where eval.json and eval.png are written.", **fv)
+    flags.mark_flags_as_required(["target", "drafter"], **fv)
+
+
+def main(argv, f: flags.FlagValues = flags.FLAGS):
+    del argv
+    if f.max_new_tokens < 1 or f.batch_size < 1 or f.num_prompts < 0:
+        raise app.UsageError("--max_new_tokens and --batch_size must be >= 1, --num_prompts >= 0")
+    evaluation = run_evaluation(
+        f.target, f.drafter, f.prompts, drafter_step=f.drafter_step, num_prompts=f.num_prompts,
+        max_new_tokens=f.max_new_tokens, batch_size=f.batch_size,
+        sampling=SamplingConfig(f.temperature, top_p=f.top_p, top_k=f.top_k),
+        enable_thinking=f.enable_thinking, dtype=f.dtype, seed=f.seed,
+    )
+    write_outputs(evaluation, f.out_dir)
+    print(report.table(evaluation["sets"]))
     print(f"wrote {f.out_dir}/eval.json and {f.out_dir}/eval.png")
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["target", "drafter"])
+    define_flags()
     app.run(main)

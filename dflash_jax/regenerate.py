@@ -36,27 +36,6 @@ from dflash_jax.decoding.sampling import SamplingConfig
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
-flags.DEFINE_string("input", None, "Conversation JSONL to regenerate.")
-flags.DEFINE_string("output", None, "Output JSONL (appended to; resumes where it stopped).")
-flags.DEFINE_enum("backend", "jax", ["jax", "http"], "jax: generate here; http: an OpenAI-compatible server.")
-flags.DEFINE_string("target", None, "Target directory (jax back-end: weights, tokenizer, chat template).")
-flags.DEFINE_string("server_url", "http://localhost:8000/v1", "http back-end: base URL of the server.")
-flags.DEFINE_string("model", "", "http back-end: served model name (default: the server's first model).")
-flags.DEFINE_integer("concurrency", 16, "http back-end: conversations in flight.")
-flags.DEFINE_float("request_timeout", 600.0, "http back-end: seconds per request.")
-flags.DEFINE_integer("retries", 3, "http back-end: retries of transient failures per request.")
-flags.DEFINE_integer("batch_size", 8, "jax back-end: conversations generated together.")
-flags.DEFINE_integer("max_prompt_len", 0, "jax back-end: longest prompt (0: the target's context minus max_new_tokens).")
-flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "jax back-end: weight and compute dtype.")
-flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response at most.")
-flags.DEFINE_float("temperature", 0.0, "0: greedy, as the DFlash recipe.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
-flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).")
-flags.DEFINE_bool("enable_thinking", False, "Qwen3 thinking mode (the recipe disables it).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_integer("limit", 0, "Regenerate at most this many rows in this run (0: all).")
-
-
 def failures_path(output: str) -> str:
     path = Path(output)
     return str(path.with_name(path.stem + ".failures.jsonl"))
@@ -173,9 +152,34 @@ def make_backend(f):
                       max_prompt_len=max_prompt_len, seed=f.seed)
 
 
-def main(argv):
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """The CLI's flags; defined when run as a program (tests use their own FlagValues, since
+    several CLIs share flag names)."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("input", None, "Conversation JSONL to regenerate.", **fv)
+    flags.DEFINE_string("output", None, "Output JSONL (appended to; resumes where it stopped).", **fv)
+    flags.DEFINE_enum("backend", "jax", ["jax", "http"], "jax: generate here; http: an OpenAI-compatible server.", **fv)
+    flags.DEFINE_string("target", None, "Target directory (jax back-end: weights, tokenizer, chat template).", **fv)
+    flags.DEFINE_string("server_url", "http://localhost:8000/v1", "http back-end: base URL of the server.", **fv)
+    flags.DEFINE_string("model", "", "http back-end: served model name (default: the server's first model).", **fv)
+    flags.DEFINE_integer("concurrency", 16, "http back-end: conversations in flight.", **fv)
+    flags.DEFINE_float("request_timeout", 600.0, "http back-end: seconds per request.", **fv)
+    flags.DEFINE_integer("retries", 3, "http back-end: retries of transient failures per request.", **fv)
+    flags.DEFINE_integer("batch_size", 8, "jax back-end: conversations generated together.", **fv)
+    flags.DEFINE_integer("max_prompt_len", 0, "jax back-end: longest prompt (0: the target's context minus max_new_tokens).", **fv)
+    flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "jax back-end: weight and compute dtype.", **fv)
+    flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response at most.", **fv)
+    flags.DEFINE_float("temperature", 0.0, "0: greedy, as the DFlash recipe.", **fv)
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
+    flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", **fv)
+    flags.DEFINE_bool("enable_thinking", False, "Qwen3 thinking mode (the recipe disables it).", **fv)
+    flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
+    flags.DEFINE_integer("limit", 0, "Regenerate at most this many rows in this run (0: all).", **fv)
+    flags.mark_flags_as_required(["input", "output"], **fv)
+
+
+def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
-    f = flags.FLAGS
     if not os.path.isfile(f.input):
         raise app.UsageError(f"--input={f.input} is not a file")
     if os.path.abspath(f.input) == os.path.abspath(f.output):
@@ -186,5 +190,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["input", "output"])
+    define_flags()
     app.run(main)

@@ -22,6 +22,7 @@ from dflash_jax.models.qwen3 import Transformer
 VOCAB = 64
 BLOCK = 4
 MASK_ID = VOCAB - 1
+CHAT_VOCAB = 512  # `chat_target`: the test tokenizer uses ~400 ids, the rows above stay unused
 
 
 def target_config(vocab: int = VOCAB) -> TransformerConfig:
