@@ -8,6 +8,7 @@ would otherwise surface late (inside compilation, or hours into a run).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 
@@ -124,11 +125,28 @@ def apply_variants(c: ml_collections.ConfigDict, variants: str) -> ml_collection
     return c
 
 
+def load_config_file(path: str, variants: str = "") -> ml_collections.ConfigDict:
+    """What `--config=path:variants` gives train.py, for scripts, benchmarks and notebooks."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variants) if variants else module.get_config()
+
+
 def resolve(config: ml_collections.ConfigDict, *, num_devices: int) -> TrainSetup:
+    """Checks the config against the target checkpoint, the data and the devices."""
     if not config.workdir:
         raise ConfigError("workdir is empty: set --config.workdir=/path/to/run")
     target = _target_config(config.target.path)
     _check_data(config.data)
+    mask_token_id = _mask_token_id(config.drafter.mask_token_id, config.target.path)
+    return setup_for_target(config, target, mask_token_id=mask_token_id, num_devices=num_devices)
+
+
+def setup_for_target(
+    config: ml_collections.ConfigDict, target: TransformerConfig, *, mask_token_id: int, num_devices: int
+) -> TrainSetup:
+    """The model, objective, optimizer and mesh settings for a given target architecture."""
     train, drafter_section = config.train, config.drafter
     target_dtype = _dtype(config.target.dtype, "target.dtype")
     compute_dtype = _dtype(train.compute_dtype, "train.compute_dtype")
@@ -140,7 +158,6 @@ def resolve(config: ml_collections.ConfigDict, *, num_devices: int) -> TrainSetu
             f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
             f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})"
         )
-    mask_token_id = _mask_token_id(drafter_section.mask_token_id, config.target.path)
     if not 0 <= mask_token_id < target.vocab_size:
         raise ConfigError(
             f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "

@@ -1,0 +1,185 @@
+"""Train-step throughput: tokens/s, model FLOP/s and their share of a measured matmul peak.
+
+    python bench/train_step.py                      # the default config and a "small" one
+    python bench/train_step.py --configs=small --steps=10
+
+Each config runs the real jitted train step (frozen target forward, drafter forward/backward,
+AdamW) on random weights and synthetic packed batches of the config's shapes, after one
+compiling step. FLOPs are the model's matmul FLOPs per step, counted analytically (forward,
+plus 2x for what is trained, 1x to back-propagate through the frozen LM head; rematerialized
+recomputation excluded), so "achieved" is a model FLOP/s. The peak is a square matmul in the
+compute dtype on the same device, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.config import RopeConfig, TransformerConfig
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.sharding import state_shardings
+from dflash_jax.training import step as step_lib
+from dflash_jax.training.config import TrainSetup, load_config_file, resolve, setup_for_target
+from dflash_jax.training.mesh import batch_sharding, make_mesh
+from dflash_jax.training.synthetic import packed_batch
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
+
+# A Qwen3-style model small enough for a CPU, big enough that matmuls dominate.
+SMALL_TARGET = TransformerConfig(
+    vocab_size=32768, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+    num_kv_heads=4, head_dim=64, rope=RopeConfig(1_000_000.0),
+)
+
+
+def small_config():
+    c = load_config_file(DEFAULT_CONFIG)
+    c.drafter.num_layers = 2
+    c.drafter.block_size = 16
+    c.drafter.mask_token_id = SMALL_TARGET.vocab_size - 1
+    c.data.seq_len = 1024
+    c.data.global_batch_rows = 2
+    c.train.num_anchors = 128
+    return c
+
+
+def setups(names: list[str]) -> dict[str, tuple]:
+    out = {}
+    for name in names:
+        if name == "default":
+            config = load_config_file(DEFAULT_CONFIG)
+            out[name] = (config, resolve(config, num_devices=jax.device_count()))
+        elif name == "small":
+            config = small_config()
+            out[name] = (config, setup_for_target(
+                config, SMALL_TARGET, mask_token_id=config.drafter.mask_token_id,
+                num_devices=jax.device_count(),
+            ))
+        else:
+            raise SystemExit(f"unknown config {name!r} (default, small)")
+    return out
+
+
+def model_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
+    """Matmul FLOPs of one train step as the implementation computes them (dense masks)."""
+    t, d, obj = setup.target, setup.drafter, setup.objective
+    h, hd = t.hidden_size, t.head_dim
+
+    def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
+        return hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
+
+    # Target: forward through the last feature layer, causal attention computed densely.
+    target_layers = max(obj.target_layer_ids) + 1
+    target = 2 * rows * target_layers * (
+        seq_len * layer_weights(h, t.intermediate_size, t.num_heads, t.num_kv_heads)
+        + 2 * seq_len * seq_len * t.num_heads * hd
+    )
+    # Drafter: fc on context features; per layer, context k/v and the block tokens' layer, each
+    # block query attending to S context keys and its Bk block keys.
+    tokens = rows * obj.num_anchors * obj.block_size
+    fc = 2 * rows * seq_len * len(obj.target_layer_ids) * h * h
+    ctx_kv = 2 * rows * seq_len * h * 2 * d.num_kv_heads * hd
+    blocks = 2 * tokens * layer_weights(h, d.intermediate_size, d.num_heads, d.num_kv_heads)
+    attention = 2 * 2 * tokens * (seq_len + obj.block_size) * d.num_heads * hd
+    drafter_forward = fc + d.num_layers * (ctx_kv + blocks + attention)
+    lm_head = 2 * rows * obj.num_anchors * (obj.block_size - 1) * h * t.vocab_size
+    # Backward: dX and dW for trained matmuls (fc needs no dX: its input is frozen), dX only
+    # through the frozen LM head.
+    drafter_total = 3 * drafter_forward - fc + 2 * lm_head
+    return float(target + drafter_total)
+
+
+def matmul_peak(dtype, n: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul, best of `repeats`."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def bench(config, setup: TrainSetup, steps: int) -> dict:
+    mesh = make_mesh(*setup.mesh_shape)
+    graphdef, target_params = nnx.split(nnx.eval_shape(
+        lambda: Transformer(setup.target, param_dtype=setup.target_dtype,
+                            compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0))
+    ))
+    target_params = jax.jit(
+        lambda: nnx.split(Transformer(setup.target, param_dtype=setup.target_dtype,
+                                      compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)))[1],
+        out_shardings=state_shardings(mesh, target_params),
+    )()
+    tx = step_lib.make_optimizer(setup.optimizer, 1000)
+    state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
+    train_step = step_lib.make_train_step(
+        drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
+        target_graphdef=graphdef, target_params=target_params, tx=tx, cfg=setup.objective,
+        grad_accum_steps=config.train.grad_accum_steps, mesh=mesh,
+        state_sharding=jax.tree.map(lambda x: x.sharding, state),
+    )
+    rows, seq_len = config.data.global_batch_rows, config.data.seq_len
+    rng = np.random.default_rng(0)
+    batches = [
+        jax.device_put(
+            packed_batch(rng, rows, seq_len, setup.target.vocab_size - 1, doc_len=(seq_len // 8, seq_len // 2)),
+            batch_sharding(mesh),
+        )
+        for _ in range(steps + 1)
+    ]
+    start = time.perf_counter()
+    state, metrics = train_step(state, target_params, batches[0])
+    jax.block_until_ready(metrics)
+    compile_seconds = time.perf_counter() - start
+    real_tokens = 0.0
+    start = time.perf_counter()
+    for batch in batches[1:]:
+        state, metrics = train_step(state, target_params, batch)
+        real_tokens += float(metrics["real_tokens"])  # also keeps CPU collectives from piling up
+    seconds = time.perf_counter() - start
+    return {
+        "rows x seq_len": f"{rows} x {seq_len}",
+        "compile_s": compile_seconds,
+        "steps_per_s": steps / seconds,
+        "tokens_per_s": real_tokens / seconds,
+        "padded_tokens_per_s": steps * rows * seq_len / seconds,
+        "flops_per_step": model_flops_per_step(setup, rows, seq_len),
+        "flops_per_s": steps * model_flops_per_step(setup, rows, seq_len) / seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="default,small")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per config (after one compiling step)")
+    args = parser.parse_args()
+    chosen = setups(args.configs.split(","))
+    device = jax.devices()[0]
+    print(f"devices: {jax.device_count()} x {device.device_kind} ({jax.default_backend()})")
+    peaks = {}
+    for name, (config, setup) in chosen.items():
+        dtype = jnp.dtype(setup.compute_dtype)
+        if dtype not in peaks:
+            peaks[dtype] = matmul_peak(dtype) * jax.device_count()
+            print(f"matmul peak ({dtype.name}, 2048^3, all devices): {peaks[dtype] / 1e9:.1f} GFLOP/s")
+        r = bench(config, setup, args.steps)
+        print(
+            f"{name:8s} rows x seq {r['rows x seq_len']:>10s}  compile {r['compile_s']:5.1f}s  "
+            f"{r['steps_per_s']:7.3f} steps/s  {r['tokens_per_s']:9.0f} tokens/s "
+            f"({r['padded_tokens_per_s']:.0f} padded)  {r['flops_per_step'] / 1e9:8.1f} GFLOP/step  "
+            f"{r['flops_per_s'] / 1e9:7.2f} GFLOP/s = {100 * r['flops_per_s'] / peaks[dtype]:5.1f}% of matmul peak"
+        )
+
+
+if __name__ == "__main__":
+    main()
