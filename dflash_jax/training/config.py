@@ -104,9 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.max_new_tokens = 128
 
     c.distributed = ml_collections.ConfigDict()
-    c.distributed.coordinator_address = ""  # host:port of process 0; '' = single process
-    c.distributed.num_processes = 1
-    c.distributed.process_id = 0
+    # host:port of process 0; '' = $JAX_COORDINATOR_ADDRESS if set, else a single process.
+    c.distributed.coordinator_address = ""
+    c.distributed.num_processes = 0  # 0 = $JAX_NUM_PROCESSES or the cluster's
+    c.distributed.process_id = -1  # -1 = $JAX_PROCESS_ID or the cluster's
     return c
 
 
@@ -139,6 +140,8 @@ def resolve(config: ml_collections.ConfigDict, *, num_devices: int) -> TrainSetu
         raise ConfigError("workdir is empty: set --config.workdir=/path/to/run")
     target = _target_config(config.target.path)
     _check_data(config.data)
+    if config.eval.prompts and not os.path.isfile(config.eval.prompts):
+        raise ConfigError(f"eval.prompts={config.eval.prompts!r} does not exist ('' turns evaluation off)")
     mask_token_id = _mask_token_id(config.drafter.mask_token_id, config.target.path)
     return setup_for_target(config, target, mask_token_id=mask_token_id, num_devices=num_devices)
 
@@ -175,6 +178,10 @@ def setup_for_target(
             f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
             f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma"
         )
+    for field in ("log.every_steps", "checkpoint.every_steps", "checkpoint.keep", "train.num_epochs"):
+        section, name = field.split(".")
+        if config[section][name] < 1:
+            raise ConfigError(f"{field}={config[section][name]} must be at least 1")
     try:
         shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices)
     except ValueError as e:

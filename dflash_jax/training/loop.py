@@ -74,112 +74,152 @@ class StopSignals:
 
 def train(config: ml_collections.ConfigDict) -> dict:
     """Runs (or resumes) training; returns the last logged metrics."""
-    setup = resolve(config, num_devices=jax.device_count())
-    workdir = os.path.abspath(config.workdir)
-    mesh = make_mesh(*setup.mesh_shape)
-    log.info(
-        "mesh data=%d x fsdp=%d: %d devices in %d processes", *setup.mesh_shape,
-        jax.device_count(), jax.process_count(),
-    )
-    data = DataPipeline.from_config(config.data, config.target.path)
-    total_steps = data.total_steps(config.train.num_epochs)
-    if config.train.max_steps:
-        total_steps = min(total_steps, config.train.max_steps)
-    tx = make_optimizer(setup.optimizer, total_steps)
-    schedule = learning_rate_schedule(setup.optimizer, total_steps)
-    target = load_target(
-        config.target.path, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, mesh=mesh
-    )
-    target_graphdef, target_params = nnx.split(target)
-    iterator = data.iterator(sharding=batch_sharding(mesh))
-    checkpoints = RunCheckpoints(
-        workdir, every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep,
-        async_save=config.checkpoint.async_save,
-    )
-    state_kw = dict(seed=config.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
-    latest = checkpoints.latest_step()
-    if latest is None:
-        state, best_tau = init_train_state(setup.drafter, tx, **state_kw), None
-    else:
-        state, meta = checkpoints.restore(latest, abstract_train_state(setup.drafter, tx, **state_kw), iterator)
-        best_tau = meta["best_tau"]
-        log.info("resumed from %s at step %d (epoch %d)", checkpoints.directory, latest, iterator.epoch)
-    graphdef = drafter_graph(setup.drafter, setup.compute_dtype)
-    step_fn = make_train_step(
-        drafter_graphdef=graphdef, target_graphdef=target_graphdef, target_params=target_params,
-        tx=tx, cfg=setup.objective, grad_accum_steps=config.train.grad_accum_steps, mesh=mesh,
-        state_sharding=jax.tree.map(lambda x: x.sharding, state),
-    )
-    evaluate = _acceptance_eval(config)
-    best = BestCheckpoint(workdir) if evaluate else None
-    run_config = json.loads(config.to_json_best_effort())
-    monitor = Monitor(
-        workdir, total_steps=total_steps, start_step=int(state.step),
-        progress_bars=config.log.progress_bars, tensorboard=config.log.tensorboard,
-        wandb=config.log.wandb, wandb_project=config.log.wandb_project, run_config=run_config,
-    )
-
-    def meta() -> dict:
-        return {
-            "epoch": iterator.epoch, "best_tau": best_tau, "total_steps": total_steps,
-            "drafter_config": setup.drafter.to_hf(), "config": run_config,
-        }
-
-    step, last_saved, epoch, logged, eval_metrics = int(state.step), latest, None, {}, {}
-    sync_every = max(1, min(config.log.every_steps, MAX_STEPS_WITHOUT_SYNC))
+    run = TrainingRun(config)
     try:
-        with StopSignals() as stop:
-            while step < total_steps:
-                if _epoch_of_next_batch(data, iterator) != epoch:
-                    epoch = _epoch_of_next_batch(data, iterator)
-                    step_in_epoch = iterator.step if iterator.epoch == epoch else 0
-                    monitor.start_epoch(epoch, data.steps_in_epoch(epoch), step_in_epoch, epoch_statistics(data, epoch))
-                state, metrics = step_fn(state, target_params, next(iterator))
-                step += 1
-                monitor.record(metrics)
-                stopping = False
-                if step % sync_every == 0 or step == total_steps:
-                    streak, skipped = jax.device_get((state.nonfinite_streak, state.skipped_updates))
-                    if streak >= config.train.max_nonfinite_streak:
-                        raise NonFiniteError(
-                            f"{streak} consecutive steps (up to step {step}) had a non-finite loss or "
-                            f"gradient and were skipped ({skipped} in all); stopping. The latest "
-                            f"checkpoint (step {last_saved}) holds finite weights: lower "
-                            "train.learning_rate or check the data and the target weights"
-                        )
-                    stopping = stop.agreed()
-                if evaluate and (step % config.eval.every_steps == 0 or step == total_steps):
-                    eval_metrics = evaluate(target, nnx.merge(graphdef, state.params))
-                    monitor.write(eval_metrics, step=step, epoch=epoch, kind="eval")
-                    tau = eval_metrics["tau"]
-                    if np.isfinite(tau) and (best_tau is None or tau > best_tau):
-                        best_tau = tau
-                        best.save(step, state.params, best_tau)
-                        export_params(setup.drafter, state.params, os.path.join(workdir, "export_best"))
-                if step % config.log.every_steps == 0 or step == total_steps or stopping:
-                    extra = {
-                        "learning_rate": float(schedule(step - int(state.skipped_updates))),
-                        "skipped_updates": int(state.skipped_updates),
-                        **({"tau": eval_metrics["tau"]} if eval_metrics else {}),
-                    }
-                    logged = monitor.flush(step, epoch, extra)
-                if stopping:
-                    log.warning("stopping at step %d on request", step)
-                    break
-                if checkpoints.save(step, state, meta(), iterator):
-                    last_saved = step
-            if last_saved != step:
-                checkpoints.save(step, state, meta(), iterator, force=True)
-            checkpoints.wait()
-            if step >= total_steps:
-                out = export_params(setup.drafter, state.params, os.path.join(workdir, "export"))
-                log.info("training finished at step %d; drafter exported to %s", step, out)
+        return run.train()
     finally:
-        monitor.close()
-        checkpoints.close()
-        if best is not None:
-            best.close()
-    return logged
+        run.close()
+
+
+class TrainingRun:
+    """One run in its workdir: the models, the data, the checkpoints and the monitor."""
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+        self.setup = setup = resolve(config, num_devices=jax.device_count())
+        self.workdir = os.path.abspath(config.workdir)
+        mesh = make_mesh(*setup.mesh_shape)
+        log.info(
+            "mesh data=%d x fsdp=%d: %d devices in %d processes", *setup.mesh_shape,
+            jax.device_count(), jax.process_count(),
+        )
+        self.data = DataPipeline.from_config(config.data, config.target.path)
+        total = self.data.total_steps(config.train.num_epochs)
+        self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
+        tx = make_optimizer(setup.optimizer, self.total_steps)
+        self.schedule = learning_rate_schedule(setup.optimizer, self.total_steps)
+        self.target = load_target(
+            config.target.path, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype,
+            mesh=mesh,
+        )
+        target_graphdef, self.target_params = nnx.split(self.target)
+        self.iterator = self.data.iterator(sharding=batch_sharding(mesh))
+        self.checkpoints = RunCheckpoints(
+            self.workdir, every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep,
+            async_save=config.checkpoint.async_save,
+        )
+        state_kw = dict(seed=config.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
+        self.last_saved = self.checkpoints.latest_step()
+        if self.last_saved is None:
+            self.state, self.best_tau = init_train_state(setup.drafter, tx, **state_kw), None
+        else:
+            abstract = abstract_train_state(setup.drafter, tx, **state_kw)
+            self.state, meta = self.checkpoints.restore(self.last_saved, abstract, self.iterator)
+            self.best_tau = meta["best_tau"]
+            log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
+        self.drafter_graphdef = drafter_graph(setup.drafter, setup.compute_dtype)
+        self.step_fn = make_train_step(
+            drafter_graphdef=self.drafter_graphdef, target_graphdef=target_graphdef,
+            target_params=self.target_params, tx=tx, cfg=setup.objective,
+            grad_accum_steps=config.train.grad_accum_steps, mesh=mesh,
+            state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
+        )
+        self.evaluate = _acceptance_eval(config)
+        self.best = BestCheckpoint(self.workdir) if self.evaluate else None
+        self.run_config = json.loads(config.to_json_best_effort())
+        self.monitor = Monitor(
+            self.workdir, total_steps=self.total_steps, start_step=int(self.state.step),
+            progress_bars=config.log.progress_bars, tensorboard=config.log.tensorboard,
+            wandb=config.log.wandb, wandb_project=config.log.wandb_project, run_config=self.run_config,
+        )
+        self.step = int(self.state.step)
+        self.epoch = None
+        self.eval_metrics: dict = {}
+
+    def train(self) -> dict:
+        logged = {}
+        sync_every = max(1, min(self.config.log.every_steps, MAX_STEPS_WITHOUT_SYNC))
+        with StopSignals() as stop:
+            while self.step < self.total_steps:
+                self._start_epoch_if_new()
+                self.state, metrics = self.step_fn(self.state, self.target_params, next(self.iterator))
+                self.step += 1
+                self.monitor.record(metrics)
+                stopping = False
+                if self.step % sync_every == 0 or self.step == self.total_steps:
+                    self._check_finite()  # also waits for the step: see MAX_STEPS_WITHOUT_SYNC
+                    stopping = stop.agreed()
+                if self.evaluate and self._due(self.config.eval.every_steps):
+                    self._evaluate()
+                if self._due(self.config.log.every_steps) or stopping:
+                    logged = self._log()
+                if stopping:
+                    log.warning("stopping at step %d on request", self.step)
+                    break
+                if self.checkpoints.save(self.step, self.state, self._meta(), self.iterator):
+                    self.last_saved = self.step
+        if self.last_saved != self.step:
+            self.checkpoints.save(self.step, self.state, self._meta(), self.iterator, force=True)
+        self.checkpoints.wait()
+        if self.step >= self.total_steps:
+            out = export_params(self.setup.drafter, self.state.params, os.path.join(self.workdir, "export"))
+            log.info("training finished at step %d; drafter exported to %s", self.step, out)
+        return logged
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.checkpoints.close()
+        if self.best is not None:
+            self.best.close()
+
+    def _due(self, every: int) -> bool:
+        return self.step % every == 0 or self.step == self.total_steps
+
+    def _start_epoch_if_new(self) -> None:
+        epoch = _epoch_of_next_batch(self.data, self.iterator)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            step_in_epoch = self.iterator.step if self.iterator.epoch == epoch else 0
+            self.monitor.start_epoch(
+                epoch, self.data.steps_in_epoch(epoch), step_in_epoch, epoch_statistics(self.data, epoch)
+            )
+
+    def _check_finite(self) -> None:
+        streak, skipped = jax.device_get((self.state.nonfinite_streak, self.state.skipped_updates))
+        if streak >= self.config.train.max_nonfinite_streak:
+            raise NonFiniteError(
+                f"{streak} consecutive steps (up to step {self.step}) had a non-finite loss or "
+                f"gradient and were skipped ({skipped} in all); stopping. The latest checkpoint "
+                f"(step {self.last_saved}) holds finite weights: lower train.learning_rate or "
+                "check the data and the target weights"
+            )
+
+    def _evaluate(self) -> None:
+        """Acceptance by speculative decoding; a new best tau is kept and exported."""
+        self.eval_metrics = self.evaluate(self.target, nnx.merge(self.drafter_graphdef, self.state.params))
+        self.monitor.write(self.eval_metrics, step=self.step, epoch=self.epoch, kind="eval")
+        tau = self.eval_metrics["tau"]
+        if np.isfinite(tau) and (self.best_tau is None or tau > self.best_tau):
+            self.best_tau = tau
+            self.best.save(self.step, self.state.params, tau)
+            export_params(self.setup.drafter, self.state.params, os.path.join(self.workdir, "export_best"))
+
+    def _log(self) -> dict:
+        skipped = int(self.state.skipped_updates)
+        extra = {
+            # The rate of the latest applied update.
+            "learning_rate": float(self.schedule(max(self.step - skipped - 1, 0))),
+            "skipped_updates": skipped,
+        }
+        if self.eval_metrics:
+            extra["tau"] = self.eval_metrics["tau"]
+        return self.monitor.flush(self.step, self.epoch, extra)
+
+    def _meta(self) -> dict:
+        return {
+            "epoch": self.iterator.epoch, "best_tau": self.best_tau, "total_steps": self.total_steps,
+            "drafter_config": self.setup.drafter.to_hf(), "config": self.run_config,
+        }
 
 
 def _epoch_of_next_batch(data: DataPipeline, iterator) -> int:

@@ -7,6 +7,8 @@ over both, so every device sees `rows / (data·fsdp)` rows.
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -54,8 +56,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
-    """Joins a multi-process run when a coordinator is given (before any device is touched)."""
-    if coordinator_address:
-        jax.distributed.initialize(
-            coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
-        )
+    """Joins a multi-process run if a coordinator is configured or JAX_COORDINATOR_ADDRESS is set.
+
+    Call before anything touches a device. num_processes=0 / process_id=-1 take the values from
+    JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from the cluster (SLURM, Open MPI, ...).
+    """
+    address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address:
+        return
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num_processes or _env_int("JAX_NUM_PROCESSES"),
+        process_id=process_id if process_id >= 0 else _env_int("JAX_PROCESS_ID"),
+    )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None

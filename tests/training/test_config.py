@@ -44,11 +44,13 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"data.train": "/nonexistent/train.jsonl"}, 1, "data.train: data source '/nonexistent/train.jsonl' does not exist"),
         ({"data.train": ""}, 1, "data.train is empty"),
         ({"workdir": ""}, 1, "workdir is empty"),
+        ({"eval.prompts": "/nonexistent/prompts.jsonl"}, 1, "eval.prompts='/nonexistent/prompts.jsonl' does not exist"),
         ({"drafter.mask_token_id": 512}, 1, "drafter.mask_token_id=512 is outside the target vocabulary"),
         ({"drafter.mask_token_id": -1}, 1, r"looks up <\|MASK\|> in .*tokenizer.json, which has no such token"),
         ({"drafter.block_size": 12}, 1, r"block_size=12 has no paper loss decay gamma .* set train.loss_decay_gamma"),
         ({"train.num_anchors": 129}, 1, r"train.num_anchors=129 must be in 1..data.seq_len=128"),
         ({"train.compute_dtype": "float16"}, 1, "train.compute_dtype='float16' is not one of"),
+        ({"checkpoint.every_steps": 0}, 1, "checkpoint.every_steps=0 must be at least 1"),
     ],
 )
 def test_config_error_messages(tiny_run, tmp_path, fields, num_devices, message):
