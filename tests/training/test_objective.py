@@ -198,10 +198,13 @@ def test_drafter_never_sees_the_anchor_or_later_context(models):
         return jnp.abs(jacobian[:, 0]).sum(-1) > 0, blocks
 
     seen, blocks = influence(target, drafter, batch)
-    assert blocks.valid[0].sum() >= 2
-    expected = np.asarray(blocks.ctx_mask[0]) & np.asarray(blocks.valid[0])[:, None]
-    np.testing.assert_array_equal(np.asarray(seen) & np.asarray(blocks.valid[0])[:, None], expected)
-    assert expected.any()
+    anchors, valid = objective.sample_anchors(jax.random.key(3), batch["segment_ids"], batch["loss_mask"], 4)
+    anchors, valid, segment = np.asarray(anchors[0]), np.asarray(valid[0]), np.asarray(batch["segment_ids"][0])
+    assert valid.sum() >= 2
+    for j in np.flatnonzero(valid):
+        expected = (np.arange(24) < anchors[j]) & (segment == segment[anchors[j]])
+        assert expected.any()
+        np.testing.assert_array_equal(np.asarray(seen[j]), expected, err_msg=f"block {j}")
 
 
 def test_tau_train_counts_leading_hits_of_valid_blocks():
