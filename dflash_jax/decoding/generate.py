@@ -83,30 +83,38 @@ class TargetState:
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "capacity", "sampling"))
-def _target_prefill(graphdef, state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *,
-                    cache_len, capacity, sampling):
-    target = nnx.merge(graphdef, state)
-    cache = KVCache.create(target.cfg, tokens.shape[0], cache_len, target.compute_dtype)
-    key, prefill_key = jax.random.split(key)
-    first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling)
-    out = outputs_lib.Outputs.create(tokens.shape[0], capacity).replace(done=~valid)
-    out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
-                                stop_ids=stop_ids, max_new_tokens=max_new_tokens)
-    return TargetState(cache, first, out, key)
+@functools.lru_cache(maxsize=None)
+def target_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
+    """Jitted (prefill, step) for one model structure and sampling setting.
 
+    Built once per (graphdef, sampling) so the graphdef is hashed here, not as a static argument
+    on every step: hashing a large model's graphdef costs milliseconds per call.
+    """
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(2,))
-def _target_step(graphdef, state, st: TargetState, max_new_tokens, stop_ids, *, sampling):
-    target = nnx.merge(graphdef, state)
-    logits, _, cache = target.decode(st.last[:, None], st.cache)
-    key, step_key = jax.random.split(st.key)
-    token = choose(logits[:, 0], sampling, step_key)
-    out, emitted = outputs_lib.append(st.outputs, token[:, None], jnp.ones_like(token),
-                                      stop_ids=stop_ids, max_new_tokens=max_new_tokens)
-    # Finished rows keep their cache length, so their (ignored) writes never run off the end.
-    cache = cache.replace(lengths=jnp.where(out.done, st.cache.lengths, cache.lengths))
-    return TargetState(cache, token, out, key), emitted
+    @functools.partial(jax.jit, static_argnames=("cache_len", "capacity"))
+    def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
+        target = nnx.merge(graphdef, state)
+        cache = KVCache.create(target.cfg, tokens.shape[0], cache_len, target.compute_dtype)
+        key, prefill_key = jax.random.split(key)
+        first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling)
+        out = outputs_lib.Outputs.create(tokens.shape[0], capacity).replace(done=~valid)
+        out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
+                                    stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        return TargetState(cache, first, out, key)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step_fn(state, st: TargetState, max_new_tokens, stop_ids):
+        target = nnx.merge(graphdef, state)
+        logits, _, cache = target.decode(st.last[:, None], st.cache)
+        key, step_key = jax.random.split(st.key)
+        token = choose(logits[:, 0], sampling, step_key)
+        out, emitted = outputs_lib.append(st.outputs, token[:, None], jnp.ones_like(token),
+                                          stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        # Finished rows keep their cache length, so their (ignored) writes never run off the end.
+        cache = cache.replace(lengths=jnp.where(out.done, st.cache.lengths, cache.lengths))
+        return TargetState(cache, token, out, key), emitted
+
+    return prefill_fn, step_fn
 
 
 def run_loop(step: Callable, st, max_steps: int | None = None) -> tuple[object, np.ndarray | None]:
@@ -183,15 +191,12 @@ class TargetDecoder(Decoder):
 
     def __init__(self, target: Transformer, **kwargs):
         super().__init__(**kwargs)
-        self._graphdef, self._state = nnx.split(target)
+        graphdef, self._state = nnx.split(target)
+        self.prefill_fn, self.step_fn = target_fns(graphdef, self.sampling)
 
     def _prefill(self, tokens, lengths, valid, key):
-        return _target_prefill(
-            self._graphdef, self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
-            cache_len=self.cache_len, capacity=self.capacity, sampling=self.sampling,
-            
-        )
+        return self.prefill_fn(self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
+                               cache_len=self.cache_len, capacity=self.capacity)
 
     def _step(self, st):
-        return _target_step(self._graphdef, self._state, st, self._max_new, self._stop_ids,
-                            sampling=self.sampling)
+        return self.step_fn(self._state, st, self._max_new, self._stop_ids)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.generate import Decoder, prefill
-from dflash_jax.decoding.sampling import choose, verify_block
+from dflash_jax.decoding.sampling import SamplingConfig, choose, verify_block
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
 from dflash_jax.models.qwen3 import KVCache, Transformer
 
@@ -36,27 +36,6 @@ class SpecState:
     key: jax.Array
 
 
-@functools.partial(
-    jax.jit, static_argnames=("target_def", "drafter_def", "cache_len", "capacity", "sampling")
-)
-def _spec_prefill(target_def, target_state, drafter_def, drafter_state, tokens, lengths, valid, key,
-                  max_new_tokens, stop_ids, *, cache_len, capacity, sampling):
-    target = nnx.merge(target_def, target_state)
-    drafter = nnx.merge(drafter_def, drafter_state)
-    batch, prompt_len = tokens.shape
-    cache = KVCache.create(target.cfg, batch, cache_len, target.compute_dtype)
-    key, prefill_key = jax.random.split(key)
-    first, features, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling,
-                                     feature_layers=drafter.cfg.target_layer_ids)
-    context = ContextCache.create(drafter.cfg, batch, cache_len, drafter.compute_dtype)
-    positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
-    context = drafter.extend_context(context, features, positions, lengths)
-    out = outputs_lib.Outputs.create(batch, capacity).replace(done=~valid)
-    out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
-                                stop_ids=stop_ids, max_new_tokens=max_new_tokens)
-    return SpecState(cache, context, first, out, key)
-
-
 def draft_block(target: Transformer, drafter: DFlashDrafter, anchor, positions, context, sampling, key):
     """Step 1: drafts [B, B-1] and their logits [B, B-1, V] for the slots after the anchor."""
     block = jnp.full(positions.shape, drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
@@ -65,32 +44,52 @@ def draft_block(target: Transformer, drafter: DFlashDrafter, anchor, positions, 
     return choose(logits, sampling, key), logits
 
 
-@functools.partial(
-    jax.jit, static_argnames=("target_def", "drafter_def", "sampling"), donate_argnums=(4,)
-)
-def _spec_step(target_def, target_state, drafter_def, drafter_state, st: SpecState, max_new_tokens,
-               stop_ids, *, sampling):
-    target = nnx.merge(target_def, target_state)
-    drafter = nnx.merge(drafter_def, drafter_state)
-    key, draft_key, verify_key = jax.random.split(st.key, 3)
-    start = st.target_cache.lengths
-    positions = start[:, None] + jnp.arange(drafter.cfg.block_size)[None, :]
-    drafts, draft_logits = draft_block(target, drafter, st.anchor, positions, st.context, sampling, draft_key)
+@functools.lru_cache(maxsize=None)
+def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
+    """Jitted (prefill, step) for one (target, drafter) structure and sampling setting; see
+    `generate.target_fns` for why they are built once per graphdef."""
 
-    block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
-    logits, features, cache = target.decode(block, st.target_cache,
-                                            feature_layers=drafter.cfg.target_layer_ids)
-    accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key)
+    @functools.partial(jax.jit, static_argnames=("cache_len", "capacity"))
+    def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
+        target, drafter = nnx.merge(graphdef, state)
+        batch, prompt_len = tokens.shape
+        cache = KVCache.create(target.cfg, batch, cache_len, target.compute_dtype)
+        key, prefill_key = jax.random.split(key)
+        first, features, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling,
+                                         feature_layers=drafter.cfg.target_layer_ids)
+        context = ContextCache.create(drafter.cfg, batch, cache_len, drafter.compute_dtype)
+        positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
+        context = drafter.extend_context(context, features, positions, lengths)
+        out = outputs_lib.Outputs.create(batch, capacity).replace(done=~valid)
+        out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
+                                    stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        return SpecState(cache, context, first, out, key)
 
-    out, emitted = outputs_lib.append(st.outputs, tokens, accepted + 1,
-                                      stop_ids=stop_ids, max_new_tokens=max_new_tokens)
-    # Rows still running keep anchor + accepted drafts; finished rows freeze their caches, so
-    # their (ignored) writes stay inside the cache length the decoder sized.
-    kept = jnp.where(out.done, 0, accepted + 1)
-    cache = cache.replace(lengths=start + kept)
-    context = drafter.extend_context(st.context, features, positions, kept)
-    anchor = jnp.where(out.done, st.anchor, tokens[jnp.arange(tokens.shape[0]), accepted])
-    return SpecState(cache, context, anchor, out, key), emitted
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step_fn(state, st: SpecState, max_new_tokens, stop_ids):
+        target, drafter = nnx.merge(graphdef, state)
+        key, draft_key, verify_key = jax.random.split(st.key, 3)
+        start = st.target_cache.lengths
+        positions = start[:, None] + jnp.arange(drafter.cfg.block_size)[None, :]
+        drafts, draft_logits = draft_block(target, drafter, st.anchor, positions, st.context, sampling,
+                                           draft_key)
+
+        block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
+        logits, features, cache = target.decode(block, st.target_cache,
+                                                feature_layers=drafter.cfg.target_layer_ids)
+        accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key)
+
+        out, emitted = outputs_lib.append(st.outputs, tokens, accepted + 1,
+                                          stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        # Rows still running keep anchor + accepted drafts; finished rows freeze their caches, so
+        # their (ignored) writes stay inside the cache length the decoder sized.
+        kept = jnp.where(out.done, 0, accepted + 1)
+        cache = cache.replace(lengths=start + kept)
+        context = drafter.extend_context(st.context, features, positions, kept)
+        anchor = jnp.where(out.done, st.anchor, tokens[jnp.arange(tokens.shape[0]), accepted])
+        return SpecState(cache, context, anchor, out, key), emitted
+
+    return prefill_fn, step_fn
 
 
 class SpeculativeDecoder(Decoder):
@@ -114,18 +113,12 @@ class SpeculativeDecoder(Decoder):
                 f"drafter was built for a {drafter.cfg.num_target_layers}-layer target, "
                 f"this target has {target.cfg.num_layers} layers"
             )
-        self._target_def, self._target_state = nnx.split(target)
-        self._drafter_def, self._drafter_state = nnx.split(drafter)
+        graphdef, self._state = nnx.split((target, drafter))
+        self.prefill_fn, self.step_fn = spec_fns(graphdef, self.sampling)
 
     def _prefill(self, tokens, lengths, valid, key):
-        return _spec_prefill(
-            self._target_def, self._target_state, self._drafter_def, self._drafter_state,
-            tokens, lengths, valid, key, self._max_new, self._stop_ids, cache_len=self.cache_len,
-            capacity=self.capacity, sampling=self.sampling,
-        )
+        return self.prefill_fn(self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
+                               cache_len=self.cache_len, capacity=self.capacity)
 
     def _step(self, st):
-        return _spec_step(
-            self._target_def, self._target_state, self._drafter_def, self._drafter_state, st,
-            self._max_new, self._stop_ids, sampling=self.sampling,
-        )
+        return self.step_fn(self._state, st, self._max_new, self._stop_ids)

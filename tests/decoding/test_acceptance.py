@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from decoding_models import BLOCK, OracleDrafter, make_successor_target, random_prompts
+from flax import nnx
 
 from dflash_jax.decoding import speculative
 from dflash_jax.decoding.acceptance import acceptance_stats, measure_acceptance
 from dflash_jax.decoding.generate import Generation
+from dflash_jax.decoding.sampling import GREEDY
 
 
 def gen(steps):
@@ -36,9 +38,10 @@ def test_measure_acceptance_bookkeeping_and_no_recompilation():
     drafter = OracleDrafter(target, successor)
     prompts = random_prompts(80, (4, 9, 15, 6, 11))
     result = measure_acceptance(target, drafter, prompts, max_new_tokens=20, batch_size=2)
-    steps = speculative._spec_step._cache_size()
+    step_fn = speculative.spec_fns(nnx.graphdef((target, drafter)), GREEDY)[1]
+    steps = step_fn._cache_size()
     again = measure_acceptance(target, drafter, prompts, max_new_tokens=20, batch_size=2)
-    assert speculative._spec_step._cache_size() == steps
+    assert step_fn._cache_size() == steps
     assert again == result
 
     hist = np.array(result["histogram"])
