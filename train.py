@@ -30,8 +30,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = _CONFIG.value
-    # Orbax and grain log every save and read step through absl at INFO; keep ours, not theirs.
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    # JAX, Orbax and grain log every backend probe, save and read at INFO; keep ours, not theirs.
+    for name in ("absl", "jax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     initialize_distributed(
         config.distributed.coordinator_address, config.distributed.num_processes,
         config.distributed.process_id,
