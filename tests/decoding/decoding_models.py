@@ -34,7 +34,7 @@ def target_config(vocab: int = VOCAB) -> TransformerConfig:
 
 def make_target(seed: int = 0, vocab: int = VOCAB, logit_scale: float = 1.0) -> Transformer:
     target = Transformer(target_config(vocab), rngs=nnx.Rngs(seed))
-    target.lm_head.kernel.value = target.lm_head.kernel.value * logit_scale
+    target.lm_head.kernel[...] = target.lm_head.kernel[...] * logit_scale
     return target
 
 
@@ -57,13 +57,13 @@ def make_successor_target(seed: int = 0, noise: float = 0.0) -> tuple[Transforme
     successor = rng.permutation(VOCAB).astype(np.int32)
     embed = rng.standard_normal((VOCAB, target.cfg.hidden_size)).astype(np.float32)
     embed *= np.sqrt(target.cfg.hidden_size) / np.linalg.norm(embed, axis=1, keepdims=True)
-    target.embed_tokens.embedding.value = jnp.asarray(embed)
+    target.embed_tokens.embedding[...] = jnp.asarray(embed)
     inverse = np.argsort(successor)
-    target.lm_head.kernel.value = jnp.asarray(embed[inverse].T)
-    target.norm.weight.value = jnp.ones_like(target.norm.weight.value)
+    target.lm_head.kernel[...] = jnp.asarray(embed[inverse].T)
+    target.norm.weight[...] = jnp.ones_like(target.norm.weight[...])
     for layer in target.layers:
-        layer.self_attn.o_proj.kernel.value = layer.self_attn.o_proj.kernel.value * noise
-        layer.mlp.down_proj.kernel.value = layer.mlp.down_proj.kernel.value * noise
+        layer.self_attn.o_proj.kernel[...] = layer.self_attn.o_proj.kernel[...] * noise
+        layer.mlp.down_proj.kernel[...] = layer.mlp.down_proj.kernel[...] * noise
     return target, successor
 
 
@@ -75,7 +75,7 @@ class OracleDrafter(nnx.Module):
             target.cfg, num_layers=1, mask_token_id=MASK_ID, block_size=block_size, target_layer_ids=(0,)
         )
         self.compute_dtype = jnp.float32
-        self.embedding = nnx.Variable(target.embed_tokens.embedding.value)
+        self.embedding = nnx.Variable(target.embed_tokens.embedding[...])
         self.successor = nnx.Variable(jnp.asarray(successor))
 
     def extend_context(self, cache: ContextCache, features, positions, num_valid) -> ContextCache:
@@ -83,12 +83,12 @@ class OracleDrafter(nnx.Module):
 
     def decode(self, block_embeds, block_positions, cache: ContextCache):
         """Slot k returns E[successor^(k-1)(anchor)], which the target's head maps to successor^k."""
-        table = self.embedding.value
+        table = self.embedding[...]
         token = jnp.argmax(block_embeds[:, 0] @ table.T, axis=-1)
         hidden = [table[token]]
         for _ in range(1, self.cfg.block_size):
             hidden.append(table[token])
-            token = self.successor.value[token]
+            token = self.successor[...][token]
         return jnp.stack(hidden, axis=1)
 
 
