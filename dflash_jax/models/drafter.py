@@ -113,12 +113,12 @@ class DFlashDrafter(nnx.Module):
         rest are overwritten later and never visible.
         """
         ctx = self.context(features)
-        new_k, new_v = [], []
+        k_cache, v_cache = cache.k, cache.v
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, positions)
-            new_k.append(write_at(cache.k[i], k, cache.lengths))
-            new_v.append(write_at(cache.v[i], v, cache.lengths))
-        return ContextCache(jnp.stack(new_k), jnp.stack(new_v), cache.lengths + num_valid)
+            k_cache = write_at(k_cache, k, cache.lengths, layer=i)
+            v_cache = write_at(v_cache, v, cache.lengths, layer=i)
+        return ContextCache(k_cache, v_cache, cache.lengths + num_valid)
 
     def decode(self, block_embeds: jax.Array, block_positions: jax.Array, cache: ContextCache) -> jax.Array:
         """One block [B, Bk, H] against the cached context -> final-normed hidden [B, Bk, H]."""

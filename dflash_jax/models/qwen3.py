@@ -67,11 +67,17 @@ class KVCache:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
-def write_at(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """buffer [B, M, ...] gets new [B, T, ...] written at per-row offsets start [B]."""
-    def one(buf, upd, s):
-        return jax.lax.dynamic_update_slice_in_dim(buf, upd.astype(buf.dtype), s, axis=0)
-    return jax.vmap(one)(buffer, new, start)
+def write_at(buffer: jax.Array, new: jax.Array, start: jax.Array, *, layer: int | None = None) -> jax.Array:
+    """buffer [B, M, ...] (or [L, B, M, ...] with `layer`) gets new [B, T, ...] at offsets start [B].
+
+    One scatter into the whole buffer, so a donated cache is updated in place (slicing out a
+    layer and stacking the layers back would copy the entire cache every step). Slots past the
+    end are dropped.
+    """
+    rows = jnp.arange(new.shape[0])[:, None]
+    slots = start[:, None] + jnp.arange(new.shape[1])[None, :]
+    index = (rows, slots) if layer is None else (layer, rows, slots)
+    return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
 
 
 class Transformer(nnx.Module):
@@ -148,19 +154,18 @@ class Transformer(nnx.Module):
         positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
         mask = attention.cached_causal_mask(cache.lengths, num_new, cache.k.shape[2])
         x = self.embed(tokens)
-        new_k, new_v, outputs = [], [], {}
+        k_cache, v_cache, outputs = cache.k, cache.v, {}
         for i, layer in enumerate(self.layers):
             def attend_cached(q, k, v, i=i):
-                k_all = write_at(cache.k[i], k, cache.lengths)
-                v_all = write_at(cache.v[i], v, cache.lengths)
-                new_k.append(k_all)
-                new_v.append(v_all)
-                return attention.attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
+                nonlocal k_cache, v_cache
+                k_cache = write_at(k_cache, k, cache.lengths, layer=i)
+                v_cache = write_at(v_cache, v, cache.lengths, layer=i)
+                return attention.attend(q, k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype), mask)
             x = layer(x, positions, attend_cached)
             outputs[i] = x
         logits = self.unembed(self.norm(x))
         features = (
             jnp.concatenate([outputs[i] for i in feature_layers], axis=-1) if feature_layers else None
         )
-        new_cache = KVCache(jnp.stack(new_k), jnp.stack(new_v), cache.lengths + num_new)
+        new_cache = KVCache(k_cache, v_cache, cache.lengths + num_new)
         return logits, features, new_cache
