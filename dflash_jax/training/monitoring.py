@@ -1,7 +1,7 @@
 """What a run reports: progress bars, TensorBoard, a JSONL log and (optionally) Weights & Biases.
 
-Every step's additive metrics are kept on device and summed when a log line is due, so logging
-never stalls the step pipeline. Throughput is measured between log points, after compilation.
+Every step's additive metrics stay on device until a log line is due, so the host waits for the
+device once per log line, not once per step. Throughput is measured between log points, after compilation.
 Totals are exact (every epoch's step count is known when training starts), so the overall bar's
 ETA stays right although epochs have different numbers of steps. Only process 0 writes.
 """
