@@ -4,6 +4,7 @@ import importlib.util
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -127,3 +128,34 @@ def test_committed_target_loads_in_transformers():
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, ids.shape[1], config["vocab_size"])
     assert torch.isfinite(logits).all()
+
+
+def _jax_logits(path, ids):
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.models.hf import load_target
+
+    model = load_target(path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    tokens = jnp.asarray(ids)
+    with jax.default_matmul_precision("highest"):
+        logits, _ = model(tokens, jnp.ones_like(tokens), jnp.arange(tokens.shape[1])[None])
+    return np.asarray(logits)
+
+
+def test_built_and_committed_targets_match_transformers_in_jax(small_corpus, tmp_path):
+    """Both the freshly built small target and the committed one load in dflash_jax with the
+    same logits as transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _build_tiny(small_corpus, tmp_path / "small")
+    for path in (tmp_path / "small", TARGET):
+        tok = AutoTokenizer.from_pretrained(path)
+        text = tok.apply_chat_template([{"role": "user", "content": "Implement `f(x)`."}],
+                                       tokenize=False, add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            ref = AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=ids).logits.numpy()
+        ours = _jax_logits(path, ids.numpy())
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4, err_msg=str(path))
