@@ -80,6 +80,8 @@ class Regeneration:
     def run(self, backend, *, limit: int = 0) -> dict:
         done = completed_lines(self.output)
         total = count_rows(self.input_path)
+        if limit:  # the bar (and its ETA) covers this run's rows only
+            total = min(total, len(done) + limit)
         self.counts["done_before"] = len(done)
         with open(self.output, "a", encoding="utf-8") as self._out, \
                 open(failures_path(self.output), "a", encoding="utf-8") as self._failures, \
