@@ -12,9 +12,11 @@ import logging
 import os
 import sys
 
+import jax
 from absl import app
 from ml_collections import config_flags
 
+from dflash_jax.training import summary
 from dflash_jax.training.config import ConfigError
 from dflash_jax.training.loop import NonFiniteError, train
 from dflash_jax.training.mesh import initialize_distributed
@@ -37,12 +39,16 @@ def main(argv):
         config.distributed.coordinator_address, config.distributed.num_processes,
         config.distributed.process_id,
     )
+    already_finished = os.path.isfile(os.path.join(summary.export_dir(config.workdir), "config.json"))
     try:
         train(config)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     except NonFiniteError as e:
         sys.exit(f"training stopped: {e}")
+    # The export is written only when the last step is done; a run stopped early has none.
+    if jax.process_index() == 0 and os.path.isfile(os.path.join(summary.export_dir(config.workdir), "config.json")):
+        print(summary.summary(config, summary.final_evaluation(config), already_finished=already_finished))
 
 
 if __name__ == "__main__":
