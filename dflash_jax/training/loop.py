@@ -181,7 +181,8 @@ class TrainingRun:
             self.epoch = epoch
             step_in_epoch = self.iterator.step if self.iterator.epoch == epoch else 0
             self.monitor.start_epoch(
-                epoch, self.data.steps_in_epoch(epoch), step_in_epoch, epoch_statistics(self.data, epoch)
+                epoch, step=self.step, steps_in_epoch=self.data.steps_in_epoch(epoch),
+                step_in_epoch=step_in_epoch, stats=epoch_statistics(self.data, epoch),
             )
 
     def _check_finite(self) -> None:

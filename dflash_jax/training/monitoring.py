@@ -49,12 +49,14 @@ class Monitor:
         if wandb:
             self._wandb = _start_wandb(wandb_project, workdir, run_config)
 
-    def start_epoch(self, epoch: int, steps_in_epoch: int, step_in_epoch: int, stats: dict[str, Any]) -> None:
-        """A new epoch bar, and the epoch's packing and data statistics, once."""
+    def start_epoch(
+        self, epoch: int, *, step: int, steps_in_epoch: int, step_in_epoch: int, stats: dict[str, Any]
+    ) -> None:
+        """A new epoch bar, and the epoch's packing and data statistics, once (at global `step`)."""
         if not self.active:
             return
         log.info("epoch %d: %d steps; %s", epoch, steps_in_epoch, _format(stats))
-        self.write(stats, step=self._last_step, epoch=epoch, kind="epoch")
+        self.write(stats, step=step, epoch=epoch, kind="epoch")
         if self._overall is not None:
             if self._epoch_bar is not None:
                 self._epoch_bar.close()

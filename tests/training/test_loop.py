@@ -60,8 +60,9 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     )
     testing.finish(proc, tmp_path / "reference.log")
     assert proc.returncode == 0
-    evals = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals if e["kind"] == "eval"] == [24, TOTAL_STEPS]
+    lines = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in lines if e["kind"] == "eval"] == [24, TOTAL_STEPS]
+    assert [(e["step"], e["epoch"]) for e in lines if e["kind"] == "epoch"] == [(0, 0), (12, 1), (24, 2), (36, 3)]
     assert (reference / "export_best" / "model.safetensors").is_file()
     assert "tau" in train_metrics(reference)[24]
 

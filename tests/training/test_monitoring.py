@@ -27,7 +27,7 @@ def test_window_rates_eta_and_logs(tmp_path, monkeypatch):
         tmp_path, total_steps=10, start_step=0, progress_bars=True, tensorboard=True,
         wandb=False, wandb_project="", run_config={},
     )
-    monitor.start_epoch(0, steps_in_epoch=7, step_in_epoch=0, stats={"packing_fill": 0.97, "skipped_samples": 3})
+    monitor.start_epoch(0, step=0, steps_in_epoch=7, step_in_epoch=0, stats={"packing_fill": 0.97, "skipped_samples": 3})
     for tokens, applied in [(90, True), (80, True), (70, False), (60, True)]:
         monitor.record(step_metrics(tokens, applied))
     out = monitor.flush(4, 0, {"learning_rate": 1e-3})
