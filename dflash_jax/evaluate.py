@@ -20,7 +20,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from tqdm import tqdm
@@ -32,9 +31,8 @@ from dflash_jax.decoding.generate import Decoder, TargetDecoder
 from dflash_jax.decoding.loading import load_any_drafter
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
+from dflash_jax.models.config import DTYPES
 from dflash_jax.models.hf import load_target
-
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 def timed_generate(decoder: Decoder, prompts, *, seed: int, desc: str) -> list[tuple[float, list]]:

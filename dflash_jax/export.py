@@ -16,13 +16,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.config import DTYPES, DrafterConfig
 from dflash_jax.models.hf import export_drafter
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.mesh import make_mesh
-from dflash_jax.training.step import OptimizerConfig, abstract_train_state, drafter_graph, make_optimizer
-
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+from dflash_jax.training.step import (
+    OptimizerConfig,
+    abstract_train_state,
+    drafter_graph,
+    make_optimizer,
+)
 
 
 def export_params(cfg: DrafterConfig, params: nnx.State, out_dir: str, *, dtype=jnp.bfloat16) -> str:

@@ -26,15 +26,14 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-import jax.numpy as jnp
 from absl import app, flags, logging
 from tqdm import tqdm
 
 from dflash_jax.decoding.backends import HttpBackend, JaxBackend
 from dflash_jax.decoding.chat import conversation, decode_row, jsonl_lines
 from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.models.config import DTYPES
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 def failures_path(output: str) -> str:
     path = Path(output)

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_drafter
 
@@ -44,24 +43,9 @@ def load_any_drafter(path: str, *, step: int | None = None, param_dtype=jnp.bflo
 def restore_workdir_drafter(workdir: str, *, step: int | None, param_dtype, compute_dtype) -> DFlashDrafter:
     """The drafter of a workdir's latest (or given) checkpoint."""
     # Training modules pull in Orbax and Grain; only workdir inputs need them.
-    from dflash_jax.training.checkpoint import RunCheckpoints
-    from dflash_jax.training.mesh import make_mesh
-    from dflash_jax.training.step import OptimizerConfig, abstract_train_state, make_optimizer
+    from dflash_jax.export import restore_params
 
-    checkpoints = RunCheckpoints(workdir, every_steps=1, keep=None, async_save=False)
-    try:
-        step = checkpoints.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no finished checkpoint in {checkpoints.directory}")
-        cfg = DrafterConfig.from_hf(checkpoints.restore_meta(step)["drafter_config"])
-        # Only the optimizer state's structure matters for restoring, not its schedule.
-        abstract = abstract_train_state(
-            cfg, make_optimizer(OptimizerConfig(), 1), seed=0, compute_dtype=jnp.float32,
-            mesh=make_mesh(-1, 1),
-        )
-        params = checkpoints.restore_state(step, abstract).params
-    finally:
-        checkpoints.close()
+    cfg, params = restore_params(workdir, step)
     graphdef, _ = nnx.split(nnx.eval_shape(
         lambda: DFlashDrafter(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
     ))

@@ -9,6 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
+# Dtype names accepted by configs and command-line flags.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
 # Architectures the target loader understands, mapped to whether they use per-head q/k RMSNorm.
 SUPPORTED_TARGET_ARCHITECTURES = {
     "Qwen3ForCausalLM": True,

@@ -12,7 +12,6 @@ cache of context keys/values (`extend_context` + `decode`).
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,23 +19,13 @@ from flax import nnx
 from dflash_jax.models import attention
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.layers import RMSNorm, linear
-from dflash_jax.models.qwen3 import DecoderLayer, write_at
+from dflash_jax.models.qwen3 import DecoderLayer, KVCache, write_at
 
 INIT_STD = 0.02  # DESIGN §2 recipe: drafter init normal(0.02)
 
 
-@flax.struct.dataclass
-class ContextCache:
-    """Per-layer context keys/values [L, B, max_len, kv_heads, d]; `lengths` [B] valid slots."""
-
-    k: jax.Array
-    v: jax.Array
-    lengths: jax.Array
-
-    @classmethod
-    def create(cls, cfg: DrafterConfig, batch: int, max_len: int, dtype) -> "ContextCache":
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+# The drafter caches the k/v projections of the context: same layout as the target's KV cache.
+ContextCache = KVCache
 
 
 class DFlashDrafter(nnx.Module):

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes

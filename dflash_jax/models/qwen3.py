@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models import attention
-from dflash_jax.models.config import TransformerConfig
+from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.layers import AttentionProjections, RMSNorm, SwiGLU
 
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -62,7 +62,7 @@ class KVCache:
     lengths: jax.Array
 
     @classmethod
-    def create(cls, cfg: TransformerConfig, batch: int, max_len: int, dtype) -> "KVCache":
+    def create(cls, cfg: TransformerConfig | DrafterConfig, batch: int, max_len: int, dtype) -> "KVCache":
         shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 

@@ -12,19 +12,21 @@ import importlib.util
 import json
 import os
 
-import jax.numpy as jnp
 import ml_collections
 
 from dflash_jax.data.config import default_data_config
 from dflash_jax.data.sources import resolve_sources
-from dflash_jax.models.config import DrafterConfig, TransformerConfig
+from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.mesh import mesh_shape
-from dflash_jax.training.objective import ObjectiveConfig, PAPER_LOSS_DECAY_GAMMA, loss_decay_gamma
+from dflash_jax.training.objective import (
+    PAPER_LOSS_DECAY_GAMMA,
+    ObjectiveConfig,
+    loss_decay_gamma,
+)
 from dflash_jax.training.step import OptimizerConfig
 
 MASK_TOKEN = "<|MASK|>"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class ConfigError(ValueError):

@@ -30,8 +30,12 @@ from dflash_jax.training.config import resolve
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 from dflash_jax.training.monitoring import Monitor
 from dflash_jax.training.step import (
-    abstract_train_state, drafter_graph, init_train_state, learning_rate_schedule,
-    make_optimizer, make_train_step,
+    abstract_train_state,
+    drafter_graph,
+    init_train_state,
+    learning_rate_schedule,
+    make_optimizer,
+    make_train_step,
 )
 
 log = logging.getLogger(__name__)
@@ -245,10 +249,7 @@ def _acceptance_eval(config: ml_collections.ConfigDict):
     """A function (target, drafter) -> acceptance stats, or None when evaluation is off."""
     if not config.eval.prompts or config.eval.every_steps <= 0:
         return None
-    prompts = acceptance.load_prompts(
+    return acceptance.AcceptanceEval.from_files(
         config.eval.prompts, config.target.path, num_prompts=config.eval.num_prompts,
-        enable_thinking=config.data.enable_thinking,
-    )
-    return acceptance.AcceptanceEval(
-        prompts, acceptance.stop_tokens(config.target.path), max_new_tokens=config.eval.max_new_tokens
+        enable_thinking=config.data.enable_thinking, max_new_tokens=config.eval.max_new_tokens,
     )

@@ -12,8 +12,8 @@ import os
 
 import ml_collections
 
-from dflash_jax.evaluate import run_evaluation, write_outputs
 from dflash_jax.decoding import report
+from dflash_jax.evaluate import run_evaluation, write_outputs
 
 REAL_MODEL_COMMAND = (
     "python train.py --config=configs/qwen3_8b.py --config.target.path=/models/Qwen3-8B \\\n"
