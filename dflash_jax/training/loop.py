@@ -142,6 +142,7 @@ class TrainingRun:
 
     def train(self) -> dict:
         logged = {}
+        start_step = self.step
         sync_every = max(1, min(self.config.log.every_steps, MAX_STEPS_WITHOUT_SYNC))
         with StopSignals() as stop:
             while self.step < self.total_steps:
@@ -165,9 +166,12 @@ class TrainingRun:
         if self.last_saved != self.step:
             self.checkpoints.save(self.step, self.state, self._meta(), self.iterator, force=True)
         self.checkpoints.wait()
-        if self.step >= self.total_steps:
-            out = export_params(self.setup.drafter, self.state.params, os.path.join(self.workdir, "export"))
-            log.info("training finished at step %d; drafter exported to %s", self.step, out)
+        export = os.path.join(self.workdir, "export")
+        if start_step >= self.total_steps and os.path.isfile(os.path.join(export, "config.json")):
+            log.info("this run had already finished at step %d; its drafter is in %s", self.step, export)
+        elif self.step >= self.total_steps:
+            export_params(self.setup.drafter, self.state.params, export)
+            log.info("training finished at step %d; drafter exported to %s", self.step, export)
         return logged
 
     def close(self) -> None:
