@@ -20,6 +20,7 @@ from dflash_jax.training import summary
 from dflash_jax.training.config import ConfigError
 from dflash_jax.training.loop import NonFiniteError, train
 from dflash_jax.training.mesh import initialize_distributed
+from dflash_jax.training.workdir_lock import WorkdirBusyError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"),
@@ -46,6 +47,8 @@ def main(argv):
         sys.exit(f"config error: {e}")
     except NonFiniteError as e:
         sys.exit(f"training stopped: {e}")
+    except WorkdirBusyError as e:
+        sys.exit(f"cannot start: {e}")
     # The export is written only when the last step is done; a run stopped early has none.
     if jax.process_index() == 0 and os.path.isfile(os.path.join(summary.export_dir(config.workdir), "config.json")):
         print(summary.summary(config, summary.final_evaluation(config), already_finished=already_finished))

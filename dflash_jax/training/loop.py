@@ -37,6 +37,7 @@ from dflash_jax.training.step import (
     make_optimizer,
     make_train_step,
 )
+from dflash_jax.training.workdir_lock import workdir_lock
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,12 @@ class StopSignals:
 
 def train(config: ml_collections.ConfigDict) -> dict:
     """Runs (or resumes) training; returns the last logged metrics."""
-    run = TrainingRun(config)
-    try:
-        return run.train()
-    finally:
-        run.close()
+    with workdir_lock(os.path.abspath(config.workdir) if config.workdir else None):
+        run = TrainingRun(config)
+        try:
+            return run.train()
+        finally:
+            run.close()
 
 
 class TrainingRun:
