@@ -79,7 +79,8 @@ class StopSignals:
 
 def train(config: ml_collections.ConfigDict) -> dict:
     """Runs (or resumes) training; returns the last logged metrics."""
-    with workdir_lock(os.path.abspath(config.workdir) if config.workdir else None):
+    resolve(config, num_devices=jax.device_count())  # config errors before the workdir is touched
+    with workdir_lock(os.path.abspath(config.workdir)):
         run = TrainingRun(config)
         try:
             return run.train()
