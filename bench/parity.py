@@ -8,7 +8,9 @@ compute, for Qwen3 (untied and tied embeddings) and Llama-3 (llama3 RoPE scaling
 
 from __future__ import annotations
 
+import sys
 import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,9 @@ import torch
 import transformers
 
 from dflash_jax.models.hf import load_target
-from dflash_jax.models.reference import write_hf_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
+from support.hf_reference import write_hf_checkpoint  # noqa: E402
 
 SEQ = 64
 

@@ -14,8 +14,10 @@ compute dtype on the same device, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,9 @@ from dflash_jax.models.sharding import state_shardings
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.config import TrainSetup, load_config_file, resolve, setup_for_target
 from dflash_jax.training.mesh import batch_sharding, make_mesh
-from dflash_jax.training.synthetic import packed_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
+from support.synthetic import packed_batch  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 

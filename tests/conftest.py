@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import sys
+
 import pytest
 
-from dflash_jax.models.reference import write_hf_checkpoint
+# pytest runs with --import-mode=importlib, which does not put tests/ on sys.path; the helpers in
+# tests/support/ are imported as `support.<module>`, here and in the tests' subprocesses.
+TESTS = str(pathlib.Path(__file__).parent)
+sys.path.insert(0, TESTS)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
+
+from support.hf_reference import write_hf_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.formats import SKIP_REASONS
-from dflash_jax.data.testing import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
+from support.chat_data import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
 
 # The Qwen3-style template, refusing tool messages the way real templates raise on bad input.
 STRICT_TEMPLATE = (

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from dflash_jax.data.testing import chat, write_tiny_target
+from support.chat_data import chat, write_tiny_target
 
 from dflash_jax.data.chat import SampleEncoder
 from dflash_jax.data.formats import BadSample, normalize_record

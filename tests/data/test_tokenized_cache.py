@@ -16,7 +16,7 @@ from dflash_jax.data.build import cache_inputs, ensure_cache, stale_reasons
 from dflash_jax.data.cache import read_manifest
 from dflash_jax.data.chat import SampleEncoder
 from dflash_jax.data.formats import normalize_record
-from dflash_jax.data.testing import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
+from support.chat_data import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
 
 JSONL_RECORDS = [
     chat("What is the capital of France?", "Paris.", system="Be brief."),
@@ -129,7 +129,7 @@ def test_prepare_command_builds_the_cache_and_prints_steps(tmp_path, target, sou
     config = tmp_path / "config.py"
     config.write_text(
         "import ml_collections\n"
-        "from dflash_jax.data.testing import data_config\n"
+        "from support.chat_data import data_config\n"
         "def get_config():\n"
         f"    config = ml_collections.ConfigDict({{'target': {{'path': {target!r}}}}})\n"
         f"    config.data = data_config({str(sources)!r}, {str(tmp_path / 'cache')!r})\n"

@@ -1,16 +1,10 @@
-"""Decoding test fixtures; the model builders live in decoding_models.py beside this file."""
+"""Decoding test fixtures; the model builders live in tests/support/decoding_models.py."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
-# pytest runs with --import-mode=importlib, which does not put test directories on sys.path.
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-from decoding_models import CHAT_VOCAB, make_drafter, make_target  # noqa: E402
+from support.decoding_models import CHAT_VOCAB, make_drafter, make_target
 
 
 @pytest.fixture(scope="session")
@@ -26,8 +20,8 @@ def untrained_drafter(random_target):
 @pytest.fixture(scope="session")
 def chat_target(tmp_path_factory):
     """A Hugging Face target directory with random weights, a tokenizer and a chat template."""
-    from dflash_jax.data.testing import write_tiny_target
-    from dflash_jax.models.reference import write_hf_checkpoint
+    from support.chat_data import write_tiny_target
+    from support.hf_reference import write_hf_checkpoint
 
     directory = write_tiny_target(tmp_path_factory.mktemp("chat_target"))
     write_hf_checkpoint(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from decoding_models import BLOCK, OracleDrafter, make_successor_target, random_prompts
+from support.decoding_models import BLOCK, OracleDrafter, make_successor_target, random_prompts
 from flax import nnx
 
 from dflash_jax.decoding import speculative

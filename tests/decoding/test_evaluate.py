@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
-from decoding_models import CHAT_VOCAB
+from support.decoding_models import CHAT_VOCAB
 from flax import nnx
 
 from dflash_jax import evaluate
-from dflash_jax.data.testing import chat, write_jsonl
+from support.chat_data import chat, write_jsonl
 from dflash_jax.decoding.chat import BadRow, ChatTokenizer, load_prompts
 from dflash_jax.decoding.loading import load_any_drafter
 from dflash_jax.export import export_checkpoint

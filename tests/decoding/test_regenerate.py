@@ -12,7 +12,7 @@ import pytest
 from absl import flags
 
 from dflash_jax import regenerate
-from dflash_jax.data.testing import chat, write_jsonl
+from support.chat_data import chat, write_jsonl
 from dflash_jax.decoding.backends import HttpBackend, JaxBackend, Regenerated
 from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder

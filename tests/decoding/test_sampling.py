@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decoding_models import make_drafter, make_target
+from support.decoding_models import make_drafter, make_target
 from flax import nnx
 from scipy import stats
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from decoding_models import (
+from support.decoding_models import (
     BLOCK, MASK_ID, OracleDrafter, make_drafter, make_successor_target, make_target, random_prompts,
 )
 

@@ -1,10 +1,10 @@
-"""Training test fixtures; the helpers live in `dflash_jax.training.testing`."""
+"""Training test fixtures; the helpers live in `tests/support/training_runs.py`."""
 
 from __future__ import annotations
 
 import pytest
 
-from dflash_jax.training import testing
+from support import training_runs as testing
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.models.sharding import FSDP_AXIS, state_shardings
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
-from dflash_jax.training.synthetic import packed_batch
+from support.synthetic import packed_batch
 
 # Big enough that the FSDP rule really splits matrices (>= 2**16 elements).
 TARGET = TransformerConfig(

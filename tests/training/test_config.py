@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jax.training import testing
+from support import training_runs as testing
 from dflash_jax.training.config import ConfigError, load_config_file, resolve
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
-from dflash_jax.training import testing
+from support import training_runs as testing
 
 STEPS = 12  # one epoch of the tiny run
 

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_jax.export import restore_params
 from dflash_jax.models.hf import load_drafter
-from dflash_jax.training import testing
+from support import training_runs as testing
 from dflash_jax.training.checkpoint import RunCheckpoints
 
 EPOCHS = 4  # 12 steps each: long enough to interrupt a run reliably

@@ -14,7 +14,7 @@ from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfi
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.training import objective
-from dflash_jax.training.synthetic import packed_batch
+from support.synthetic import packed_batch
 
 VOCAB, MASK = 64, 63
 # These tests check values, not speed: compile without LLVM optimization (twice as fast).

@@ -17,7 +17,7 @@ from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfi
 from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh, replicated
-from dflash_jax.training.synthetic import packed_batch
+from support.synthetic import packed_batch
 
 HERE = Path(__file__).resolve().parent
 

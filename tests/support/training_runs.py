@@ -12,7 +12,7 @@ import time
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> repository root
 VOCAB = 512  # the test tokenizer uses 400 ids; the embedding rows above stay unused
 MASK_TOKEN_ID = VOCAB - 1
 SEQ_LEN = 128
@@ -21,8 +21,8 @@ SEQ_LEN = 128
 def write_tiny_run(root: Path) -> types.SimpleNamespace:
     """Target dir (tokenizer + random weights), train / prompt JSONL and a built tokenized cache."""
     from dflash_jax.data.build import ensure_cache
-    from dflash_jax.data.testing import chat, data_config, write_jsonl, write_tiny_target
-    from dflash_jax.models.reference import write_hf_checkpoint
+    from support.chat_data import chat, data_config, write_jsonl, write_tiny_target
+    from support.hf_reference import write_hf_checkpoint
 
     target = write_tiny_target(root / "target")
     write_hf_checkpoint(
