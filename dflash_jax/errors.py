@@ -1,0 +1,18 @@
+"""Errors a user can cause, as opposed to bugs.
+
+The command-line modules print a `UserError` as one line (no traceback) and exit non-zero;
+anything else is a bug and keeps its traceback. Every message names what is wrong and where
+(the config field, or the file and, for JSON Lines, the 1-based line).
+"""
+
+
+class UserError(Exception):
+    """A mistake in the user's input: a config field, a file, a row of data."""
+
+
+class ConfigError(UserError):
+    """A config field that cannot work, found before anything is created on disk."""
+
+
+class DataError(UserError):
+    """Input data that cannot be used: a missing or unreadable file, or a bad row in strict mode."""
