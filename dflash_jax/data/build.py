@@ -24,9 +24,11 @@ from dflash_jax.data import cache as cache_lib
 from dflash_jax.data.chat import SampleEncoder, tokenizer_fingerprint
 from dflash_jax.data.formats import FORMATS, SKIP_REASONS, BadSample, decode_json_line, normalize_record
 from dflash_jax.data.sources import RawChunk, describe_sources, iter_chunks, resolve_sources
+from dflash_jax.errors import DataError
 
 # Bump when the cache's contents change meaning (masking rules, layout): old caches go stale.
-CACHE_FORMAT_VERSION = 1
+# 2: control-token text skipped, <think> blocks split out, assistant-first conversations kept.
+CACHE_FORMAT_VERSION = 2
 ROWS_PER_CHUNK = 256
 EXAMPLES_PER_REASON = 5
 BYTES_PER_WORKER = 32 << 20
@@ -104,19 +106,23 @@ def build_cache(data: ml_collections.ConfigDict, target_path: str, cache_dir: st
     total_bytes = sum(s["size"] for s in inputs["sources"])
     processes = data.tokenize_processes or _default_processes(total_bytes)
     counts = _Counts()
+    removed = cache_lib.remove_abandoned_partials(cache_dir)
+    if removed:
+        logging.warning("removed %d abandoned partial build(s) of %s: %s", len(removed), cache_dir, "; ".join(removed))
     partial = cache_lib.new_partial_dir(cache_dir)
     writer = cache_lib.CacheWriter(partial)
     try:
         with tqdm.tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", smoothing=0.1) as bar:
-            for result in _ordered_map(tokenize, iter_chunks(paths, ROWS_PER_CHUNK), processes):
+            chunks = iter_chunks(paths, ROWS_PER_CHUNK, data.format)
+            for result in _ordered_map(tokenize, chunks, processes):
                 if data.on_bad_sample == "error" and result.examples:
-                    raise ValueError(_bad_sample_message(*result.examples[0], dict(result.skipped)))
+                    raise DataError(_bad_sample_message(*result.examples[0]))
                 counts.add(result)
                 writer.add(result.tokens, result.loss_mask, result.lengths)
                 bar.update(result.nbytes)
                 bar.set_postfix(samples=counts.samples, skipped=sum(counts.skipped.values()), refresh=False)
         if counts.samples == 0:
-            raise ValueError(f"no usable sample in {data.train}; skipped by reason: {dict(counts.skipped)} {counts.examples}")
+            raise DataError(_no_usable_sample_message(data.train, counts))
         manifest = writer.finish(
             {
                 "inputs": inputs,
@@ -197,7 +203,7 @@ class ChunkTokenizer:
             except BadSample as e:
                 skipped[e.reason] += 1
                 if skipped[e.reason] <= EXAMPLES_PER_REASON:
-                    examples.append((e.reason, f"{chunk.location(i)}: {e.detail}"))
+                    examples.append((e.reason, f"{chunk.location(i)}: {_one_line(e.detail)}"))
                 continue
             tokens.append(ids)
             masks.append(mask)
@@ -227,6 +233,7 @@ class _Counts:
         self.samples = self.rows = self.tokens = self.loss_tokens = self.truncated = 0
         self.skipped: collections.Counter = collections.Counter()
         self.examples: dict[str, list[str]] = {}
+        self.first: tuple[str, str] | None = None  # (reason, example) of the first bad row
 
     def add(self, result: ChunkResult) -> None:
         self.samples += len(result.lengths)
@@ -239,6 +246,8 @@ class _Counts:
             kept = self.examples.setdefault(reason, [])
             if len(kept) < EXAMPLES_PER_REASON:
                 kept.append(example)
+            if self.first is None:
+                self.first = (reason, example)
 
     def as_manifest(self) -> dict:
         return {
@@ -249,6 +258,7 @@ class _Counts:
             "truncated": self.truncated,
             "skipped": {reason: self.skipped.get(reason, 0) for reason in SKIP_REASONS},
             "skipped_examples": self.examples,
+            "first_skipped": dict(zip(("reason", "example"), self.first)) if self.first else None,
         }
 
 
@@ -291,20 +301,33 @@ def _ordered_map(fn: Callable, items: Iterable, processes: int) -> Iterator:
 def _check_options(data: ml_collections.ConfigDict) -> None:
     choices = {"format": FORMATS, "on_bad_sample": ("skip", "error"), "overlength": ("truncate", "drop")}
     for key, allowed in choices.items():
-        if data[key] not in allowed:
-            raise ValueError(f"data.{key}={data[key]!r}; expected one of {allowed}")
+        value = getattr(data, key)
+        if value not in allowed:
+            raise ValueError(f"data.{key}={value!r}; expected one of {allowed}")
 
 
 def _check_skips_allowed(manifest: dict, on_bad_sample: str) -> None:
     """A cache built with skips must not be used silently when bad samples are errors."""
     skipped = {k: v for k, v in manifest["skipped"].items() if v}
     if on_bad_sample == "error" and skipped:
-        reason = next(iter(skipped))
-        raise ValueError(_bad_sample_message(reason, manifest["skipped_examples"][reason][0], skipped))
+        # The first bad row of the sources: where a build in strict mode would have stopped.
+        first = manifest.get("first_skipped") or {}
+        reason = first.get("reason") or next(iter(skipped))
+        raise DataError(_bad_sample_message(reason, first.get("example") or manifest["skipped_examples"][reason][0]))
 
 
-def _bad_sample_message(reason: str, example: str, skipped: dict) -> str:
-    return (
-        f"bad sample at {example} [{reason}: {SKIP_REASONS[reason]}]; rows skipped so far by reason: "
-        f"{skipped}. Fix the data or set data.on_bad_sample='skip' to skip and count such rows."
-    )
+def _bad_sample_message(reason: str, example: str) -> str:
+    """One line: `file:line: what is wrong [reason]; how to skip such rows`."""
+    return f"{_one_line(example)} [{reason}]; set data.on_bad_sample='skip' to skip and count such rows"
+
+
+def _no_usable_sample_message(spec: str, counts: _Counts) -> str:
+    if counts.rows == 0:
+        return f"no usable sample in {spec}: the source files hold no rows (empty, or blank lines only)"
+    skipped = ", ".join(f"{n} {reason} ({SKIP_REASONS[reason]})" for reason, n in counts.skipped.most_common())
+    return f"no usable sample in {spec}: {counts.rows} rows read, all skipped: {skipped}; the first: {_one_line(counts.first[1])}"
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

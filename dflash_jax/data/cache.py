@@ -7,7 +7,9 @@ memory maps, and a JSON manifest.
     manifest.json  written last: what the cache was built from, counts, skips by reason
 
 A cache is built in a hidden sibling directory and renamed into place, so a directory with a
-manifest is always complete.
+manifest is always complete. The hidden directory names its builder (host name and pid, in
+`builder.json`); a build that was killed leaves it behind, and the next build of the same cache
+removes it once its builder is gone (same host, pid no longer running) or it is a day old.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import time
 import uuid
 
 import numpy as np
@@ -24,6 +28,9 @@ MANIFEST = "manifest.json"
 TOKENS = "tokens.u32"
 LOSS_MASK = "loss_mask.u8"
 OFFSETS = "offsets.npy"
+BUILDER = "builder.json"
+# A partial directory this old is abandoned whoever built it (its builder may be on another host).
+ABANDONED_AFTER_S = 24 * 3600
 
 
 class CacheWriter:
@@ -99,17 +106,78 @@ def read_manifest(directory: str) -> dict | None:
 
 
 def new_partial_dir(final_dir: str) -> str:
-    """A fresh hidden directory beside `final_dir` to build into."""
+    """A fresh hidden directory beside `final_dir` to build into, marked with its builder."""
     parent, name = os.path.split(os.path.abspath(final_dir))
     os.makedirs(parent, exist_ok=True)
-    partial = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    partial = os.path.join(parent, f"{_partial_prefix(name)}{uuid.uuid4().hex[:8]}")
     os.mkdir(partial)
+    builder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    with open(os.path.join(partial, BUILDER), "w") as f:
+        json.dump(builder, f)
     return partial
+
+
+def remove_abandoned_partials(final_dir: str) -> list[str]:
+    """Removes the partial directories of `final_dir` whose builder is gone: on this host with
+    a pid that no longer runs, or older than `ABANDONED_AFTER_S` (one without a readable
+    `builder.json` counts by its modification time). Returns what it removed, described."""
+    parent, name = os.path.split(os.path.abspath(final_dir))
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return []
+    removed = []
+    for entry in sorted(entries):
+        if not entry.startswith(_partial_prefix(name)):
+            continue
+        path = os.path.join(parent, entry)
+        why = _abandoned(path)
+        if why:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(f"{entry} ({why})")
+    return removed
+
+
+def _abandoned(path: str) -> str | None:
+    """Why the partial directory at `path` is abandoned, or None if its builder may still run."""
+    try:
+        with open(os.path.join(path, BUILDER)) as f:
+            builder = json.load(f)
+        host, pid, started = str(builder["host"]), int(builder["pid"]), float(builder["started"])
+    except (OSError, ValueError, KeyError, TypeError):
+        host, pid = None, None
+        try:
+            started = os.path.getmtime(path)
+        except OSError:
+            return None
+    if time.time() - started > ABANDONED_AFTER_S:
+        return f"started {(time.time() - started) / 3600:.0f} h ago"
+    if host == socket.gethostname() and pid != os.getpid() and not _running(pid):
+        return f"its builder, pid {pid} on this host, is no longer running"
+    return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _partial_prefix(name: str) -> str:
+    return f".{name}.partial-"
 
 
 def publish(partial_dir: str, final_dir: str) -> None:
     """Moves a finished cache into place, replacing a stale one; never leaves a half state
     that looks complete (at worst, no cache at all)."""
+    try:
+        os.remove(os.path.join(partial_dir, BUILDER))
+    except FileNotFoundError:
+        pass
     stale = None
     if os.path.exists(final_dir):
         stale = f"{partial_dir}.stale"

@@ -9,6 +9,19 @@ An assistant turn's loss tokens are what the model generates for it: from the en
 generation prompt (`add_generation_prompt=True`, honouring `enable_thinking`) to the end-of-turn
 token. With thinking disabled Qwen3's empty `<think></think>` block is part of the prompt; with
 thinking enabled it is generated, so it is trained on.
+
+A conversation that opens with an assistant turn (after an optional system prompt) is rendered
+like any other: that turn's loss starts where the template's generation prompt and the rendered
+turn part (the empty conversation is never rendered). Templates that refuse such conversations
+skip them as `assistant_first_unsupported`.
+
+Control tokens: a text holding the literal string of a control token of the tokenizer (its
+special and added tokens: <|im_start|>, <|im_end|>, <think>, <|MASK|>, ...) would be encoded as
+that control id, so a row could inject turns, move the loss mask or put the drafter's mask token
+into the data. Such rows are skipped as `control_token_text`, for every template alike. Only a
+well-formed `<think>...</think>` block opening an assistant text is taken as what it means: the
+turn's reasoning (moved to `reasoning_content`, as Qwen3's template itself does). As a last line
+of defence, a sample holding the id of <|MASK|> is skipped too.
 """
 
 from __future__ import annotations
@@ -20,7 +33,19 @@ from collections.abc import Callable
 import jinja2
 import numpy as np
 
-from dflash_jax.data.formats import BadSample, Conversation, PlainText
+from dflash_jax.data.formats import (
+    BadSample,
+    Conversation,
+    PlainText,
+    check_assistant_turns,
+    control_token_pattern,
+    find_control_text,
+    split_think_block,
+)
+from dflash_jax.errors import ConfigError, DataError
+
+# The drafter's mask token, looked up by name in the target tokenizer (drafter.mask_token_id=-1).
+MASK_TOKEN = "<|MASK|>"
 
 # Files that define a Hugging Face tokenizer and its chat template; the cache depends on them.
 TOKENIZER_FILES = (
@@ -45,7 +70,7 @@ def tokenizer_fingerprint(tokenizer_dir: str) -> dict[str, str]:
             with open(path, "rb") as f:
                 digests[name] = hashlib.file_digest(f, "sha256").hexdigest()
     if not digests:
-        raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}) in {tokenizer_dir}")
+        raise ConfigError(f"target.path={tokenizer_dir!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
     return digests
 
 
@@ -62,20 +87,47 @@ class SampleEncoder:
         self.chat_template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
         self.vocab_size = len(self.tokenizer)
         self._tokenizer_dir = tokenizer_dir
+        self.control_tokens = control_tokens(self.tokenizer)
+        self._control_pattern = control_token_pattern(self.control_tokens)
+        # Reasoning blocks are split out only where <think> is a control token (elsewhere it is text).
+        self._split_think = {"<think>", "</think>"} <= set(self.control_tokens)
+        self.mask_token_id = self.tokenizer.get_added_vocab().get(MASK_TOKEN)
 
     def encode(self, sample: Conversation | PlainText) -> tuple[np.ndarray, np.ndarray]:
         """int32 token ids and uint8 loss mask of equal length."""
         if isinstance(sample, PlainText):
+            found = self._control_pattern.search(sample.text) if self._control_pattern else None
+            if found:
+                self._refuse_control_text(f"`text` holds the text {found.group()!r}")
             ids = self._ids(sample.text, add_special_tokens=True)
-            return ids, np.ones_like(ids, dtype=np.uint8)
-        return self._encode_conversation(sample.messages)
+            mask = np.ones_like(ids, dtype=np.uint8)
+        else:
+            messages = sample.messages
+            if self._split_think:
+                messages = tuple(split_think_block(m) for m in messages)
+                check_assistant_turns(messages)
+            found = find_control_text(messages, self._control_pattern) if self._control_pattern else None
+            if found:
+                self._refuse_control_text(found)
+            ids, mask = self._encode_conversation(messages)
+        if self.mask_token_id is not None and (ids == self.mask_token_id).any():
+            raise BadSample("control_token_text", f"the tokenized sample holds the mask token id {self.mask_token_id}")
+        return ids, mask
+
+    @staticmethod
+    def _refuse_control_text(where: str) -> None:
+        raise BadSample("control_token_text", f"{where}, a control token of the tokenizer")
 
     def _ids(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=add_special_tokens), np.int32)
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as e:
+            raise BadSample("unencodable_text", f"the tokenizer cannot encode the text ({type(e).__name__}: {e})") from None
+        return np.asarray(ids, np.int32)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> np.ndarray:
         if self.tokenizer.chat_template is None:
-            raise ValueError(f"the tokenizer in {self._tokenizer_dir} has no chat template")
+            raise DataError(f"the tokenizer in {self._tokenizer_dir} has no chat template, so it cannot render conversations")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -88,11 +140,22 @@ class SampleEncoder:
         return self._ids(text)
 
     def _encode_conversation(self, messages: tuple[dict[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            return self._encode_rendered(messages)
+        except BadSample as e:
+            if e.reason == "template_error" and _opening_assistant_turn(messages) is not None:
+                raise BadSample("assistant_first_unsupported", f"the chat template refused it ({e.detail})") from None
+            raise
+
+    def _encode_rendered(self, messages: tuple[dict[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
         rendered: dict[tuple[int, bool], np.ndarray] = {}
 
         def prefix(k: int, add_generation_prompt: bool = False) -> np.ndarray:
-            """Tokens of the first k messages (memoized: turns share most prefixes)."""
-            if k == 0 and not add_generation_prompt:
+            """Tokens of the first k messages (memoized: turns share most prefixes). The empty
+            conversation is never rendered: templates may index messages[0]."""
+            if k == 0:
+                if add_generation_prompt:
+                    return self._first_generation_prompt(messages[0])
                 return np.zeros(0, np.int32)
             if (k, add_generation_prompt) not in rendered:
                 rendered[k, add_generation_prompt] = self._render(list(messages[:k]), add_generation_prompt)
@@ -121,6 +184,13 @@ class SampleEncoder:
         context, prompt, own = prefix(i), prefix(i, True), prefix(i + 1)
         if not (_is_prefix(context, full) and _is_prefix(context, prompt)):
             raise BadSample("template_mismatch", f"messages before turn {i} render differently in the full conversation")
+        if i == _opening_assistant_turn(messages) and not _is_prefix(prompt, own):
+            # No user turn before it, so templates such as Qwen3's render it in its history form
+            # (no think block): its own tokens start where the generation prompt and it part.
+            start = _common_prefix_len(prompt, own)
+            if start <= len(context):
+                raise BadSample("template_mismatch", f"cannot find where opening assistant turn {i} starts")
+            prompt = prompt[:start]
         if not _is_prefix(prompt, own):
             raise BadSample(
                 "template_mismatch",
@@ -147,11 +217,41 @@ class SampleEncoder:
             raise BadSample("template_mismatch", f"cannot find where assistant turn {i} ends in the conversation")
         return start, end
 
+    def _first_generation_prompt(self, first: dict[str, str]) -> np.ndarray:
+        """The generation prompt with nothing before it, for a conversation that opens with an
+        assistant turn: what the template appends to that turn when asked for a generation
+        prompt (rendering the empty conversation is not an option)."""
+        alone, prompted = self._render([first], False), self._render([first], True)
+        if not _is_prefix(alone, prompted):
+            raise BadSample("template_mismatch", "the generation prompt does not follow the rendered first turn")
+        return prompted[len(alone) :]
+
     def _loss_end(self, tokens: np.ndarray, start: int, end: int) -> int:
         """End of the turn's loss span: just after its last end-of-turn token (what follows, e.g.
         a newline, is template text the model never generates)."""
         eos = np.flatnonzero(tokens[start:end] == self._eos_id) if self._eos_id is not None else []
         return start + int(eos[-1]) + 1 if len(eos) else end
+
+
+def control_tokens(tokenizer) -> tuple[str, ...]:
+    """The strings a tokenizer encodes as control ids: its special tokens and the added tokens
+    that look like markup (an added token made only of letters, digits and spaces, as some
+    tokenizers add for whitespace runs, is vocabulary, not control)."""
+    tokens = set(tokenizer.all_special_tokens)
+    for added in tokenizer.added_tokens_decoder.values():
+        if added.special or any(not (c.isalnum() or c.isspace() or c == "\u2581") for c in added.content):
+            tokens.add(added.content)
+    return tuple(sorted(t for t in tokens if t))
+
+
+def _opening_assistant_turn(messages: tuple[dict[str, str], ...]) -> int | None:
+    """Index of the assistant turn a conversation opens with (after system turns), or None."""
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            return i
+        if message["role"] != "system":
+            return None
+    return None
 
 
 def _is_prefix(a: np.ndarray, b: np.ndarray) -> bool:

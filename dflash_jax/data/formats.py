@@ -1,25 +1,38 @@
 """Raw records → normalized samples: OpenAI `messages`, ShareGPT `conversations`, plain `text`.
 
 Everything that can be wrong with one input row is reported as a `BadSample` whose reason is a
-key of `SKIP_REASONS`; the cache builder counts them by reason (or stops, by config).
+key of `SKIP_REASONS` and whose detail says, in words, what is wrong and where in the record
+(`messages[1].content is null, not a string`); the cache builder counts them by reason (or stops
+at the first one, by config). Nothing here depends on the tokenizer; the checks that do (control
+tokens in the text, the chat template) live in `dflash_jax.data.chat`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import sys
+from collections.abc import Iterable
 from typing import Any
 
 # Every reason a row can be left out of the cache, with the text shown to users.
 SKIP_REASONS = {
     "non_utf8": "the line is not valid UTF-8",
-    "malformed_json": "the line is not valid JSON",
+    "malformed_json": "the line is not valid JSON (or is truncated, too deeply nested, or holds a number too large)",
     "unknown_format": "the record is not an object with a `messages`, `conversations` or `text` field",
-    "bad_message": "a message is not an object with a role and text content",
+    "bad_message": "the message list is not a list of objects with a role",
+    "bad_content": "a message's text is missing, null or not a string",
     "unknown_role": "a message has a role other than system/user/assistant/tool",
+    "unencodable_text": "a text cannot be tokenized (a lone surrogate such as \\ud800 is not a character)",
+    "control_token_text": (
+        "a text contains a tokenizer control token such as <|im_end|> or the mask token; "
+        "it would be encoded as a control id"
+    ),
     "no_assistant_turn": "the conversation has no assistant turn, so nothing to learn from",
     "empty_assistant_turn": "an assistant turn has empty content",
     "empty_text": "the `text` field is empty",
+    "assistant_first_unsupported": "the conversation opens with an assistant turn, which the chat template refuses",
     "template_error": "the chat template raised an error on this conversation",
     "template_mismatch": "a rendered conversation prefix is not a token prefix of the conversation",
     "empty_loss_mask": "no token of the sample is an assistant token",
@@ -29,6 +42,7 @@ SKIP_REASONS = {
 }
 
 FORMATS = ("auto", "messages", "conversations", "text")
+UTF8_BOM = b"\xef\xbb\xbf"
 
 # ShareGPT speaker names → OpenAI roles.
 _SHAREGPT_ROLES = {
@@ -40,6 +54,9 @@ _SHAREGPT_ROLES = {
     "tool": "tool",
 }
 _OPENAI_ROLES = {role: role for role in _SHAREGPT_ROLES.values()}
+# An assistant text that opens with a reasoning block, the way many datasets supply reasoning.
+_THINK_BLOCK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class BadSample(Exception):
@@ -69,73 +86,202 @@ class PlainText:
 
 
 def decode_json_line(line: bytes) -> Any:
+    """One JSONL row. A line without its newline is the last line of its file: when it is not
+    valid JSON, the file was cut short (an interrupted write or copy) and the detail says so."""
+    if line.startswith(UTF8_BOM):  # Windows editors write one; so do files concatenated with cat
+        line = line[len(UTF8_BOM) :]
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadSample("non_utf8", f"invalid UTF-8 at byte {e.start}") from None
+        raise BadSample("non_utf8", f"the line is not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object_without_duplicate_keys)
     except json.JSONDecodeError as e:
-        raise BadSample("malformed_json", f"{e.msg} at column {e.colno}") from None
+        if not line.endswith(b"\n"):
+            raise BadSample("malformed_json", f"the last line is truncated (no newline at the end and {_json_error(e)})") from None
+        raise BadSample("malformed_json", f"the line is not valid JSON: {_json_error(e)}") from None
+    except RecursionError:
+        raise BadSample("malformed_json", "the JSON is nested too deeply to read") from None
+    except ValueError as e:  # the int() limit on digits, or a duplicate key (below)
+        if "integer string conversion" in str(e):
+            limit = sys.get_int_max_str_digits()
+            raise BadSample("malformed_json", f"the line holds an integer with more than {limit} digits") from None
+        raise BadSample("malformed_json", str(e)) from None
+
+
+def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"an object has the key {duplicate!r} twice, so its value is ambiguous")
+    return obj
+
+
+def _json_error(e: json.JSONDecodeError) -> str:
+    """json's message, in words a user recognizes."""
+    where = f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno} column {e.colno} of the row"
+    messages = {
+        "Extra data": f"more than one JSON value on the line (the second starts at {where})",
+        "Expecting value": f"a value was expected at {where}",
+        "Invalid control character at": f"a raw control character (tab, NUL, ...) inside a string at {where}; escape it",
+        "Expecting property name enclosed in double quotes": f"an object key was expected at {where} (a trailing comma?)",
+    }
+    if e.msg in messages:
+        return messages[e.msg]
+    return f"{e.msg[0].lower()}{e.msg[1:]} at {where}"
 
 
 def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
-    """The sample a decoded record holds, in `data_format` ('auto' picks by field name)."""
+    """The sample a decoded record holds, in `data_format` ('auto' picks by field name: the first
+    of `messages`, `conversations`, `text` present and not null)."""
     if not isinstance(record, dict):
-        raise BadSample("unknown_format", f"expected a JSON object, got {type(record).__name__}")
+        raise BadSample("unknown_format", f"the row is a JSON {_json_type(record)}, not an object")
     if data_format == "auto":
-        data_format = next((f for f in FORMATS[1:] if f in record), "")
+        data_format = next((f for f in FORMATS[1:] if record.get(f) is not None), None) or next(
+            (f for f in FORMATS[1:] if f in record), ""
+        )
     if data_format not in record:
-        raise BadSample("unknown_format", f"fields present: {sorted(record)[:8]}")
+        fields = ", ".join(f"`{k}`" for k in sorted(record)[:8]) or "none"
+        wanted = "`messages`, `conversations` or `text`" if not data_format else f"`{data_format}` (data.format)"
+        raise BadSample("unknown_format", f"the record has no {wanted} field (its fields: {fields})")
     if data_format == "text":
         return _plain_text(record["text"])
-    key_role, key_content = ("role", "content") if data_format == "messages" else ("from", "value")
-    roles = _OPENAI_ROLES if data_format == "messages" else _SHAREGPT_ROLES
     turns = record[data_format]
-    if not isinstance(turns, (list, tuple)):
-        raise BadSample("bad_message", f"`{data_format}` is a {type(turns).__name__}, not a list")
-    messages = tuple(_message(turn, key_role, key_content, roles) for turn in turns)
-    _check_assistant_turns(messages)
+    if not isinstance(turns, list):
+        raise BadSample("bad_message", f"`{data_format}` is {_a_json_type(turns)}, not a list of messages")
+    messages = tuple(_message(turn, f"{data_format}[{i}]", data_format) for i, turn in enumerate(turns))
+    check_assistant_turns(messages, data_format)
     return Conversation(messages)
 
 
 def _plain_text(text: Any) -> PlainText:
     if not isinstance(text, str):
-        raise BadSample("unknown_format", f"`text` is a {type(text).__name__}, not a string")
+        raise BadSample("bad_content", f"`text` is {_a_json_type(text)}, not a string")
     if not text.strip():
-        raise BadSample("empty_text")
+        raise BadSample("empty_text", "the `text` field is empty")
+    _check_encodable(text, "`text`")
     return PlainText(text)
 
 
-def _message(turn: Any, key_role: str, key_content: str, roles: dict[str, str]) -> dict[str, str]:
-    if not isinstance(turn, dict) or key_role not in turn:
-        raise BadSample("bad_message", f"expected an object with `{key_role}`, got {str(turn)[:80]!r}")
+def _message(turn: Any, where: str, data_format: str) -> dict[str, str]:
+    if data_format == "conversations" and isinstance(turn, dict) and "from" not in turn and "role" in turn:
+        data_format = "messages"  # ShareGPT files that spell their turns the OpenAI way
+    key_role, key_content = ("role", "content") if data_format == "messages" else ("from", "value")
+    roles = _OPENAI_ROLES if data_format == "messages" else _SHAREGPT_ROLES
+    if not isinstance(turn, dict):
+        raise BadSample("bad_message", f"{where} is {_a_json_type(turn)}, not an object with `{key_role}`")
+    if key_role not in turn:
+        fields = ", ".join(f"`{k}`" for k in sorted(turn)[:8]) or "none"
+        raise BadSample("bad_message", f"{where} has no `{key_role}` field (its fields: {fields})")
     role = turn[key_role]
     if not isinstance(role, str) or role not in roles:
-        raise BadSample("unknown_role", f"role {role!r} (known: {', '.join(sorted(roles))})")
-    message = {"role": roles[role], "content": _text_content(turn.get(key_content), role)}
+        shown = repr(role) if isinstance(role, str) else _a_json_type(role)
+        raise BadSample("unknown_role", f"{where}.{key_role} is {shown[:60]} (known: {', '.join(sorted(roles))})")
+    if key_content not in turn:
+        raise BadSample("bad_content", f"{where} has no `{key_content}` field")
+    message = {"role": roles[role], "content": _text_content(turn[key_content], f"{where}.{key_content}", data_format)}
     reasoning = turn.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning:
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise BadSample("bad_content", f"{where}.reasoning_content is {_a_json_type(reasoning)}, not a string")
+    if reasoning:
+        _check_encodable(reasoning, f"{where}.reasoning_content")
         message["reasoning_content"] = reasoning
     return message
 
 
-def _text_content(content: Any, role: str) -> str:
-    """A string, or the concatenated text parts of an OpenAI content list."""
-    if content is None:
-        return ""
+def _text_content(content: Any, where: str, data_format: str) -> str:
+    """A string, or (OpenAI `messages` only) the concatenated parts of a list of
+    `{"type": "text", "text": ...}` parts."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        text = content
+    elif (
+        data_format == "messages"
+        and isinstance(content, list)
+        and content
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
     ):
-        return "".join(p["text"] for p in content)
-    raise BadSample("bad_message", f"{role} content is a {type(content).__name__} that is not text")
+        text = "".join(p["text"] for p in content)
+    elif data_format == "messages" and isinstance(content, list):
+        raise BadSample("bad_content", f"{where} is a list that is not a non-empty list of {{type: text, text: string}} parts")
+    else:
+        raise BadSample("bad_content", f"{where} is {_a_json_type(content)}, not a string")
+    _check_encodable(text, where)
+    return text
 
 
-def _check_assistant_turns(messages: tuple[dict[str, str], ...]) -> None:
+def _check_encodable(text: str, where: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates: not characters, so no tokenizer takes them."""
+    found = _SURROGATE.search(text)
+    if found:
+        raise BadSample(
+            "unencodable_text",
+            f"{where} holds a lone surrogate \\u{ord(found.group()):04x} at character {found.start() + 1}, which is not a character",
+        )
+
+
+def check_assistant_turns(messages: tuple[dict[str, str], ...], data_format: str = "messages") -> None:
     if not any(m["role"] == "assistant" for m in messages):
-        raise BadSample("no_assistant_turn")
+        raise BadSample("no_assistant_turn", "the conversation has no assistant turn" if messages else "the message list is empty")
     for i, m in enumerate(messages):
-        if m["role"] == "assistant" and not m["content"].strip() and not m.get("reasoning_content"):
-            raise BadSample("empty_assistant_turn", f"message {i} is an empty assistant turn")
+        if m["role"] == "assistant" and not m["content"].strip() and not m.get("reasoning_content", "").strip():
+            raise BadSample("empty_assistant_turn", f"{data_format}[{i}] is an assistant turn with empty content")
+
+
+def split_think_block(message: dict[str, str]) -> dict[str, str]:
+    """An assistant message whose content opens with a `<think>...</think>` block, with the
+    block's text moved to `reasoning_content` (Qwen3's own template splits it the same way).
+    When `reasoning_content` is already set the block is dropped if it says the same thing, and
+    otherwise kept (so the control-token check refuses the row). Other messages are unchanged."""
+    found = _THINK_BLOCK.fullmatch(message["content"]) if message["role"] == "assistant" else None
+    if not found or "<think>" in found.group(1):
+        return message
+    reasoning, content = found.group(1).strip("\n"), found.group(2).lstrip("\n")
+    existing = message.get("reasoning_content")
+    if existing and existing.strip() != reasoning.strip():
+        return message
+    out = {**message, "content": content}
+    if existing or reasoning:
+        out["reasoning_content"] = existing or reasoning
+    return out
+
+
+def find_control_text(messages: Iterable[dict[str, str]], pattern: re.Pattern) -> str | None:
+    """Where the first control-token text in `messages` is ("the content of turn 2 (assistant)
+    holds the text '<|im_end|>'"), or None. `pattern` matches any of the control tokens."""
+    for i, message in enumerate(messages):
+        for field in ("content", "reasoning_content"):
+            found = pattern.search(message.get(field) or "")
+            if found:
+                return f"the {field} of turn {i + 1} ({message['role']}) holds the text {found.group()!r}"
+    return None
+
+
+def control_token_pattern(tokens: Iterable[str]) -> re.Pattern | None:
+    """A regex that finds any of `tokens` (longest first), or None when there are none."""
+    tokens = sorted({t for t in tokens if t}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _a_json_type(value: Any) -> str:
+    """`null`, `a number`, `an object`, ...: how a value's type reads in a sentence."""
+    name = _json_type(value)
+    if name == "null":
+        return "null"
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"

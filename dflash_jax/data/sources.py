@@ -1,9 +1,15 @@
-"""Finding the source files and streaming their rows in chunks, never the whole file at once."""
+"""Finding the source files and streaming their rows in chunks, never the whole file at once.
+
+A problem with a whole file (missing, unreadable, not JSON Lines, not UTF-8 by its byte-order
+mark, damaged Parquet) is a `DataError` naming the file; a problem with one row is the row's
+(see `formats`), counted or reported with its 1-based line (JSONL) or 0-based row (Parquet).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import pathlib
 from collections.abc import Iterator
@@ -12,7 +18,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_jax.data.formats import FORMATS, UTF8_BOM
+from dflash_jax.errors import DataError
+
 SOURCE_SUFFIXES = (".jsonl", ".parquet")
+_EXPECTED = " or ".join(SOURCE_SUFFIXES)
+# What the first bytes of a file that is not UTF-8 JSON Lines say it is (longest mark first).
+_MAGIC = (
+    (b"\xff\xfe\x00\x00", "the file is UTF-32 (it starts with a UTF-32 byte-order mark); convert it to UTF-8"),
+    (b"\x00\x00\xfe\xff", "the file is UTF-32 (it starts with a UTF-32 byte-order mark); convert it to UTF-8"),
+    (b"\xff\xfe", "the file is UTF-16 (it starts with a UTF-16 byte-order mark); convert it to UTF-8"),
+    (b"\xfe\xff", "the file is UTF-16 (it starts with a UTF-16 byte-order mark); convert it to UTF-8"),
+    (b"\x1f\x8b", "the file is gzip-compressed; decompress it first"),
+    (b"PAR1", "the file is Parquet, not JSON Lines; name it .parquet"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,52 +45,100 @@ class RawChunk:
     nbytes: int
 
     def location(self, i: int) -> str:
-        """Where row `i` of this chunk comes from, as a user can open it."""
-        if self.path.endswith(".jsonl"):
+        """Where row `i` of this chunk comes from, as a user can open it: `file:line` (1-based)
+        for JSON Lines, `file (row n)` (0-based, as pyarrow and pandas count) for Parquet."""
+        if _is_jsonl(self.path):
             return f"{self.path}:{self.first_row + i + 1}"
         return f"{self.path} (row {self.first_row + i})"
 
 
 def resolve_sources(spec: str) -> list[str]:
-    """Files named by `spec`: comma-separated files, directories (searched recursively) or globs."""
+    """Files named by `spec`: comma-separated files, directories (searched recursively, hidden
+    files and directories left out) or globs. Suffixes match in any case (.JSONL too)."""
     paths: list[str] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         part = os.path.expanduser(part)
         if os.path.isdir(part):
-            found = sorted(str(p) for p in pathlib.Path(part).rglob("*") if p.suffix in SOURCE_SUFFIXES)
+            found = _files_under(part)
+            if not found:
+                raise DataError(f"{part}: no {_EXPECTED} file in this directory{_other_files(part)}")
         elif glob.has_magic(part):
-            found = sorted(p for p in glob.glob(part, recursive=True) if p.endswith(SOURCE_SUFFIXES))
+            found = []
+            for match in sorted(glob.glob(part, recursive=True)):
+                if os.path.isdir(match):
+                    found.extend(_files_under(match))
+                elif os.path.isfile(match) and _is_source(match):
+                    found.append(match)
+            if not found:
+                raise DataError(f"{part}: the pattern matches no {_EXPECTED} file")
         elif os.path.isfile(part):
-            if not part.endswith(SOURCE_SUFFIXES):
-                raise ValueError(f"{part}: unsupported file type (expected {' or '.join(SOURCE_SUFFIXES)})")
+            if not _is_source(part):
+                raise DataError(f"{part}: unsupported file type (expected {_EXPECTED})")
             found = [part]
+        elif os.path.lexists(part):
+            raise DataError(f"{part}: not a regular file (a broken link?)")
         else:
-            raise FileNotFoundError(f"data source {part!r} does not exist")
-        if not found:
-            raise FileNotFoundError(f"no {' or '.join(SOURCE_SUFFIXES)} files in {part!r}")
+            raise DataError(f"data source {part!r} does not exist")
         paths.extend(os.path.abspath(p) for p in found)
     if not paths:
-        raise ValueError("no data source given (set config.data.train)")
+        raise DataError("no data source given (set config.data.train)")
     return paths
+
+
+def _is_source(path: str) -> bool:
+    return path.lower().endswith(SOURCE_SUFFIXES)
+
+
+def _is_jsonl(path: str) -> bool:
+    return path.lower().endswith(".jsonl")
+
+
+def _files_under(root: str) -> list[str]:
+    """Source files below `root`, sorted; hidden ones (.ipynb_checkpoints, .git, our own partial
+    caches) are not data."""
+    found = []
+    for p in pathlib.Path(root).rglob("*"):
+        hidden = any(part.startswith(".") for part in p.relative_to(root).parts)
+        if not hidden and _is_source(p.name) and p.is_file():
+            found.append(str(p))
+    return sorted(found)
+
+
+def _other_files(root: str) -> str:
+    """' (it holds 2 other files, e.g. train.json)' for an error message, or ''."""
+    others = sorted(p.name for p in pathlib.Path(root).rglob("*") if p.is_file())
+    if not others:
+        return " (it is empty)"
+    return f" (it holds {len(others)} other file{'s' * (len(others) > 1)}, e.g. {others[0]})"
 
 
 def describe_sources(paths: list[str]) -> list[dict[str, Any]]:
     """What the cache depends on about each file: a changed size or mtime makes it stale."""
     out = []
     for path in paths:
-        st = os.stat(path)
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise DataError(f"{path}: cannot read the file ({e.strerror})") from None
         out.append({"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
     return out
 
 
-def iter_chunks(paths: list[str], rows_per_chunk: int) -> Iterator[RawChunk]:
+def iter_chunks(paths: list[str], rows_per_chunk: int, data_format: str = "auto") -> Iterator[RawChunk]:
     for path in paths:
-        reader = _jsonl_chunks if path.endswith(".jsonl") else _parquet_chunks
-        yield from reader(path, rows_per_chunk)
+        if _is_jsonl(path):
+            yield from _jsonl_chunks(path, rows_per_chunk)
+        else:
+            yield from _parquet_chunks(path, rows_per_chunk, data_format)
 
 
 def _jsonl_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the file ({e.strerror})") from None
+    with f:
+        _check_jsonl_start(path, f)
         first_row, rows, nbytes = 0, [], 0
         for line in f:
             rows.append(line)
@@ -83,14 +150,49 @@ def _jsonl_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
             yield RawChunk(path, first_row, rows, nbytes)
 
 
-def _parquet_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
+def _check_jsonl_start(path: str, f) -> None:
+    """File-level mistakes, told from the first bytes and the first line: another encoding or
+    format, or one JSON document (an array, a pretty-printed object) instead of JSON Lines."""
+    head = f.read(4)
+    f.seek(0)
+    for magic, problem in _MAGIC:
+        if head.startswith(magic):
+            raise DataError(f"{path}: {problem}")
+    if len(head) == 4 and head[0] and not head[1] and head[2] and not head[3]:
+        raise DataError(f"{path}: the file looks like UTF-16 (every other byte is zero); convert it to UTF-8")
+    first = b""
+    for line in f:
+        if line.strip():
+            first = line.removeprefix(UTF8_BOM).strip()
+            break
+    f.seek(0)
+    if first == b"{":
+        raise DataError(f"{path}: the file is one JSON object spread over several lines, not JSON Lines: write one object per line")
+    if first.startswith(b"["):
+        try:
+            value = json.loads(first)
+        except ValueError:
+            value = None  # the start of an array that goes on over several lines
+        if not isinstance(value, list) or not value or all(isinstance(v, dict) for v in value):
+            raise DataError(f"{path}: the file is a JSON array, not JSON Lines: write one object per line")
+
+
+def _parquet_chunks(path: str, rows_per_chunk: int, data_format: str) -> Iterator[RawChunk]:
     try:
         parquet = pq.ParquetFile(path)
+        names = set(parquet.schema_arrow.names)
+        wanted = FORMATS[1:] if data_format == "auto" else (data_format,)
+        columns = [c for c in wanted if c in names]
+        if not columns:
+            have = ", ".join(sorted(names)[:8]) or "none"
+            raise DataError(f"{path}: the Parquet file has no {' or '.join(f'`{c}`' for c in wanted)} column (its columns: {have})")
         bytes_per_row = os.path.getsize(path) / max(parquet.metadata.num_rows, 1)
         first_row = 0
-        for batch in parquet.iter_batches(batch_size=rows_per_chunk, use_threads=False):
+        for batch in parquet.iter_batches(batch_size=rows_per_chunk, columns=columns, use_threads=False):
             rows = batch.to_pylist()
             yield RawChunk(path, first_row, rows, round(len(rows) * bytes_per_row))
             first_row += len(rows)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: cannot read Parquet file: {e}") from e
+        size = os.path.getsize(path) if os.path.isfile(path) else -1
+        problem = "the file is empty (0 bytes)" if size == 0 else " ".join(str(e).split())[:300]
+        raise DataError(f"{path}: cannot read the Parquet file: {problem}") from None

@@ -8,6 +8,7 @@ import pytest
 
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.formats import SKIP_REASONS
+from dflash_jax.errors import DataError
 from support.chat_data import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
 
 # The Qwen3-style template, refusing tool messages the way real templates raise on bad input.
@@ -24,9 +25,9 @@ ROWS = [
     (b'{"messages": [{"role": "user"', "malformed_json"),
     (b"[1, 2, 3]", "unknown_format"),
     ({"prompt": "hi", "completion": "there"}, "unknown_format"),
-    ({"text": 42}, "unknown_format"),
+    ({"text": 42}, "bad_content"),
     ({"messages": [{"content": "no role"}, {"role": "assistant", "content": "x"}]}, "bad_message"),
-    ({"messages": [{"role": "user", "content": {"image": 1}}, {"role": "assistant", "content": "x"}]}, "bad_message"),
+    ({"messages": [{"role": "user", "content": {"image": 1}}, {"role": "assistant", "content": "x"}]}, "bad_content"),
     ({"messages": {"role": "user"}}, "bad_message"),
     ({"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown_role"),
     ({"conversations": [{"from": "alien", "value": "hi"}, {"from": "gpt", "value": "x"}]}, "unknown_role"),
@@ -96,15 +97,19 @@ def test_degenerate_masks_are_counted(tmp_path, template, reason):
 
 def test_on_bad_sample_error_stops_at_the_first_bad_row_naming_file_and_line(tmp_path, target):
     source = write_jsonl(tmp_path / "bad.jsonl", [row for row, _ in ROWS])
-    with pytest.raises(ValueError, match=rf"bad sample at {source}:2: invalid UTF-8 .*\[non_utf8"):
+    with pytest.raises(DataError) as e:
         ensure_cache(data_config(source, tmp_path / "cache", on_bad_sample="error"), target)
+    assert str(e.value) == (
+        f"{source}:2: the line is not valid UTF-8 (byte 0xe9 at byte 47 of the line) [non_utf8]; "
+        "set data.on_bad_sample='skip' to skip and count such rows"
+    )
     assert not (tmp_path / "cache").exists()
 
 
 def test_a_cache_with_skips_is_not_used_silently_when_bad_samples_are_errors(tmp_path, target):
     source = write_jsonl(tmp_path / "bad.jsonl", [row for row, _ in ROWS[:3]])
     ensure_cache(data_config(source, tmp_path / "cache"), target)
-    with pytest.raises(ValueError, match="bad sample at .*bad.jsonl:2"):
+    with pytest.raises(DataError, match=r"^\S*bad.jsonl:2: the line is not valid UTF-8 .*\[non_utf8\]; set data"):
         ensure_cache(data_config(source, tmp_path / "cache", on_bad_sample="error"), target)
 
 
@@ -121,15 +126,15 @@ def test_parquet_rows_are_located_by_row_number(tmp_path, target):
 
 def test_unreadable_sources_and_options_are_reported(tmp_path, target):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
-    with pytest.raises(ValueError, match="broken.parquet: cannot read Parquet file"):
+    with pytest.raises(DataError, match="broken.parquet: cannot read the Parquet file"):
         ensure_cache(data_config(tmp_path / "broken.parquet", tmp_path / "cache"), target)
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(DataError, match="missing.jsonl"):
         ensure_cache(data_config(tmp_path / "missing.jsonl", tmp_path / "cache"), target)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no .jsonl or .parquet files"):
+    with pytest.raises(DataError, match="empty: no .jsonl or .parquet file in this directory"):
         ensure_cache(data_config(tmp_path / "empty", tmp_path / "cache"), target)
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ValueError, match="unsupported file type"):
+    with pytest.raises(DataError, match="unsupported file type"):
         ensure_cache(data_config(tmp_path / "notes.txt", tmp_path / "cache"), target)
     source = write_jsonl(tmp_path / "ok.jsonl", [json.dumps(chat("hi", "Paris."))])
     with pytest.raises(ValueError, match="data.overlength='cut'"):
@@ -137,6 +142,6 @@ def test_unreadable_sources_and_options_are_reported(tmp_path, target):
 
 
 def test_a_source_without_any_usable_row_is_an_error(tmp_path, target):
-    source = write_jsonl(tmp_path / "all_bad.jsonl", [b"{", {"text": ""}])
-    with pytest.raises(ValueError, match="no usable sample .*malformed_json"):
+    source = write_jsonl(tmp_path / "all_bad.jsonl", [b"{\"messages\": [", {"text": ""}])
+    with pytest.raises(DataError, match=r"no usable sample in \S+: 2 rows read, all skipped: 1 malformed_json .*1 empty_text"):
         ensure_cache(data_config(source, tmp_path / "cache"), target)
