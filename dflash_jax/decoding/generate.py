@@ -23,7 +23,8 @@ from flax import nnx
 
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, choose
-from dflash_jax.models.qwen3 import KVCache, Transformer
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.qwen3 import Transformer
 
 MIN_PROMPT_BUCKET = 16
 
@@ -94,7 +95,7 @@ def target_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
     @functools.partial(jax.jit, static_argnames=("cache_len", "capacity"))
     def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
         target = nnx.merge(graphdef, state)
-        cache = KVCache.create(target.cfg, tokens.shape[0], cache_len, target.compute_dtype)
+        cache = target.new_cache(tokens.shape[0], cache_len)
         key, prefill_key = jax.random.split(key)
         first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling)
         out = outputs_lib.Outputs.create(tokens.shape[0], capacity).replace(done=~valid)
@@ -145,12 +146,13 @@ def _round_up(n: int, multiple: int = 64) -> int:
 
 
 class Decoder:
-    """Common driver: batching, seeds, warm-up. Subclasses provide `_prefill` and `_step`."""
+    """Common driver: batching, seeds, warm-up, over the jitted (prefill, step) pair that
+    `make_fns(graphdef, sampling)` builds for the decoded models."""
 
     block_size = 1
 
-    def __init__(self, *, max_prompt_len: int, max_new_tokens: int, batch_size: int = 1,
-                 sampling: SamplingConfig = GREEDY, stop_tokens: Sequence[int] = ()):
+    def __init__(self, models, make_fns: Callable, *, max_prompt_len: int, max_new_tokens: int,
+                 batch_size: int = 1, sampling: SamplingConfig = GREEDY, stop_tokens: Sequence[int] = ()):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.max_prompt_len = max_prompt_len
@@ -163,6 +165,15 @@ class Decoder:
         # up so that nearby max_new_tokens settings share compiled steps.
         self.cache_len = _round_up(prompt_bucket(max_prompt_len) + max_new_tokens + self.block_size)
         self.capacity = _round_up(max_new_tokens + self.block_size)
+        graphdef, self._state = nnx.split(models)
+        self.prefill_fn, self.step_fn = make_fns(graphdef, sampling)
+
+    def _prefill(self, tokens, lengths, valid, key):
+        return self.prefill_fn(self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
+                               cache_len=self.cache_len, capacity=self.capacity)
+
+    def _step(self, st):
+        return self.step_fn(self._state, st, self._max_new, self._stop_ids)
 
     def generate(self, prompts: Sequence[np.ndarray], *, seed: int = 0) -> list[Generation]:
         prompts = [np.asarray(p, np.int32) for p in prompts]
@@ -190,13 +201,4 @@ class TargetDecoder(Decoder):
     """Target-only decoding: one target forward per token."""
 
     def __init__(self, target: Transformer, **kwargs):
-        super().__init__(**kwargs)
-        graphdef, self._state = nnx.split(target)
-        self.prefill_fn, self.step_fn = target_fns(graphdef, self.sampling)
-
-    def _prefill(self, tokens, lengths, valid, key):
-        return self.prefill_fn(self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
-                               cache_len=self.cache_len, capacity=self.capacity)
-
-    def _step(self, st):
-        return self.step_fn(self._state, st, self._max_new, self._stop_ids)
+        super().__init__(target, target_fns, **kwargs)

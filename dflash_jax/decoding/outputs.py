@@ -11,7 +11,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models.qwen3 import write_at
+from dflash_jax.models.cache import write_rows
 
 
 @flax.struct.dataclass
@@ -59,7 +59,7 @@ def append(
     lengths = out.lengths + emitted
     stopped = first_stop < emitted
     done = out.done | stopped | (lengths >= max_new_tokens)
-    tokens = write_at(out.tokens, new.astype(jnp.int32), out.lengths)
+    tokens = write_rows(out.tokens, new.astype(jnp.int32), out.lengths)
     return Outputs(tokens, lengths, done), emitted
 
 

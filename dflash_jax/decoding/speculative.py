@@ -24,7 +24,8 @@ from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.generate import Decoder, prefill
 from dflash_jax.decoding.sampling import SamplingConfig, choose, verify_block
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
-from dflash_jax.models.qwen3 import KVCache, Transformer
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.qwen3 import Transformer
 
 
 @flax.struct.dataclass
@@ -53,11 +54,11 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
     def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
         target, drafter = nnx.merge(graphdef, state)
         batch, prompt_len = tokens.shape
-        cache = KVCache.create(target.cfg, batch, cache_len, target.compute_dtype)
+        cache = target.new_cache(batch, cache_len)
         key, prefill_key = jax.random.split(key)
         first, features, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling,
                                          feature_layers=drafter.cfg.target_layer_ids)
-        context = ContextCache.create(drafter.cfg, batch, cache_len, drafter.compute_dtype)
+        context = drafter.new_cache(batch, cache_len)
         positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
         context = drafter.extend_context(context, features, positions, lengths)
         out = outputs_lib.Outputs.create(batch, capacity).replace(done=~valid)
@@ -101,8 +102,6 @@ class SpeculativeDecoder(Decoder):
     """
 
     def __init__(self, target: Transformer, drafter: DFlashDrafter, **kwargs):
-        self.block_size = drafter.cfg.block_size
-        super().__init__(**kwargs)
         if drafter.cfg.vocab_size != target.cfg.vocab_size or drafter.cfg.hidden_size != target.cfg.hidden_size:
             raise ValueError(
                 f"drafter (vocab {drafter.cfg.vocab_size}, hidden {drafter.cfg.hidden_size}) does not "
@@ -113,12 +112,5 @@ class SpeculativeDecoder(Decoder):
                 f"drafter was built for a {drafter.cfg.num_target_layers}-layer target, "
                 f"this target has {target.cfg.num_layers} layers"
             )
-        graphdef, self._state = nnx.split((target, drafter))
-        self.prefill_fn, self.step_fn = spec_fns(graphdef, self.sampling)
-
-    def _prefill(self, tokens, lengths, valid, key):
-        return self.prefill_fn(self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
-                               cache_len=self.cache_len, capacity=self.capacity)
-
-    def _step(self, st):
-        return self.step_fn(self._state, st, self._max_new, self._stop_ids)
+        self.block_size = drafter.cfg.block_size
+        super().__init__((target, drafter), spec_fns, **kwargs)

@@ -7,26 +7,28 @@ Two entry points:
   * `decode` appends tokens to a `KVCache` (prefill and multi-token verification alike); the
     caller rolls back rejected tokens by lowering `cache.lengths`.
 Module names mirror the Hugging Face checkpoint names, so `hf.py` maps them mechanically.
+Shapes: B batch rows, S (or T new) tokens, D model dim, V vocab; see `attention.py` for heads.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models import attention
-from dflash_jax.models.config import DrafterConfig, TransformerConfig
+from dflash_jax.models.cache import KVCache, LayerCache
+from dflash_jax.models.config import TransformerConfig
 from dflash_jax.models.layers import AttentionProjections, RMSNorm, SwiGLU
 
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
+class TransformerBlock(nnx.Module):
+    """The weights of a pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). The attention pattern is given."""
+    Subclasses decide which keys and values the block's queries attend to.
+    """
 
     def __init__(
         self, *, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, rope, qk_norm,
@@ -45,39 +47,31 @@ class DecoderLayer(nnx.Module):
             rngs=rngs, init_std=init_std,
         )
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend_fn: AttendFn) -> jax.Array:
-        h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, positions)
-        k, v = self.self_attn.keys_values(h, positions)
-        x = x + self.self_attn.output(attend_fn(q, k, v))
+    def mlp_residual(self, x: jax.Array) -> jax.Array:
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@flax.struct.dataclass
-class KVCache:
-    """Per-layer keys/values [L, B, max_len, kv_heads, d]; `lengths` [B] counts valid slots."""
+class DecoderLayer(TransformerBlock):
+    """A target layer: causal self-attention over packed rows, or over a KV cache."""
 
-    k: jax.Array
-    v: jax.Array
-    lengths: jax.Array
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        """x [B, S, D], positions [B, S], mask [B, S, S] -> [B, S, D]."""
+        h = self.input_layernorm(x)
+        q = self.self_attn.queries(h, positions)
+        k, v = self.self_attn.keys_values(h, positions)
+        x = x + self.self_attn.output(attention.attend(q, k, v, mask))
+        return self.mlp_residual(x)
 
-    @classmethod
-    def create(cls, cfg: TransformerConfig | DrafterConfig, batch: int, max_len: int, dtype) -> "KVCache":
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
-
-
-def write_at(buffer: jax.Array, new: jax.Array, start: jax.Array, *, layer: int | None = None) -> jax.Array:
-    """buffer [B, M, ...] (or [L, B, M, ...] with `layer`) gets new [B, T, ...] at offsets start [B].
-
-    One scatter into the whole buffer, so a donated cache is updated in place (slicing out a
-    layer and stacking the layers back would copy the entire cache every step). Slots past the
-    end are dropped.
-    """
-    rows = jnp.arange(new.shape[0])[:, None]
-    slots = start[:, None] + jnp.arange(new.shape[1])[None, :]
-    index = (rows, slots) if layer is None else (layer, rows, slots)
-    return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
+    def decode(
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache, start: jax.Array, mask: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        """x [B, T, D] appended at slots start [B]; mask [B, T, M] -> ([B, T, D], updated cache)."""
+        h = self.input_layernorm(x)
+        q = self.self_attn.queries(h, positions)
+        k, v = self.self_attn.keys_values(h, positions)
+        cache = cache.write(k, v, start)
+        attn = attention.attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask)
+        return self.mlp_residual(x + self.self_attn.output(attn)), cache
 
 
 class Transformer(nnx.Module):
@@ -106,13 +100,18 @@ class Transformer(nnx.Module):
         )
 
     def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [...] -> [..., D]."""
         return self.embed_tokens(tokens).astype(self.compute_dtype)
 
     def unembed(self, h: jax.Array) -> jax.Array:
-        """Normalized hidden states -> logits with the target's LM head (tied or not)."""
+        """Normalized hidden states [..., D] -> logits [..., V] with the LM head (tied or not)."""
         if self.lm_head is None:
             return self.embed_tokens.attend(h.astype(self.compute_dtype))
         return self.lm_head(h)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.compute_dtype)
 
     def __call__(
         self,
@@ -123,49 +122,42 @@ class Transformer(nnx.Module):
         hidden_layers: Sequence[int] = (),
         return_logits: bool = True,
     ) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
-        """Packed forward. Returns (logits or None, outputs of `hidden_layers` in that order).
-
-        With return_logits=False the forward stops after max(hidden_layers).
-        """
+        """Packed forward of [B, S] rows -> (logits [B, S, V] or None, outputs [B, S, D] of
+        `hidden_layers` in that order). With return_logits=False the forward stops after
+        max(hidden_layers)."""
         mask = attention.packed_causal_mask(segment_ids)
         last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
         x = self.embed(tokens)
-        outputs = {}
-        for i in range(last + 1):
-            x = self.layers[i](x, positions, lambda q, k, v: attention.attend(q, k, v, mask))
-            outputs[i] = x
+        outputs = []
+        for layer in self.layers[: last + 1]:
+            x = layer(x, positions, mask)
+            outputs.append(x)
         logits = self.unembed(self.norm(x)) if return_logits else None
         return logits, tuple(outputs[i] for i in hidden_layers)
 
     def features(self, tokens, segment_ids, positions, layer_ids: Sequence[int]) -> jax.Array:
-        """DFlash context features: concat of the chosen layers' outputs, [B, S, k·H]."""
+        """DFlash context features (docs/design.md §2): the chosen layers' outputs concatenated,
+        [B, S, k·D]."""
         _, hidden = self(tokens, segment_ids, positions, hidden_layers=layer_ids, return_logits=False)
         return jnp.concatenate(hidden, axis=-1)
 
     def decode(
         self, tokens: jax.Array, cache: KVCache, *, feature_layers: Sequence[int] = ()
     ) -> tuple[jax.Array, jax.Array | None, KVCache]:
-        """Append tokens [B, T] after `cache.lengths`; returns (logits, features, new cache).
+        """Append tokens [B, T] after `cache.lengths` -> (logits [B, T, V], features, new cache).
 
         Positions continue from each row's cache length. Features (concat of `feature_layers`
-        outputs, [B, T, k·H]) are what the drafter's context cache needs for these tokens.
+        outputs, [B, T, k·D]) are what the drafter's context cache needs for these tokens.
         """
         num_new = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
-        mask = attention.cached_causal_mask(cache.lengths, num_new, cache.k.shape[2])
+        mask = attention.cached_causal_mask(cache.lengths, num_new, cache.max_len)
         x = self.embed(tokens)
-        k_cache, v_cache, outputs = cache.k, cache.v, {}
-        for i, layer in enumerate(self.layers):
-            def attend_cached(q, k, v, i=i):
-                nonlocal k_cache, v_cache
-                k_cache = write_at(k_cache, k, cache.lengths, layer=i)
-                v_cache = write_at(v_cache, v, cache.lengths, layer=i)
-                return attention.attend(q, k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype), mask)
-            x = layer(x, positions, attend_cached)
-            outputs[i] = x
+        outputs, layer_caches = [], []
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x, layer_cache = layer.decode(x, positions, layer_cache, cache.lengths, mask)
+            outputs.append(x)
+            layer_caches.append(layer_cache)
         logits = self.unembed(self.norm(x))
-        features = (
-            jnp.concatenate([outputs[i] for i in feature_layers], axis=-1) if feature_layers else None
-        )
-        new_cache = KVCache(k_cache, v_cache, cache.lengths + num_new)
-        return logits, features, new_cache
+        features = jnp.concatenate([outputs[i] for i in feature_layers], axis=-1) if feature_layers else None
+        return logits, features, KVCache(tuple(layer_caches), cache.lengths + num_new)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models.attention import block_context_mask
+from dflash_jax.models.chunking import map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.qwen3 import Transformer
 
@@ -144,33 +145,18 @@ def lm_head_cross_entropy(
     *,
     chunk_blocks: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """hidden [R, N, K, H], labels [R, N, K] -> (cross-entropy fp32, argmax == label), [R, N, K].
+    """hidden [R, N, K, D], labels [R, N, K] -> (cross-entropy fp32, argmax == label), [R, N, K].
 
     Works on `chunk_blocks` blocks of every row at a time (rows stay split over devices), and
     recomputes each chunk's logits in the backward pass instead of storing them.
     """
-    rows, n = labels.shape[:2]
-    c = min(chunk_blocks, n)
-    pad = (-n) % c
 
-    def split(x):  # [R, N, ...] -> [chunks, R, c, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(rows, (n + pad) // c, c, *x.shape[2:]), 1, 0)
-
-    @jax.checkpoint
-    def chunk(args):
-        h, y = args
+    def chunk(h, y):
         logits = unembed(h).astype(jnp.float32)
         label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        ce = jax.nn.logsumexp(logits, axis=-1) - label_logit
-        return ce, jnp.argmax(logits, axis=-1) == y
+        return jax.nn.logsumexp(logits, axis=-1) - label_logit, jnp.argmax(logits, axis=-1) == y
 
-    ce, correct = jax.lax.map(chunk, (split(hidden), split(labels)))
-
-    def merge(x):  # [chunks, R, c, K] -> [R, N, K]
-        return jnp.moveaxis(x, 0, 1).reshape(rows, n + pad, *x.shape[3:])[:, :n]
-
-    return merge(ce), merge(correct)
+    return map_block_chunks(chunk, (hidden, labels), chunk_blocks)
 
 
 def drafter_loss(

@@ -62,11 +62,9 @@ def test_features_stop_after_last_requested_layer(target):
 
 
 def test_prefill_and_cached_steps_match_full_forward(target):
-    from dflash_jax.models.qwen3 import KVCache
-
     tokens = np.random.default_rng(3).integers(0, 128, 20)
     full, hidden = _run(target, tokens, np.ones(20, int), np.arange(20), hidden_layers=(1, 3))
-    cache = KVCache.create(target.cfg, 1, 32, jnp.float32)
+    cache = target.new_cache(1, 32)
     with jax.default_matmul_precision("highest"):
         logits_a, feats_a, cache = target.decode(jnp.asarray(tokens[:11])[None], cache, feature_layers=(1, 3))
         # A rejected draft: write 4 garbage tokens, then roll back to the accepted length.

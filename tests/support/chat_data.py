@@ -8,6 +8,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# The drafter's mask token, added after training so that every other id stays as it was (id 400).
+MASK_TOKEN = "<|MASK|>"
 
 # Same structure as Qwen3's template: a leading system turn, assistant turns after the last user
 # query rendered with a <think> block, earlier ones with their reasoning stripped, and an empty
@@ -71,6 +73,7 @@ def write_tiny_target(directory: pathlib.Path, chat_template: str = QWEN3_STYLE_
         vocab_size=400, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(_CORPUS, trainer=trainer)
+    tokenizer.add_special_tokens([MASK_TOKEN])
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

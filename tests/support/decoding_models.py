@@ -78,6 +78,9 @@ class OracleDrafter(nnx.Module):
         self.embedding = nnx.Variable(target.embed_tokens.embedding[...])
         self.successor = nnx.Variable(jnp.asarray(successor))
 
+    def new_cache(self, batch: int, max_len: int) -> ContextCache:
+        return ContextCache.create(1, batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim, jnp.float32)
+
     def extend_context(self, cache: ContextCache, features, positions, num_valid) -> ContextCache:
         return cache.replace(lengths=cache.lengths + num_valid)
 

@@ -163,7 +163,7 @@ def test_loss_is_weighted_mean_of_slot_cross_entropies(models):
     def run(target, drafter, batch):
         features, embeds, blocks = objective.frozen_inputs(target, batch, jax.random.key(0), cfg)
         loss, sums = objective.drafter_loss(drafter, target.unembed, features, embeds, batch["positions"], blocks, cfg)
-        hidden = drafter(embeds, blocks.positions, drafter.context(features), batch["positions"], blocks.ctx_mask, blocks_per_chunk=None)
+        hidden = drafter(embeds, blocks.positions, drafter.context(features), batch["positions"], blocks.ctx_mask, blocks_per_chunk=cfg.num_anchors)
         return loss, sums, blocks, target.unembed(hidden[:, :, 1:])
 
     with jax.default_matmul_precision("highest"):

@@ -1,0 +1,36 @@
+"""Mapping a function over chunks of blocks, one chunk at a time, rematerialized.
+
+DFlash training runs hundreds of blocks per row. Attention over all of them at once would hold an
+[N·L, S] score tensor, and the LM head an [N·L, vocab] logits tensor; both are instead computed
+a chunk of blocks at a time (`lax.map`) and recomputed in the backward pass (`jax.checkpoint`),
+so memory grows with the chunk size, not with the number of blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def map_block_chunks(fn: Callable, xs: tuple[jax.Array, ...], blocks_per_chunk: int):
+    """fn(*chunks) applied to `blocks_per_chunk` blocks at a time; results concatenated.
+
+    Every array of `xs` has the blocks on axis 1 ([B, N, ...]); `fn` maps arrays of shape
+    [B, c, ...] to an array (or tuple of arrays) of shape [B, c, ...]. The last chunk is padded
+    with zeros and the padding dropped from the result, so `fn` must keep blocks independent.
+    """
+    b, n = xs[0].shape[:2]
+    c = min(blocks_per_chunk, n)
+    pad = (-n) % c
+
+    def split(x):  # [B, N, ...] -> [N/c, B, c, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, (n + pad) // c, c, *x.shape[2:]), 1, 0)
+
+    def merge(y):  # [N/c, B, c, ...] -> [B, N, ...]
+        return jnp.moveaxis(y, 0, 1).reshape(b, n + pad, *y.shape[3:])[:, :n]
+
+    out = jax.lax.map(jax.checkpoint(lambda args: fn(*args)), tuple(split(x) for x in xs))
+    return jax.tree.map(merge, out)
