@@ -323,7 +323,7 @@ def _bad_sample_message(reason: str, example: str) -> str:
 
 def _no_usable_sample_message(spec: str, counts: _Counts) -> str:
     if counts.rows == 0:
-        return f"no usable sample in {spec}: the source files hold no rows (empty, or blank lines only)"
+        return f"no usable sample in {spec}: the source files hold no rows"
     skipped = ", ".join(f"{n} {reason} ({SKIP_REASONS[reason]})" for reason, n in counts.skipped.most_common())
     return f"no usable sample in {spec}: {counts.rows} rows read, all skipped: {skipped}; the first: {_one_line(counts.first[1])}"
 

@@ -97,8 +97,11 @@ def decode_json_line(line: bytes) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_object_without_duplicate_keys)
     except json.JSONDecodeError as e:
-        if not line.endswith(b"\n"):
-            raise BadSample("malformed_json", f"the last line is truncated (no newline at the end and {_json_error(e)})") from None
+        incomplete = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+        if incomplete and not line.endswith(b"\n"):
+            raise BadSample("malformed_json", "the last line is truncated: it has no newline at the end and stops in the middle of a JSON value") from None
+        if incomplete:
+            raise BadSample("malformed_json", "the line stops in the middle of a JSON value (a row split over several lines?)") from None
         raise BadSample("malformed_json", f"the line is not valid JSON: {_json_error(e)}") from None
     except RecursionError:
         raise BadSample("malformed_json", "the JSON is nested too deeply to read") from None
@@ -126,10 +129,13 @@ def _json_error(e: json.JSONDecodeError) -> str:
         "Expecting value": f"a value was expected at {where}",
         "Invalid control character at": f"a raw control character (tab, NUL, ...) inside a string at {where}; escape it",
         "Expecting property name enclosed in double quotes": f"an object key was expected at {where} (a trailing comma?)",
+        "Illegal trailing comma before end of object": f"a trailing comma at {where}",  # Python 3.13+
+        "Illegal trailing comma before end of array": f"a trailing comma at {where}",
     }
     if e.msg in messages:
         return messages[e.msg]
-    return f"{e.msg[0].lower()}{e.msg[1:]} at {where}"
+    msg = e.msg.removesuffix(" at")
+    return f"{msg[0].lower()}{msg[1:]} at {where}"
 
 
 def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:

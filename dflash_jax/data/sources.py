@@ -138,7 +138,7 @@ def _jsonl_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
     except OSError as e:
         raise DataError(f"{path}: cannot read the file ({e.strerror})") from None
     with f:
-        _check_jsonl_start(path, f)
+        check_jsonl_start(path, f)
         first_row, rows, nbytes = 0, [], 0
         for line in f:
             rows.append(line)
@@ -150,7 +150,7 @@ def _jsonl_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
             yield RawChunk(path, first_row, rows, nbytes)
 
 
-def _check_jsonl_start(path: str, f) -> None:
+def check_jsonl_start(path: str, f) -> None:
     """File-level mistakes, told from the first bytes and the first line: another encoding or
     format, or one JSON document (an array, a pretty-printed object) instead of JSON Lines."""
     head = f.read(4)

@@ -4,17 +4,33 @@ Rows are OpenAI `messages` (role/content) or ShareGPT `conversations` (from/valu
 a row is its conversation without trailing assistant turns, rendered with the target's own chat
 template and a generation prompt. Bundled held-out sets are named by their file stem in
 `assets/data/` (e.g. `heldout_prompts`).
+
+Prompt files are read as the training data is (`dflash_jax.data`): a UTF-8 byte-order mark is
+ignored, a file in another encoding or that is not JSON Lines is refused, and a row that cannot
+be a prompt (not UTF-8, not JSON, not a conversation, holding the text of a control token such
+as <|im_end|>) stops loading with one line naming `file:line`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import jinja2
 import numpy as np
+
+from dflash_jax.data.chat import control_tokens
+from dflash_jax.data.formats import (
+    UTF8_BOM,
+    BadSample,
+    control_token_pattern,
+    decode_json_line,
+    find_control_text,
+    split_think_block,
+)
+from dflash_jax.data.sources import check_jsonl_start
+from dflash_jax.errors import DataError
 
 BUNDLED_DATA = Path(__file__).resolve().parents[2] / "assets" / "data"
 BUNDLED_SETS = ("heldout_prompts", "stdlib_heldout")
@@ -29,13 +45,17 @@ def resolve_prompt_set(spec: str) -> tuple[str, str]:
     bundled = BUNDLED_DATA / f"{spec}.jsonl"
     if bundled.is_file():
         return spec, str(bundled)
-    raise FileNotFoundError(
+    raise PromptSetNotFound(
         f"prompt set {spec!r} is neither a file nor a bundled set (bundled: {', '.join(BUNDLED_SETS)})"
     )
 
 
-class BadRow(ValueError):
-    """A prompt row that cannot be used; the message names the file and line."""
+class PromptSetNotFound(DataError, FileNotFoundError):
+    """A prompt set that is neither a file nor a bundled set."""
+
+
+class BadRow(DataError, ValueError):
+    """A prompt row (or file) that cannot be used; the message names the file and line."""
 
 
 def conversation(record: Any) -> list[dict[str, str]]:
@@ -52,12 +72,17 @@ def conversation(record: Any) -> list[dict[str, str]]:
         raise ValueError("the conversation must be a non-empty list of turns")
     messages = []
     for i, turn in enumerate(turns):
-        role = turn.get(role_key) if isinstance(turn, dict) else None
-        content = turn.get(content_key) if isinstance(turn, dict) else None
-        if role not in ROLES:
+        if not isinstance(turn, dict):
+            raise ValueError(f"turn {i} is a {type(turn).__name__}, not an object with `{role_key}` and `{content_key}`")
+        role, content = turn.get(role_key), turn.get(content_key)
+        if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"turn {i} has role {role!r} (known: {', '.join(sorted(ROLES))})")
         if not isinstance(content, str):
-            raise ValueError(f"turn {i} content is a {type(content).__name__}, not a string")
+            what = "missing" if content_key not in turn else f"a {type(content).__name__}"
+            raise ValueError(f"turn {i} content is {what}, not a string")
+        surrogate = next((c for c in content if "\ud800" <= c <= "\udfff"), None)
+        if surrogate:
+            raise ValueError(f"turn {i} content holds a lone surrogate \\u{ord(surrogate):04x}, which is not a character")
         messages.append({"role": ROLES[role], "content": content})
     return messages
 
@@ -73,18 +98,29 @@ def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, text) of every non-blank line."""
-    with open(path, encoding="utf-8") as f:
+    """(line number, text) of every non-blank line, a leading byte-order mark dropped. A file
+    that is not UTF-8 JSON Lines (UTF-16, a JSON array, ...) is a `BadRow` naming it; bytes that
+    are not UTF-8 reach `decode_row` as surrogate escapes, which it refuses with their line."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise BadRow(f"{path}: cannot read the file ({e.strerror})") from None
+    with f:
+        try:
+            check_jsonl_start(path, f)
+        except DataError as e:
+            raise BadRow(str(e)) from None
         for number, line in enumerate(f, 1):
             if line.strip():
-                yield number, line
+                yield number, line.removeprefix(UTF8_BOM).decode("utf-8", "surrogateescape")
 
 
 def decode_row(text: str) -> Any:
+    """A JSONL row's value; ValueError saying what is wrong with the row, in words."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+        return decode_json_line(text.encode("utf-8", "surrogateescape"))
+    except BadSample as e:
+        raise ValueError(e.detail.removeprefix("the line is ")) from None
 
 
 class ChatTokenizer:
@@ -134,14 +170,23 @@ def _stop_tokens(tokenizer_dir: str, tokenizer) -> tuple[int, ...]:
 def load_prompts(spec: str, chat: ChatTokenizer, *, limit: int = 0) -> tuple[str, list[np.ndarray]]:
     """(set name, chat-templated prompt token arrays) of a bundled set or JSONL file."""
     name, path = resolve_prompt_set(spec)
+    tokens = control_tokens(chat.tokenizer)
+    pattern = control_token_pattern(tokens)
+    split_think = {"<think>", "</think>"} <= set(tokens)
     prompts = []
     for number, text in jsonl_lines(path):
         if limit and len(prompts) == limit:
             break
         try:
-            prompts.append(chat.prompt_ids(prompt_messages(conversation(decode_row(text)))))
-        except (ValueError, jinja2.TemplateError) as e:
-            raise BadRow(f"{path}:{number}: {e}") from None
+            messages = prompt_messages(conversation(decode_row(text)))
+            if split_think:  # reasoning of earlier assistant turns, as the training data has it
+                messages = [split_think_block(m) for m in messages]
+            found = find_control_text(messages, pattern) if pattern else None
+            if found:
+                raise ValueError(f"{found}, a control token of the tokenizer")
+            prompts.append(chat.prompt_ids(messages))
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise BadRow(f"{path}:{number}: {' '.join(str(e).split())}") from None
     if not prompts:
-        raise BadRow(f"{path} holds no prompt")
+        raise BadRow(f"{path}: the file holds no prompt (it is empty or blank)")
     return name, prompts

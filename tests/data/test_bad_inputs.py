@@ -9,13 +9,9 @@ import pytest
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.formats import SKIP_REASONS
 from dflash_jax.errors import DataError
-from support.chat_data import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
+from support.chat_data import TOOL_REFUSING_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
 
-# The Qwen3-style template, refusing tool messages the way real templates raise on bad input.
-STRICT_TEMPLATE = (
-    "{%- for m in messages %}{%- if m.role == 'tool' %}"
-    "{{ raise_exception('tool messages need tool calls') }}{%- endif %}{%- endfor %}" + QWEN3_STYLE_TEMPLATE
-)
+STRICT_TEMPLATE = TOOL_REFUSING_TEMPLATE
 LONG = " ".join(["the capital of France is Paris"] * 20)  # well over 64 tokens
 
 # (row, reason it is skipped); None = a good row.

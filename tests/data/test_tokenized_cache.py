@@ -128,11 +128,13 @@ def test_tokenizing_on_two_processes_builds_the_same_cache(tmp_path, target, sou
 def test_prepare_command_builds_the_cache_and_prints_steps(tmp_path, target, sources):
     config = tmp_path / "config.py"
     config.write_text(
+        "import dataclasses\n"
         "import ml_collections\n"
         "from support.chat_data import data_config\n"
         "def get_config():\n"
         f"    config = ml_collections.ConfigDict({{'target': {{'path': {target!r}}}}})\n"
-        f"    config.data = data_config({str(sources)!r}, {str(tmp_path / 'cache')!r})\n"
+        f"    data = data_config({str(sources)!r}, {str(tmp_path / 'cache')!r})\n"
+        "    config.data = ml_collections.ConfigDict(dataclasses.asdict(data))\n"
         "    return config\n"
     )
     run = subprocess.run(

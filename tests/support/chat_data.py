@@ -53,6 +53,34 @@ QWEN3_STYLE_TEMPLATE = """\
 {%- endif %}
 """
 
+# The bundled tiny target's template: every message as <|im_start|>role\ncontent<|im_end|>.
+SIMPLE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# The simple template, refusing conversations whose roles do not alternate user/assistant after
+# an optional system turn (as Llama 2 and Mistral templates do), so also assistant-first ones.
+ALTERNATING_TEMPLATE = (
+    "{%- set first = 1 if messages[0].role == 'system' else 0 %}"
+    "{%- for m in messages[first:] %}{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}{%- endfor %}" + SIMPLE_TEMPLATE
+)
+# The Qwen3-style template, refusing tool messages the way real templates raise on bad input.
+TOOL_REFUSING_TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "{{ raise_exception('tool messages need tool calls') }}{%- endif %}{%- endfor %}" + QWEN3_STYLE_TEMPLATE
+)
+# A (broken) template that itself renders the drafter's mask token into every conversation.
+MASK_RENDERING_TEMPLATE = "{{- '<|MASK|>' }}" + SIMPLE_TEMPLATE
+TEMPLATES = {
+    "qwen3": QWEN3_STYLE_TEMPLATE,
+    "simple": SIMPLE_TEMPLATE,
+    "alternating": ALTERNATING_TEMPLATE,
+    "tool_refusing": TOOL_REFUSING_TEMPLATE,
+    "mask_rendering": MASK_RENDERING_TEMPLATE,
+}
+
 _CORPUS = [
     "You are a helpful assistant.",
     "What is the capital of France? The capital of France is Paris.",
@@ -88,17 +116,10 @@ def write_tiny_target(directory: pathlib.Path, chat_template: str = QWEN3_STYLE_
 
 def data_config(train, cache_dir, **overrides):
     """`config.data` for tests: in-process tokenization and loading, small rows."""
-    from dflash_jax.data.config import default_data_config
+    from dflash_jax.data.config import DataConfig
 
-    data = default_data_config()
-    data.train = str(train)
-    data.cache_dir = str(cache_dir)
-    data.tokenize_processes = 1
-    data.read_threads = 0
-    data.seq_len = 64
-    data.global_batch_rows = 4
-    data.update(overrides)
-    return data
+    settings = {"tokenize_processes": 1, "read_threads": 0, "seq_len": 64, "global_batch_rows": 4, **overrides}
+    return DataConfig(train=str(train), cache_dir=str(cache_dir), **settings)
 
 
 def write_jsonl(path: pathlib.Path, records) -> pathlib.Path:
