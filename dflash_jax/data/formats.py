@@ -155,7 +155,7 @@ def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
         return _plain_text(record["text"])
     turns = record[data_format]
     if not isinstance(turns, list):
-        raise BadSample("bad_message", f"`{data_format}` is {_a_json_type(turns)}, not a list of messages")
+        raise BadSample("bad_message", f"`{data_format}` is {a_json_type(turns)}, not a list of messages")
     messages = tuple(_message(turn, f"{data_format}[{i}]", data_format) for i, turn in enumerate(turns))
     check_assistant_turns(messages, data_format)
     return Conversation(messages)
@@ -163,7 +163,7 @@ def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
 
 def _plain_text(text: Any) -> PlainText:
     if not isinstance(text, str):
-        raise BadSample("bad_content", f"`text` is {_a_json_type(text)}, not a string")
+        raise BadSample("bad_content", f"`text` is {a_json_type(text)}, not a string")
     if not text.strip():
         raise BadSample("empty_text", "the `text` field is empty")
     _check_encodable(text, "`text`")
@@ -176,20 +176,20 @@ def _message(turn: Any, where: str, data_format: str) -> dict[str, str]:
     key_role, key_content = ("role", "content") if data_format == "messages" else ("from", "value")
     roles = _OPENAI_ROLES if data_format == "messages" else _SHAREGPT_ROLES
     if not isinstance(turn, dict):
-        raise BadSample("bad_message", f"{where} is {_a_json_type(turn)}, not an object with `{key_role}`")
+        raise BadSample("bad_message", f"{where} is {a_json_type(turn)}, not an object with `{key_role}`")
     if key_role not in turn:
         fields = ", ".join(f"`{k}`" for k in sorted(turn)[:8]) or "none"
         raise BadSample("bad_message", f"{where} has no `{key_role}` field (its fields: {fields})")
     role = turn[key_role]
     if not isinstance(role, str) or role not in roles:
-        shown = repr(role) if isinstance(role, str) else _a_json_type(role)
+        shown = repr(role) if isinstance(role, str) else a_json_type(role)
         raise BadSample("unknown_role", f"{where}.{key_role} is {shown[:60]} (known: {', '.join(sorted(roles))})")
     if key_content not in turn:
         raise BadSample("bad_content", f"{where} has no `{key_content}` field")
     message = {"role": roles[role], "content": _text_content(turn[key_content], f"{where}.{key_content}", data_format)}
     reasoning = turn.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
-        raise BadSample("bad_content", f"{where}.reasoning_content is {_a_json_type(reasoning)}, not a string")
+        raise BadSample("bad_content", f"{where}.reasoning_content is {a_json_type(reasoning)}, not a string")
     if reasoning:
         _check_encodable(reasoning, f"{where}.reasoning_content")
         message["reasoning_content"] = reasoning
@@ -211,7 +211,7 @@ def _text_content(content: Any, where: str, data_format: str) -> str:
     elif data_format == "messages" and isinstance(content, list):
         raise BadSample("bad_content", f"{where} is a list that is not a non-empty list of {{type: text, text: string}} parts")
     else:
-        raise BadSample("bad_content", f"{where} is {_a_json_type(content)}, not a string")
+        raise BadSample("bad_content", f"{where} is {a_json_type(content)}, not a string")
     _check_encodable(text, where)
     return text
 
@@ -285,7 +285,7 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def _a_json_type(value: Any) -> str:
+def a_json_type(value: Any) -> str:
     """`null`, `a number`, `an object`, ...: how a value's type reads in a sentence."""
     name = _json_type(value)
     if name == "null":

@@ -24,6 +24,7 @@ from dflash_jax.data.chat import control_tokens
 from dflash_jax.data.formats import (
     UTF8_BOM,
     BadSample,
+    a_json_type,
     control_token_pattern,
     decode_json_line,
     find_control_text,
@@ -73,12 +74,12 @@ def conversation(record: Any) -> list[dict[str, str]]:
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise ValueError(f"turn {i} is a {type(turn).__name__}, not an object with `{role_key}` and `{content_key}`")
+            raise ValueError(f"turn {i} is {a_json_type(turn)}, not an object with `{role_key}` and `{content_key}`")
         role, content = turn.get(role_key), turn.get(content_key)
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"turn {i} has role {role!r} (known: {', '.join(sorted(ROLES))})")
         if not isinstance(content, str):
-            what = "missing" if content_key not in turn else f"a {type(content).__name__}"
+            what = "missing" if content_key not in turn else a_json_type(content)
             raise ValueError(f"turn {i} content is {what}, not a string")
         surrogate = next((c for c in content if "\ud800" <= c <= "\udfff"), None)
         if surrogate:
