@@ -14,6 +14,7 @@ removes it once its builder is gone (same host, pid no longer running) or it is 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,8 @@ import uuid
 
 import numpy as np
 
+from dflash_jax.errors import DataError
+
 MANIFEST = "manifest.json"
 TOKENS = "tokens.u32"
 LOSS_MASK = "loss_mask.u8"
@@ -33,9 +36,24 @@ BUILDER = "builder.json"
 ABANDONED_AFTER_S = 24 * 3600
 
 
+def _writing(fn):
+    """Turns an OSError while writing the cache (a read-only or full disk) into a `DataError`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OSError as e:
+            where = e.filename or getattr(args[0] if args else None, "directory", None) or "the tokenized cache"
+            raise DataError(f"cannot write {where}: {e.strerror or e}; set data.cache_dir to a writable place with free space") from None
+
+    return wrapper
+
+
 class CacheWriter:
     """Appends samples to a cache directory under construction."""
 
+    @_writing
     def __init__(self, directory: str):
         self.directory = directory
         self._tokens = open(os.path.join(directory, TOKENS), "wb")
@@ -43,6 +61,7 @@ class CacheWriter:
         self._lengths: list[np.ndarray] = []
         self._digest = hashlib.sha256()
 
+    @_writing
     def add(self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
         """Appends samples given concatenated, with their lengths."""
         tokens, loss_mask = tokens.astype(np.uint32), loss_mask.astype(np.uint8)
@@ -56,6 +75,7 @@ class CacheWriter:
         """Lengths of the samples added so far."""
         return np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
 
+    @_writing
     def finish(self, manifest: dict) -> dict:
         """Writes offsets, then the manifest (last, so it marks the directory complete)."""
         self._tokens.close()
@@ -105,6 +125,7 @@ def read_manifest(directory: str) -> dict | None:
     return manifest if manifest.get("complete") else None
 
 
+@_writing
 def new_partial_dir(final_dir: str) -> str:
     """A fresh hidden directory beside `final_dir` to build into, marked with its builder."""
     parent, name = os.path.split(os.path.abspath(final_dir))
@@ -171,6 +192,7 @@ def _partial_prefix(name: str) -> str:
     return f".{name}.partial-"
 
 
+@_writing
 def publish(partial_dir: str, final_dir: str) -> None:
     """Moves a finished cache into place, replacing a stale one; never leaves a half state
     that looks complete (at worst, no cache at all)."""

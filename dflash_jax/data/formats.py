@@ -155,7 +155,8 @@ def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
         return _plain_text(record["text"])
     turns = record[data_format]
     if not isinstance(turns, list):
-        raise BadSample("bad_message", f"`{data_format}` is {a_json_type(turns)}, not a list of messages")
+        hint = " (it holds JSON text: decode it into a list)" if isinstance(turns, str) and turns.lstrip().startswith("[") else ""
+        raise BadSample("bad_message", f"`{data_format}` is {a_json_type(turns)}, not a list of messages{hint}")
     messages = tuple(_message(turn, f"{data_format}[{i}]", data_format) for i, turn in enumerate(turns))
     check_assistant_turns(messages, data_format)
     return Conversation(messages)

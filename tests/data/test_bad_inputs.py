@@ -135,6 +135,9 @@ def test_unreadable_sources_and_options_are_reported(tmp_path, target):
     source = write_jsonl(tmp_path / "ok.jsonl", [json.dumps(chat("hi", "Paris."))])
     with pytest.raises(ValueError, match="data.overlength='cut'"):
         ensure_cache(data_config(source, tmp_path / "cache", overlength="cut"), target)
+    (tmp_path / "a_file").write_text("not a directory")
+    with pytest.raises(DataError, match="^cannot write .*a_file: .*; set data.cache_dir to a writable place"):
+        ensure_cache(data_config(source, tmp_path / "a_file" / "cache"), target)
 
 
 def test_a_source_without_any_usable_row_is_an_error(tmp_path, target):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from support.chat_data import chat, write_tiny_target
 
-from dflash_jax.data.chat import SampleEncoder
+from dflash_jax.data.chat import SampleEncoder, control_tokens
 from dflash_jax.data.formats import BadSample, normalize_record
 
 
@@ -113,3 +113,35 @@ def test_a_template_whose_prefixes_are_not_prefixes_is_rejected(tmp_path):
     with pytest.raises(BadSample) as e:
         encode(encoder, chat("What is the capital?", "Paris.", "Tell me a joke.", "Why did the cat sit?"))
     assert e.value.reason == "template_mismatch"
+
+
+def test_control_tokens_are_the_special_and_markup_added_tokens(tmp_path):
+    import tokenizers
+    import transformers
+
+    directory = write_tiny_target(tmp_path)
+    tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    # Some tokenizers add whitespace runs or words as (non-special) added tokens: vocabulary.
+    tokenizer.add_tokens(["    ", "\n\n", "hello", "<tool_call>", "[INST]"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokens = control_tokens(transformers.AutoTokenizer.from_pretrained(str(directory)))
+    assert set(tokens) == {
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|MASK|>", "<tool_call>", "[INST]"
+    }
+
+
+def test_a_think_block_opening_an_answer_is_its_reasoning(encoders):
+    as_text = chat("What is the capital of France?", "<think>\nLet me think.\n</think>\n\nThe capital of France is Paris.")
+    as_field = chat("What is the capital of France?", "The capital of France is Paris.")
+    as_field["messages"][-1]["reasoning_content"] = "Let me think."
+    for got, want in zip(encode(encoders[True], as_text), encode(encoders[True], as_field)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_an_opening_assistant_turn_is_trained_on(encoders, thinking):
+    record = {"messages": [{"role": "assistant", "content": "Hello! How can I help?"}] + chat("Capital?", "Paris.")["messages"]}
+    ids, mask = encode(encoders[thinking], record)
+    last = "<think>\n\n</think>\n\nParis.<|im_end|>" if thinking else "Paris.<|im_end|>"
+    assert loss_spans(encoders[thinking], ids, mask) == ["Hello! How can I help?<|im_end|>", last]
+    assert encoders[thinking].tokenizer.decode(ids) + "\n" == rendered(encoders[thinking], record, thinking)
