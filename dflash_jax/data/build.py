@@ -196,7 +196,7 @@ class ChunkTokenizer:
             rows += 1
             try:
                 record = decode_json_line(row) if isinstance(row, bytes) else row
-                ids, mask = encoder.encode(normalize_record(record, self.data_format))
+                ids, mask = encoder.encode(normalize_record(record, self.data_format), max_len=self.seq_len)
                 if len(ids) > self.seq_len:
                     ids, mask = self._fit(ids, mask)
                     truncated += 1

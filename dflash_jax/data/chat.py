@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 
 import jinja2
@@ -86,6 +87,7 @@ class SampleEncoder:
         template = self.tokenizer.chat_template
         self.chat_template_sha256 = hashlib.sha256(template.encode()).hexdigest() if template else None
         self.vocab_size = len(self.tokenizer)
+        self.tokenizer.model_max_length = sys.maxsize  # lengths are ours to handle (no warning)
         self._tokenizer_dir = tokenizer_dir
         self.control_tokens = control_tokens(self.tokenizer)
         self._control_pattern = control_token_pattern(self.control_tokens)
@@ -93,8 +95,10 @@ class SampleEncoder:
         self._split_think = {"<think>", "</think>"} <= set(self.control_tokens)
         self.mask_token_id = self.tokenizer.get_added_vocab().get(MASK_TOKEN)
 
-    def encode(self, sample: Conversation | PlainText) -> tuple[np.ndarray, np.ndarray]:
-        """int32 token ids and uint8 loss mask of equal length."""
+    def encode(self, sample: Conversation | PlainText, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """int32 token ids and uint8 loss mask of equal length. With `max_len`, the caller keeps
+        only the first `max_len` tokens: a sample may then come back longer than that with the
+        loss of turns that start beyond it left out (finding them is quadratic in the turns)."""
         if isinstance(sample, PlainText):
             found = self._control_pattern.search(sample.text) if self._control_pattern else None
             if found:
@@ -109,7 +113,7 @@ class SampleEncoder:
             found = find_control_text(messages, self._control_pattern) if self._control_pattern else None
             if found:
                 self._refuse_control_text(found)
-            ids, mask = self._encode_conversation(messages)
+            ids, mask = self._encode_conversation(messages, max_len)
         if self.mask_token_id is not None and (ids == self.mask_token_id).any():
             raise BadSample("control_token_text", f"the tokenized sample holds the mask token id {self.mask_token_id}")
         return ids, mask
@@ -139,15 +143,15 @@ class SampleEncoder:
             raise BadSample("template_error", f"{type(e).__name__}: {e}") from None
         return self._ids(text)
 
-    def _encode_conversation(self, messages: tuple[dict[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_conversation(self, messages: tuple[dict[str, str], ...], max_len: int | None) -> tuple[np.ndarray, np.ndarray]:
         try:
-            return self._encode_rendered(messages)
+            return self._encode_rendered(messages, max_len)
         except BadSample as e:
             if e.reason == "template_error" and _opening_assistant_turn(messages) is not None:
                 raise BadSample("assistant_first_unsupported", f"the chat template refused it ({e.detail})") from None
             raise
 
-    def _encode_rendered(self, messages: tuple[dict[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_rendered(self, messages: tuple[dict[str, str], ...], max_len: int | None) -> tuple[np.ndarray, np.ndarray]:
         rendered: dict[tuple[int, bool], np.ndarray] = {}
 
         def prefix(k: int, add_generation_prompt: bool = False) -> np.ndarray:
@@ -166,6 +170,10 @@ class SampleEncoder:
         end = 0
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
+                if max_len is not None and len(prefix(i)) >= max_len:
+                    # This turn and the later ones start beyond max_len, where the caller cuts the
+                    # sample (len(full) > max_len): their tokens are never trained on.
+                    return full, mask
                 start, end = self._turn_span(messages, i, prefix, full)
                 end = self._loss_end(full, start, end)
                 mask[start:end] = 1

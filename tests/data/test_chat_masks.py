@@ -145,3 +145,15 @@ def test_an_opening_assistant_turn_is_trained_on(encoders, thinking):
     last = "<think>\n\n</think>\n\nParis.<|im_end|>" if thinking else "Paris.<|im_end|>"
     assert loss_spans(encoders[thinking], ids, mask) == ["Hello! How can I help?<|im_end|>", last]
     assert encoders[thinking].tokenizer.decode(ids) + "\n" == rendered(encoders[thinking], record, thinking)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_length_limit_changes_nothing_within_it(encoders, thinking):
+    record = chat(*["What is the capital of France?", "<think>\nEasy.\n</think>\n\nParis." if thinking else "Paris."] * 12)
+    sample = normalize_record(record, "auto")
+    want_ids, want_mask = encoders[thinking].encode(sample)
+    for limit in (8, 30, 64, 100, 200, len(want_ids)):
+        ids, mask = encoders[thinking].encode(sample, max_len=limit)
+        np.testing.assert_array_equal(ids[:limit], want_ids[:limit])
+        np.testing.assert_array_equal(mask[:limit], want_mask[:limit])
+        assert len(ids) >= min(limit + 1, len(want_ids))

@@ -224,6 +224,9 @@ FILES: dict[str, bytes] = {
     "lengths/long_answer.jsonl": line(msgs("Tell me a joke.", LONG)) + GOOD,
     "lengths/long_prompt.jsonl": line(msgs(LONG, "Paris.")) + GOOD,
     "lengths/huge_line.jsonl": line(msgs("Tell me everything.", "Paris is the capital of France. " * 30_000)),
+    # 5,000 turns: finding each turn's loss renders its prefixes (quadratic), so only the turns
+    # that start within seq_len may be looked at.
+    "lengths/many_turns.jsonl": line(msgs(*["What is the capital of France?", "Paris."] * 2500)),
     "lengths/empty_file.jsonl": b"",
     "lengths/blank_file.jsonl": b"\n \n\t\r\n",
     # --- Parquet ---------------------------------------------------------------------------
