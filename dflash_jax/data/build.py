@@ -1,5 +1,15 @@
 """Building the tokenized cache from the sources: streamed, tokenized on every core, counted,
-published atomically, and rebuilt only when something it depends on changed."""
+published atomically, and rebuilt only when something it depends on changed.
+
+No input row stops a build by crashing it: each bad row is a `BadSample`, skipped and counted
+under its reason (`formats.SKIP_REASONS`) with a few examples in the manifest, or, with
+`data.on_bad_sample='error'`, the first one stops the build with a one-line `DataError`:
+
+    /data/train.jsonl:12: messages[1].content is null, not a string [bad_content]; set data.on_bad_sample='skip' to skip and count such rows
+
+(Parquet rows read `/data/train.parquet (row 11): ...`, 0-based). Problems with a whole file,
+and sources without any usable row, are one-line `DataError`s naming the file.
+"""
 
 from __future__ import annotations
 
