@@ -158,7 +158,7 @@ def check_jsonl_start(path: str, f) -> None:
     for magic, problem in _MAGIC:
         if head.startswith(magic):
             raise DataError(f"{path}: {problem}")
-    if len(head) == 4 and head[0] and not head[1] and head[2] and not head[3]:
+    if len(head) == 4 and (bool(head[0]), bool(head[1]), bool(head[2]), bool(head[3])) in ((1, 0, 1, 0), (0, 1, 0, 1)):
         raise DataError(f"{path}: the file looks like UTF-16 (every other byte is zero); convert it to UTF-8")
     first = b""
     for line in f:

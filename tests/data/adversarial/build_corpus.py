@@ -66,6 +66,7 @@ FILES: dict[str, bytes] = {
     "encodings/utf16_le_bom.jsonl": (GOOD + GOOD2).decode().encode("utf-16"),
     "encodings/utf16_be_bom.jsonl": b"\xfe\xff" + (GOOD + GOOD2).decode().encode("utf-16-be"),
     "encodings/utf16_le_no_bom.jsonl": (GOOD + GOOD2).decode().encode("utf-16-le"),
+    "encodings/utf16_be_no_bom.jsonl": (GOOD + GOOD2).decode().encode("utf-16-be"),
     "encodings/utf32_bom.jsonl": (GOOD + GOOD2).decode().encode("utf-32"),
     # One row written in Latin-1 (é as the single byte 0xe9) between two good ones.
     "encodings/latin1_row.jsonl": GOOD + '{"messages": [{"role": "user", "content": "Caf\u00e9?"}, '
