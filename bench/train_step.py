@@ -28,7 +28,7 @@ from dflash_jax.models.config import RopeConfig, TransformerConfig
 from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.models.sharding import state_shardings
 from dflash_jax.training import step as step_lib
-from dflash_jax.training.config import TrainSetup, load_config_file, resolve, setup_for_target
+from dflash_jax.training.config import TrainSetup, load_config_file, resolve
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
@@ -54,18 +54,14 @@ def small_config():
     return c
 
 
-def setups(names: list[str]) -> dict[str, tuple]:
+def setups(names: list[str]) -> dict[str, TrainSetup]:
     out = {}
     for name in names:
         if name == "default":
-            config = load_config_file(DEFAULT_CONFIG)
-            out[name] = (config, resolve(config, num_devices=jax.device_count()))
+            out[name] = resolve(load_config_file(DEFAULT_CONFIG), num_devices=jax.device_count())
         elif name == "small":
-            config = small_config()
-            out[name] = (config, setup_for_target(
-                config, SMALL_TARGET, mask_token_id=config.drafter.mask_token_id,
-                num_devices=jax.device_count(),
-            ))
+            out[name] = resolve(small_config(), num_devices=jax.device_count(), target=SMALL_TARGET,
+                                check_files=False)
         else:
             raise SystemExit(f"unknown config {name!r} (default, small)")
     return out
@@ -113,7 +109,7 @@ def matmul_peak(dtype, n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def bench(config, setup: TrainSetup, steps: int) -> dict:
+def bench(setup: TrainSetup, steps: int) -> dict:
     mesh = make_mesh(*setup.mesh_shape)
     graphdef, target_params = nnx.split(nnx.eval_shape(
         lambda: Transformer(setup.target, param_dtype=setup.target_dtype,
@@ -129,10 +125,10 @@ def bench(config, setup: TrainSetup, steps: int) -> dict:
     train_step = step_lib.make_train_step(
         drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
         target_graphdef=graphdef, target_params=target_params, tx=tx, cfg=setup.objective,
-        grad_accum_steps=config.train.grad_accum_steps, mesh=mesh,
+        grad_accum_steps=setup.run.grad_accum_steps, mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),
     )
-    rows, seq_len = config.data.global_batch_rows, config.data.seq_len
+    rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
     rng = np.random.default_rng(0)
     batches = [
         jax.device_put(
@@ -171,12 +167,12 @@ def main() -> None:
     device = jax.devices()[0]
     print(f"devices: {jax.device_count()} x {device.device_kind} ({jax.default_backend()})")
     peaks = {}
-    for name, (config, setup) in chosen.items():
+    for name, setup in chosen.items():
         dtype = jnp.dtype(setup.compute_dtype)
         if dtype not in peaks:
             peaks[dtype] = matmul_peak(dtype) * jax.device_count()
             print(f"matmul peak ({dtype.name}, 2048^3, all devices): {peaks[dtype] / 1e9:.1f} GFLOP/s")
-        r = bench(config, setup, args.steps)
+        r = bench(setup, args.steps)
         print(
             f"{name:8s} rows x seq {r['rows x seq_len']:>10s}  compile {r['compile_s']:5.1f}s  "
             f"{r['steps_per_s']:7.3f} steps/s  {r['tokens_per_s']:9.0f} tokens/s "

@@ -9,9 +9,13 @@ anything else is a bug and keeps its traceback. Every message names what is wron
 class UserError(Exception):
     """A mistake in the user's input: a config field, a file, a row of data."""
 
+    label = "error"  # what the one-line message starts with
+
 
 class ConfigError(UserError):
     """A config field that cannot work, found before anything is created on disk."""
+
+    label = "config error"
 
 
 class DataError(UserError):

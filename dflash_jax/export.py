@@ -1,4 +1,4 @@
-"""Export a trained drafter in the DESIGN §2 format (what SGLang / vLLM load).
+"""Export a training run's drafter in the serving format (docs/design.md §5).
 
     python -m dflash_jax.export --workdir=runs/default [--step=N] [--out=DIR] [--dtype=bfloat16]
 
@@ -8,67 +8,29 @@ reads the latest (or given) checkpoint of a training run and writes `config.json
 
 from __future__ import annotations
 
-import argparse
-import os
+from absl import flags
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.experimental import multihost_utils
-
-from dflash_jax.models.config import DTYPES, DrafterConfig
-from dflash_jax.models.hf import export_drafter
-from dflash_jax.training.checkpoint import RunCheckpoints
-from dflash_jax.training.mesh import make_mesh
-from dflash_jax.training.step import (
-    OptimizerConfig,
-    abstract_train_state,
-    drafter_graph,
-    make_optimizer,
-)
+from dflash_jax import cli
+from dflash_jax.models.config import DTYPES
+from dflash_jax.training.drafters import export_checkpoint
+from dflash_jax.training.workdir import Workdir
 
 
-def export_params(cfg: DrafterConfig, params: nnx.State, out_dir: str, *, dtype=jnp.bfloat16) -> str:
-    """Gathers (possibly multi-host sharded) drafter weights; process 0 writes the export."""
-    host_params = multihost_utils.process_allgather(params, tiled=True)
-    if jax.process_index() == 0:
-        export_drafter(nnx.merge(drafter_graph(cfg, jnp.float32), host_params), out_dir, dtype=dtype)
-    return out_dir
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string("workdir", None, "The training run's workdir.", **fv)
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", **fv)
+    flags.DEFINE_string("out", None, "Output directory (default: <workdir>/export).", **fv)
+    flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "Dtype of the exported weights.", **fv)
+    flags.mark_flags_as_required(["workdir"], **fv)
 
 
-def restore_params(workdir: str, step: int | None = None) -> tuple[DrafterConfig, nnx.State]:
-    """The drafter config and weights of a run's checkpoint (default: the latest)."""
-    checkpoints = RunCheckpoints(workdir, every_steps=1, keep=None, async_save=False)
-    try:
-        step = checkpoints.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {checkpoints.directory}")
-        cfg = DrafterConfig.from_hf(checkpoints.restore_meta(step)["drafter_config"])
-        # Only the structure of the optimizer state matters for restoring, not its schedule.
-        abstract = abstract_train_state(
-            cfg, make_optimizer(OptimizerConfig(), 1), seed=0, compute_dtype=jnp.float32,
-            mesh=make_mesh(-1, 1),
-        )
-        return cfg, checkpoints.restore_state(step, abstract).params
-    finally:
-        checkpoints.close()
-
-
-def export_checkpoint(workdir: str, *, step: int | None = None, out_dir: str | None = None, dtype=jnp.bfloat16) -> str:
-    cfg, params = restore_params(workdir, step)
-    return export_params(cfg, params, out_dir or os.path.join(workdir, "export"), dtype=dtype)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True, help="the training run's workdir")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    parser.add_argument("--out", default=None, help="output directory (default: <workdir>/export)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    args = parser.parse_args(argv)
-    out = export_checkpoint(args.workdir, step=args.step, out_dir=args.out, dtype=DTYPES[args.dtype])
+def main(argv, f: flags.FlagValues = flags.FLAGS):
+    del argv
+    out = export_checkpoint(Workdir.at(f.workdir), step=f.step, out_dir=f.out, dtype=DTYPES[f.dtype])
     print(f"exported drafter to {out}")
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    cli.run(main)

@@ -21,112 +21,15 @@ Rows are written as they finish, so with --concurrency > 1 their order may diffe
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
-from typing import Iterator
 
-from absl import app, flags, logging
-from tqdm import tqdm
+from absl import app, flags
 
+from dflash_jax import cli
 from dflash_jax.decoding.backends import HttpBackend, JaxBackend
-from dflash_jax.decoding.chat import conversation, decode_row, jsonl_lines
+from dflash_jax.decoding.regeneration import Regeneration, failures_path
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.config import DTYPES
-
-
-def failures_path(output: str) -> str:
-    path = Path(output)
-    return str(path.with_name(path.stem + ".failures.jsonl"))
-
-
-def completed_lines(output: str) -> set[int]:
-    """Input line numbers already in `output`. Rows are written whole with their newline, so
-    text after the last newline is a row cut by a crash: it is removed and its row redone."""
-    if not os.path.exists(output):
-        return set()
-    data = Path(output).read_bytes()
-    complete = data.rfind(b"\n") + 1
-    if data[complete:].strip():
-        logging.warning("%s: dropping an incomplete last line; its row will be redone", output)
-    if complete < len(data):
-        with open(output, "r+b") as f:
-            f.truncate(complete)
-    done = set()
-    for number, line in enumerate(data[:complete].splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            done.add(int(json.loads(line)["regenerated"]["line"]))
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{output}:{number} is not a regenerated row; is this the right --output?") from None
-    return done
-
-
-def count_rows(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
-class Regeneration:
-    """Streams the input's pending rows to a back-end and appends each result as it comes."""
-
-    def __init__(self, input_path: str, output: str):
-        self.input_path, self.output = input_path, output
-        self.records: dict[int, dict] = {}  # in-flight rows, by input line
-        self.counts = {"done_before": 0, "regenerated": 0, "failed": 0}
-
-    def run(self, backend, *, limit: int = 0) -> dict:
-        done = completed_lines(self.output)
-        total = count_rows(self.input_path)
-        if limit:  # the bar (and its ETA) covers this run's rows only
-            total = min(total, len(done) + limit)
-        self.counts["done_before"] = len(done)
-        with open(self.output, "a", encoding="utf-8") as self._out, \
-                open(failures_path(self.output), "a", encoding="utf-8") as self._failures, \
-                tqdm(total=total, initial=min(len(done), total), unit="row", desc="regenerate",
-                     dynamic_ncols=True) as self._bar:
-            for line, result in backend.run(self._pending(done, limit)):
-                self._finish(line, result)
-        return self.counts
-
-    def _pending(self, done: set[int], limit: int) -> Iterator[tuple[int, list[dict]]]:
-        """(line, messages) of rows to do; rows that are not conversations fail right here."""
-        taken = 0
-        for line, text in jsonl_lines(self.input_path):
-            if line in done:
-                continue
-            if limit and taken == limit:
-                return
-            taken += 1
-            try:
-                record = decode_row(text)
-                messages = conversation(record)
-            except ValueError as e:
-                self._record_failure(line, e)
-                continue
-            self.records[line] = record
-            yield line, messages
-
-    def _finish(self, line: int, result) -> None:
-        record = self.records.pop(line)
-        if isinstance(result, Exception):
-            self._record_failure(line, result)
-            return
-        out = {k: v for k, v in record.items() if k not in ("messages", "conversations", "regenerated")}
-        out["messages"] = result.messages
-        out["regenerated"] = {"line": line, "finish_reasons": result.finish_reasons}
-        self._out.write(json.dumps(out, ensure_ascii=False) + "\n")
-        self._out.flush()
-        self.counts["regenerated"] += 1
-        self._bar.update(1)
-
-    def _record_failure(self, line: int, error: Exception) -> None:
-        self._failures.write(json.dumps({"line": line, "error": f"{type(error).__name__}: {error}"}) + "\n")
-        self._failures.flush()
-        self.counts["failed"] += 1
-        self._bar.update(1)
-        self._bar.set_postfix(failed=self.counts["failed"])
 
 
 def make_backend(f):
@@ -192,4 +95,4 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)

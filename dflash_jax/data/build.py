@@ -26,13 +26,13 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import ml_collections
 import numpy as np
 import tqdm
 
 from dflash_jax.data import cache as cache_lib
 from dflash_jax.data.chat import SampleEncoder, tokenizer_fingerprint
-from dflash_jax.data.formats import FORMATS, SKIP_REASONS, BadSample, decode_json_line, normalize_record
+from dflash_jax.data.config import DataConfig
+from dflash_jax.data.formats import SKIP_REASONS, BadSample, decode_json_line, normalize_record
 from dflash_jax.data.sources import RawChunk, describe_sources, iter_chunks, resolve_sources
 from dflash_jax.errors import DataError
 
@@ -44,9 +44,8 @@ EXAMPLES_PER_REASON = 5
 BYTES_PER_WORKER = 32 << 20
 
 
-def ensure_cache(data: ml_collections.ConfigDict, target_path: str, *, rebuild: bool = False) -> cache_lib.TokenizedCache:
+def ensure_cache(data: DataConfig, target_path: str, *, rebuild: bool = False) -> cache_lib.TokenizedCache:
     """The cache for `data` and the tokenizer in `target_path`, built if missing or stale."""
-    _check_options(data)
     cache_dir = resolve_cache_dir(data, target_path)
     inputs = cache_inputs(data, target_path)
     manifest = cache_lib.read_manifest(cache_dir)
@@ -59,7 +58,7 @@ def ensure_cache(data: ml_collections.ConfigDict, target_path: str, *, rebuild: 
     return build_cache(data, target_path, cache_dir, inputs)
 
 
-def resolve_cache_dir(data: ml_collections.ConfigDict, target_path: str) -> str:
+def resolve_cache_dir(data: DataConfig, target_path: str) -> str:
     if data.cache_dir:
         return os.path.abspath(os.path.expanduser(data.cache_dir))
     key = hashlib.sha256(json.dumps([data.train, os.path.abspath(target_path)]).encode()).hexdigest()[:12]
@@ -67,7 +66,7 @@ def resolve_cache_dir(data: ml_collections.ConfigDict, target_path: str) -> str:
     return os.path.join(os.path.expanduser("~/.cache/dflash_jax/tokenized"), name)
 
 
-def cache_inputs(data: ml_collections.ConfigDict, target_path: str) -> dict:
+def cache_inputs(data: DataConfig, target_path: str) -> dict:
     """Everything the cache contents depend on; any change makes the cache stale."""
     return {
         "format_version": CACHE_FORMAT_VERSION,
@@ -108,7 +107,7 @@ def stale_reasons(old: dict, new: dict) -> list[str]:
     return reasons
 
 
-def build_cache(data: ml_collections.ConfigDict, target_path: str, cache_dir: str, inputs: dict) -> cache_lib.TokenizedCache:
+def build_cache(data: DataConfig, target_path: str, cache_dir: str, inputs: dict) -> cache_lib.TokenizedCache:
     started = time.time()
     encoder = _encoder(target_path, data.enable_thinking)  # fails fast on a bad tokenizer
     paths = [s["path"] for s in inputs["sources"]]
@@ -306,14 +305,6 @@ def _ordered_map(fn: Callable, items: Iterable, processes: int) -> Iterator:
         ) from e
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _check_options(data: ml_collections.ConfigDict) -> None:
-    choices = {"format": FORMATS, "on_bad_sample": ("skip", "error"), "overlength": ("truncate", "drop")}
-    for key, allowed in choices.items():
-        value = getattr(data, key)
-        if value not in allowed:
-            raise ValueError(f"data.{key}={value!r}; expected one of {allowed}")
 
 
 def _check_skips_allowed(manifest: dict, on_bad_sample: str) -> None:

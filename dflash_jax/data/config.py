@@ -1,36 +1,58 @@
-"""The `config.data` section: where the conversations are and how they become batches."""
+"""The data settings of a run: where the conversations are and how they become batches.
+
+`DataConfig` is the `config.data` section after `training.config.resolve` has checked it; its
+defaults are the section's defaults, and each sentinel value is documented here, once.
+"""
 
 from __future__ import annotations
 
-import ml_collections
+import dataclasses
+
+from dflash_jax.data.formats import FORMATS
+
+ON_BAD_SAMPLE = ("skip", "error")
+OVERLENGTH = ("truncate", "drop")
 
 
-def default_data_config() -> ml_collections.ConfigDict:
-    data = ml_collections.ConfigDict()
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
     # JSONL / Parquet file, directory (searched recursively) or glob; comma-separate several.
-    data.train = ""
+    train: str = ""
     # 'auto' picks per record by field: `messages` (OpenAI role/content), `conversations`
     # (ShareGPT from/value) or `text` (plain document, every token trained on).
-    data.format = "auto"
+    format: str = "auto"
     # Tokenized cache location; '' = ~/.cache/dflash_jax/tokenized/<target>-<hash of train+target>.
     # Rebuilt automatically when a source, the tokenizer/template or an option below changes.
-    data.cache_dir = ""
+    cache_dir: str = ""
     # Qwen3 `enable_thinking` passed to the chat template (the DFlash recipe trains without).
-    data.enable_thinking = False
+    enable_thinking: bool = False
     # A row that cannot be used: 'skip' (counted by reason in the manifest) or 'error' (stop).
-    data.on_bad_sample = "skip"
+    on_bad_sample: str = "skip"
     # Samples longer than seq_len: 'truncate' or 'drop' (both counted in the manifest).
-    data.overlength = "truncate"
+    overlength: str = "truncate"
     # Processes that tokenize while building the cache; 0 = one per CPU core (fewer for small data).
-    data.tokenize_processes = 0
+    tokenize_processes: int = 0
     # Packed row length and rows per global batch (across all processes).
-    data.seq_len = 3072
-    data.global_batch_rows = 16
+    seq_len: int = 3072
+    global_batch_rows: int = 16
     # Seed of the per-epoch global permutation.
-    data.seed = 0
+    seed: int = 0
     # Open rows the best-fit packer chooses among; more = fuller rows, still random composition.
-    data.pack_window = 64
+    pack_window: int = 64
     # Grain read threads and batches prefetched per process (0 threads = load on the caller).
-    data.read_threads = 1
-    data.prefetch_batches = 2
-    return data
+    read_threads: int = 1
+    prefetch_batches: int = 2
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one message per field (empty when all is well)."""
+        out = []
+        choices = {"format": FORMATS, "on_bad_sample": ON_BAD_SAMPLE, "overlength": OVERLENGTH}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                out.append(f"data.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        minimum = {"seq_len": 2, "global_batch_rows": 1, "pack_window": 1, "tokenize_processes": 0,
+                   "seed": 0, "read_threads": 0, "prefetch_batches": 0}
+        for name, low in minimum.items():
+            if getattr(self, name) < low:
+                out.append(f"data.{name}={getattr(self, name)} must be at least {low}")
+        return out

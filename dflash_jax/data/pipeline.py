@@ -5,8 +5,8 @@ How training uses it::
     from dflash_jax.data import pipeline as data_lib
 
     # Builds the tokenized cache if missing or stale (same as `python -m dflash_jax.prepare`).
-    data = data_lib.DataPipeline.from_config(config.data, config.target.path)
-    total_steps = data.total_steps(config.train.num_epochs)  # exact: every epoch is planned up front
+    data = data_lib.DataPipeline.from_config(setup.data, setup.target_path)  # a checked DataConfig
+    total_steps = data.total_steps(setup.run.num_epochs)  # exact: every epoch is planned up front
     data.steps_in_epoch(epoch)                             # varies by epoch; for progress and ETA
 
     # Batch rows split over the data axes; each process loads only its own rows.
@@ -37,12 +37,12 @@ from typing import Any
 
 import grain
 import jax
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.cache import TokenizedCache
+from dflash_jax.data.config import DataConfig
 from dflash_jax.data.packing import EpochPlan, plan_epoch
 
 FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -73,7 +73,7 @@ class DataPipeline:
         self.plan = functools.lru_cache(maxsize=2)(self._plan)
 
     @classmethod
-    def from_config(cls, data: ml_collections.ConfigDict, target_path: str, *, rebuild: bool = False) -> DataPipeline:
+    def from_config(cls, data: DataConfig, target_path: str, *, rebuild: bool = False) -> DataPipeline:
         """Over the cache of `data` (built first if missing, stale, or `rebuild`)."""
         return cls(
             ensure_cache(data, target_path, rebuild=rebuild),

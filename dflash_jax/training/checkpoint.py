@@ -12,7 +12,6 @@ during training.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -23,8 +22,10 @@ from dflash_jax.training.step import TrainState
 
 
 class RunCheckpoints:
-    def __init__(self, workdir: str, *, every_steps: int, keep: int, async_save: bool):
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    """The train-state checkpoints in `directory` (a workdir's `checkpoints/`)."""
+
+    def __init__(self, directory: str, *, every_steps: int, keep: int | None, async_save: bool):
+        self.directory = directory
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -90,9 +91,9 @@ class RunCheckpoints:
 class BestCheckpoint:
     """The drafter weights of the best acceptance length (tau) seen so far."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, directory: str):
         self.manager = ocp.CheckpointManager(
-            os.path.join(os.path.abspath(workdir), "best_checkpoint"),
+            directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
         )
 

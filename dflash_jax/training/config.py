@@ -1,8 +1,13 @@
-"""The training config: its sections, its checks, and what it resolves to.
+"""The training config: one schema (`base_config`), checked once (`resolve`).
 
-`resolve(config)` reads only small files (the target's config.json and tokenizer.json) and
-raises `ConfigError` with one message naming the offending field for every mistake that
-would otherwise surface late (inside compilation, or hours into a run).
+`base_config()` lists every field with its default; a sentinel value (-1, 0, '') is explained
+next to its field, and nowhere else. Config files (configs/*.py) override what differs.
+
+`resolve(config, num_devices=...)` is the only code that reads a config: it checks every field,
+reads the small files the run depends on (the target's config.json and tokenizer.json, the
+existence of the data sources and eval prompts) and returns one frozen `TrainSetup` that the
+rest of the run receives. Every mistake is a `ConfigError` naming its field, raised before
+anything is created on disk or compiled.
 """
 
 from __future__ import annotations
@@ -11,43 +16,25 @@ import dataclasses
 import importlib.util
 import json
 import os
+from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
 
-from dflash_jax.data.config import default_data_config
+from dflash_jax.data.chat import MASK_TOKEN
+from dflash_jax.data.config import DataConfig
 from dflash_jax.data.sources import resolve_sources
+from dflash_jax.decoding.chat import resolve_prompt_set
+from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.mesh import mesh_shape
-from dflash_jax.training.objective import (
-    PAPER_LOSS_DECAY_GAMMA,
-    ObjectiveConfig,
-    loss_decay_gamma,
-)
+from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
 from dflash_jax.training.step import OptimizerConfig
-
-MASK_TOKEN = "<|MASK|>"
-
-
-class ConfigError(ValueError):
-    """A mistake in the config, found before anything is compiled."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSetup:
-    """Everything the run needs that the config determines."""
-
-    target: TransformerConfig
-    drafter: DrafterConfig
-    objective: ObjectiveConfig
-    optimizer: OptimizerConfig
-    mesh_shape: tuple[int, int]
-    target_dtype: object
-    compute_dtype: object
-
+from dflash_jax.training.workdir import Workdir
 
 def base_config() -> ml_collections.ConfigDict:
-    """Every field with the paper's recipe as default; config files override what differs."""
+    """Every field with the paper's recipe as default (docs/design.md §3.5)."""
     c = ml_collections.ConfigDict()
     c.workdir = ""  # checkpoints, logs and exports; rerunning with the same workdir resumes
     c.seed = 0  # drafter init and anchor sampling (the data order has data.seed)
@@ -59,17 +46,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.drafter = ml_collections.ConfigDict()
     c.drafter.num_layers = 5
     c.drafter.block_size = 16
-    c.drafter.target_layer_ids = ()  # () = DESIGN §2 default spread
+    c.drafter.target_layer_ids = ()  # () = docs/design.md §2 default spread
     c.drafter.mask_token_id = -1  # -1 = the id of <|MASK|> in the target tokenizer
     c.drafter.intermediate_size = 0  # 0 = the target's
 
-    c.data = default_data_config()
+    c.data = ml_collections.ConfigDict(dataclasses.asdict(DataConfig()))  # see data/config.py
 
     c.train = ml_collections.ConfigDict()
     c.train.num_epochs = 6
-    c.train.max_steps = 0  # > 0: stop (and end the LR schedule) after this many steps
+    c.train.max_steps = 0  # 0 = every step of num_epochs; > 0: stop (and end the LR schedule) there
     c.train.grad_accum_steps = 1
-    c.train.num_anchors = 512  # per row
+    c.train.num_anchors = 512  # blocks per row
     c.train.loss_decay_gamma = 0.0  # 0 = the paper's value for the block size
     c.train.learning_rate = 6e-4
     c.train.warmup_fraction = 0.04
@@ -100,9 +87,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.log.wandb_project = "dflash_jax"
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.prompts = ""  # JSONL of chat prompts; '' = no acceptance evaluation
-    c.eval.every_steps = 1000
-    c.eval.num_prompts = 32
+    c.eval.prompts = ""  # JSONL of chat prompts or a bundled set name; '' = no acceptance evaluation
+    c.eval.every_steps = 1000  # 0 = only the closing evaluation
+    c.eval.num_prompts = 32  # 0 = every prompt of the set
     c.eval.max_new_tokens = 128
 
     c.distributed = ml_collections.ConfigDict()
@@ -110,21 +97,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed.coordinator_address = ""
     c.distributed.num_processes = 0  # 0 = $JAX_NUM_PROCESSES or the cluster's
     c.distributed.process_id = -1  # -1 = $JAX_PROCESS_ID or the cluster's
-    return c
-
-
-PAPER_BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
-
-
-def apply_variants(c: ml_collections.ConfigDict, variants: str) -> ml_collections.ConfigDict:
-    """Config-file variants (`file.py:b10,fsdp`): a paper block size, or FSDP over 4 devices."""
-    for variant in filter(None, variants.split(",")):
-        if variant in PAPER_BLOCK_SIZES:
-            c.drafter.block_size = PAPER_BLOCK_SIZES[variant]
-        elif variant == "fsdp":
-            c.mesh.fsdp = 4
-        else:
-            raise ConfigError(f"unknown config variant {variant!r}: use {sorted(PAPER_BLOCK_SIZES)} or 'fsdp'")
     return c
 
 
@@ -136,75 +108,185 @@ def load_config_file(path: str, variants: str = "") -> ml_collections.ConfigDict
     return module.get_config(variants) if variants else module.get_config()
 
 
-def resolve(config: ml_collections.ConfigDict, *, num_devices: int) -> TrainSetup:
-    """Checks the config against the target checkpoint, the data and the devices."""
-    if not config.workdir:
-        raise ConfigError("workdir is empty: set --config.workdir=/path/to/run")
-    target = _target_config(config.target.path)
-    _check_data(config.data)
-    if config.eval.prompts and not os.path.isfile(config.eval.prompts):
-        raise ConfigError(f"eval.prompts={config.eval.prompts!r} does not exist ('' turns evaluation off)")
-    mask_token_id = _mask_token_id(config.drafter.mask_token_id, config.target.path)
-    return setup_for_target(config, target, mask_token_id=mask_token_id, num_devices=num_devices)
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    num_epochs: int
+    max_steps: int  # 0 = no cap
+    grad_accum_steps: int
+    max_nonfinite_streak: int
+    seed: int
 
 
-def setup_for_target(
-    config: ml_collections.ConfigDict, target: TransformerConfig, *, mask_token_id: int, num_devices: int
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    every_steps: int
+    keep: int
+    async_save: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+    every_steps: int
+    progress_bars: bool
+    tensorboard: bool
+    wandb: bool
+    wandb_project: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    prompts: str  # a JSONL path; '' = no acceptance evaluation
+    every_steps: int  # 0 = only the closing evaluation
+    num_prompts: int  # 0 = all
+    max_new_tokens: int
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prompts)
+
+    @property
+    def during_training(self) -> bool:
+        return self.enabled and self.every_steps > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    coordinator_address: str  # '' = $JAX_COORDINATOR_ADDRESS or a single process
+    num_processes: int  # 0 = from the environment
+    process_id: int  # -1 = from the environment
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """Everything a run needs, checked: what every part of training receives instead of the config."""
+
+    workdir: Workdir
+    target_path: str
+    target: TransformerConfig
+    target_dtype: Any
+    compute_dtype: Any
+    drafter: DrafterConfig
+    objective: ObjectiveConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    mesh_shape: tuple[int, int]
+    run: RunSettings
+    checkpoint: CheckpointSettings
+    log: LogSettings
+    eval: EvalSettings
+    distributed: DistributedSettings
+    config_dict: dict  # the config as the user wrote it, for checkpoints and experiment trackers
+
+
+def resolve_distributed(config: ml_collections.ConfigDict) -> DistributedSettings:
+    """The distributed section alone: train.py needs it before JAX can count devices."""
+    d = config.distributed
+    _require(d.num_processes >= 0, f"distributed.num_processes={d.num_processes} must be >= 0 (0 = from the environment)")
+    _require(d.process_id >= -1, f"distributed.process_id={d.process_id} must be >= -1 (-1 = from the environment)")
+    return DistributedSettings(d.coordinator_address, d.num_processes, d.process_id)
+
+
+def resolve(
+    config: ml_collections.ConfigDict,
+    *,
+    num_devices: int,
+    target: TransformerConfig | None = None,
+    check_files: bool = True,
 ) -> TrainSetup:
-    """The model, objective, optimizer and mesh settings for a given target architecture."""
+    """Checks `config` and resolves every default; raises ConfigError naming the first bad field.
+
+    target: the target architecture, when it does not come from `target.path` (benchmarks, the
+    memory plan). check_files=False skips what only a real run reads (workdir, data sources,
+    eval prompts): the memory plan and benchmarks have none.
+    """
+    try:
+        return _resolve(config, num_devices, target, check_files)
+    except ConfigError:
+        raise
+    except UserError as e:  # a file the config names is missing or unreadable
+        raise ConfigError(str(e)) from None
+
+
+def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     train, drafter_section = config.train, config.drafter
+    if check_files:
+        _require(bool(config.workdir), "workdir is empty: set --config.workdir=/path/to/run")
+    if target is None:
+        target = _target_config(config.target.path)
     target_dtype = _dtype(config.target.dtype, "target.dtype")
     compute_dtype = _dtype(train.compute_dtype, "train.compute_dtype")
 
-    layer_ids = tuple(drafter_section.target_layer_ids) or None
-    bad = [i for i in layer_ids or () if not 0 <= i < target.num_layers]
-    if bad:
-        raise ConfigError(
-            f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
-            f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})"
-        )
-    if not 0 <= mask_token_id < target.vocab_size:
-        raise ConfigError(
-            f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
-            f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}"
-        )
-    block_size, seq_len = drafter_section.block_size, config.data.seq_len
-    if not 2 <= block_size < seq_len:
-        raise ConfigError(
-            f"drafter.block_size={block_size} must be at least 2 and below data.seq_len={seq_len}"
-        )
-    if not 1 <= train.num_anchors <= seq_len:
-        raise ConfigError(f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}")
-    if not train.loss_decay_gamma and block_size not in PAPER_LOSS_DECAY_GAMMA:
-        raise ConfigError(
-            f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
-            f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma"
-        )
-    for field in ("log.every_steps", "checkpoint.every_steps", "checkpoint.keep", "train.num_epochs"):
-        section, name = field.split(".")
-        if config[section][name] < 1:
-            raise ConfigError(f"{field}={config[section][name]} must be at least 1")
+    data = _data(config, check_files)
+
+    block_size, seq_len = drafter_section.block_size, data.seq_len
+    _require(drafter_section.num_layers >= 1, f"drafter.num_layers={drafter_section.num_layers} must be at least 1")
+    _require(2 <= block_size < seq_len,
+             f"drafter.block_size={block_size} must be at least 2 and below data.seq_len={seq_len}")
+    _require(drafter_section.intermediate_size >= 0,
+             f"drafter.intermediate_size={drafter_section.intermediate_size} must be >= 0 (0 = the target's)")
+    layer_ids = tuple(drafter_section.target_layer_ids)
+    bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
+    _require(not bad, f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
+                      f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})")
+    mask_token_id = _mask_token_id(drafter_section.mask_token_id, config.target.path)
+    _require(0 <= mask_token_id < target.vocab_size,
+             f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
+             f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}")
+
+    _require(1 <= train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}")
+    _require(train.loss_decay_gamma >= 0, f"train.loss_decay_gamma={train.loss_decay_gamma} must be >= 0 (0 = the paper's)")
+    _require(bool(train.loss_decay_gamma) or block_size in PAPER_LOSS_DECAY_GAMMA,
+             f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
+             f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma")
+    for name in ("num_epochs", "grad_accum_steps", "attention_chunk_blocks", "lm_head_chunk_blocks",
+                 "max_nonfinite_streak"):
+        _require(train[name] >= 1, f"train.{name}={train[name]} must be at least 1")
+    _require(train.max_steps >= 0, f"train.max_steps={train.max_steps} must be >= 0 (0 = every step of num_epochs)")
+    _require(train.learning_rate > 0, f"train.learning_rate={train.learning_rate} must be > 0")
+    _require(0 <= train.warmup_fraction < 1, f"train.warmup_fraction={train.warmup_fraction} must be in [0, 1)")
+    for name in ("b1", "b2"):
+        _require(0 <= train[name] < 1, f"train.{name}={train[name]} must be in [0, 1)")
+    _require(train.weight_decay >= 0, f"train.weight_decay={train.weight_decay} must be >= 0")
+    _require(train.grad_clip_norm > 0, f"train.grad_clip_norm={train.grad_clip_norm} must be > 0")
+    _require(config.seed >= 0, f"seed={config.seed} must be >= 0")
+
     try:
         shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
-    rows, accum = config.data.global_batch_rows, train.grad_accum_steps
-    if accum < 1 or rows % (num_devices * accum):
-        raise ConfigError(
-            f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
-            f"train.grad_accum_steps ({accum}) = {num_devices * accum}"
-        )
+    rows, accum = data.global_batch_rows, train.grad_accum_steps
+    _require(rows % (num_devices * accum) == 0,
+             f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
+             f"train.grad_accum_steps ({accum}) = {num_devices * accum}")
+
+    for field in ("checkpoint.every_steps", "checkpoint.keep", "log.every_steps", "eval.max_new_tokens"):
+        section, name = field.split(".")
+        _require(config[section][name] >= 1, f"{field}={config[section][name]} must be at least 1")
+    for field in ("eval.every_steps", "eval.num_prompts"):
+        section, name = field.split(".")
+        _require(config[section][name] >= 0, f"{field}={config[section][name]} must be >= 0")
+    eval_prompts = config.eval.prompts
+    if eval_prompts and check_files:
+        try:
+            eval_prompts = resolve_prompt_set(eval_prompts)[1]
+        except (FileNotFoundError, UserError):
+            raise ConfigError(f"eval.prompts={eval_prompts!r} does not exist ('' turns evaluation off)") from None
+
     drafter = DrafterConfig.for_target(
         target, num_layers=drafter_section.num_layers, mask_token_id=mask_token_id,
-        block_size=block_size, target_layer_ids=layer_ids,
+        block_size=block_size, target_layer_ids=layer_ids or None,
         intermediate_size=drafter_section.intermediate_size or None,
     )
     return TrainSetup(
+        workdir=Workdir.at(config.workdir) if config.workdir else None,
+        target_path=config.target.path,
         target=target,
+        target_dtype=target_dtype,
+        compute_dtype=compute_dtype,
         drafter=drafter,
         objective=ObjectiveConfig(
             block_size=block_size, mask_token_id=mask_token_id, num_anchors=train.num_anchors,
-            loss_decay_gamma=loss_decay_gamma(block_size, train.loss_decay_gamma),
+            loss_decay_gamma=float(train.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA[block_size]),
             target_layer_ids=drafter.target_layer_ids,
             attention_chunk_blocks=train.attention_chunk_blocks,
             lm_head_chunk_blocks=train.lm_head_chunk_blocks,
@@ -215,35 +297,62 @@ def setup_for_target(
             b1=train.b1, b2=train.b2, weight_decay=train.weight_decay,
             grad_clip_norm=train.grad_clip_norm,
         ),
+        data=data,
         mesh_shape=shape,
-        target_dtype=target_dtype,
-        compute_dtype=compute_dtype,
+        run=RunSettings(train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, config.seed),
+        checkpoint=CheckpointSettings(**config.checkpoint.to_dict()),
+        log=LogSettings(**config.log.to_dict()),
+        eval=EvalSettings(eval_prompts, config.eval.every_steps, config.eval.num_prompts, config.eval.max_new_tokens),
+        distributed=resolve_distributed(config),
+        config_dict=json.loads(config.to_json_best_effort()),
     )
 
 
+def resolve_data(config: ml_collections.ConfigDict) -> tuple[DataConfig, str]:
+    """(data settings, target directory), checked with the data sources: what
+    `python -m dflash_jax.prepare` needs (no devices, no model weights)."""
+    try:
+        _target_dir(config.target.path)
+        return _data(config, check_files=True), config.target.path
+    except ConfigError:
+        raise
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _data(config: ml_collections.ConfigDict, check_files: bool) -> DataConfig:
+    data = DataConfig(**config.data.to_dict())
+    problems = data.problems()
+    _require(not problems, "; ".join(problems))
+    if check_files:
+        _require(bool(data.train), "data.train is empty: set --config.data.train=/path/to/train.jsonl")
+        try:
+            resolve_sources(data.train)
+        except UserError as e:
+            raise ConfigError(f"data.train: {e}") from None
+    return data
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _target_dir(path: str) -> None:
+    _require(bool(path), "target.path is empty: set --config.target.path=/path/to/hf_model_dir")
+    _require(os.path.isdir(path), f"target.path={path!r} does not exist or is not a directory")
+
+
 def _target_config(path: str) -> TransformerConfig:
-    if not path:
-        raise ConfigError("target.path is empty: set --config.target.path=/path/to/hf_model_dir")
-    if not os.path.isdir(path):
-        raise ConfigError(f"target.path={path!r} does not exist or is not a directory")
+    _target_dir(path)
     try:
         return TransformerConfig.from_hf(read_config(path))
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ConfigError(f"target.path={path!r}: {e}") from None
 
 
-def _check_data(data: ml_collections.ConfigDict) -> None:
-    if not data.train:
-        raise ConfigError("data.train is empty: set --config.data.train=/path/to/train.jsonl")
-    try:
-        resolve_sources(data.train)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"data.train: {e}") from None
-
-
 def _dtype(name: str, field: str):
-    if name not in DTYPES:
-        raise ConfigError(f"{field}={name!r} is not one of {sorted(DTYPES)}")
+    _require(name in DTYPES, f"{field}={name!r} is not one of {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
 
 
@@ -251,6 +360,7 @@ def _mask_token_id(configured: int, target_path: str) -> int:
     """An explicit id, or (-1) the id of `<|MASK|>` in the target's tokenizer.json."""
     if configured >= 0:
         return configured
+    _require(configured == -1, f"drafter.mask_token_id={configured} must be >= 0, or -1 to look up {MASK_TOKEN}")
     tokenizer_file = os.path.join(target_path, "tokenizer.json")
     if os.path.isfile(tokenizer_file):
         with open(tokenizer_file, encoding="utf-8") as f:

@@ -10,23 +10,22 @@ steps leave the weights untouched, no checkpoint ever holds a non-finite weight.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import os
 import signal
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from dflash_jax.data.pipeline import DataPipeline
-from dflash_jax.export import export_params
+from dflash_jax.errors import UserError
 from dflash_jax.models.hf import load_target
-from dflash_jax.training import acceptance
 from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints
-from dflash_jax.training.config import resolve
+from dflash_jax.training.config import TrainSetup
+from dflash_jax.training.drafters import export_params
+from dflash_jax.training.evaluation import AcceptanceEval
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 from dflash_jax.training.monitoring import Monitor
 from dflash_jax.training.step import (
@@ -37,7 +36,6 @@ from dflash_jax.training.step import (
     make_optimizer,
     make_train_step,
 )
-from dflash_jax.training.workdir_lock import workdir_lock
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +43,11 @@ log = logging.getLogger(__name__)
 MAX_STEPS_WITHOUT_SYNC = 10
 
 
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient."""
+class NonFiniteError(UserError):
+    """Too many consecutive steps had a non-finite loss or gradient (a learning rate, data or
+    target weights to fix, reported as one line)."""
+
+    label = "training stopped"
 
 
 class StopSignals:
@@ -77,11 +78,21 @@ class StopSignals:
         return bool(multihost_utils.process_allgather(np.asarray(self.requested)).any())
 
 
-def train(config: ml_collections.ConfigDict) -> dict:
-    """Runs (or resumes) training; returns the last logged metrics."""
-    resolve(config, num_devices=jax.device_count())  # config errors before the workdir is touched
-    with workdir_lock(os.path.abspath(config.workdir)):
-        run = TrainingRun(config)
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """How a call to `train` ended."""
+
+    step: int  # the last step trained (and saved)
+    total_steps: int
+    finished: bool  # the run has trained every step and its export is in place
+    already_finished: bool  # ... and it had before this call: nothing was trained
+    metrics: dict  # the last logged training metrics
+
+
+def train(setup: TrainSetup) -> RunOutcome:
+    """Runs (or resumes) the run `setup` describes, holding its workdir's lock."""
+    with setup.workdir.lock():
+        run = TrainingRun(setup)
         try:
             return run.train()
         finally:
@@ -91,31 +102,29 @@ def train(config: ml_collections.ConfigDict) -> dict:
 class TrainingRun:
     """One run in its workdir: the models, the data, the checkpoints and the monitor."""
 
-    def __init__(self, config: ml_collections.ConfigDict):
-        self.config = config
-        self.setup = setup = resolve(config, num_devices=jax.device_count())
-        self.workdir = os.path.abspath(config.workdir)
+    def __init__(self, setup: TrainSetup):
+        self.setup = setup
+        self.workdir = workdir = setup.workdir
         mesh = make_mesh(*setup.mesh_shape)
         log.info(
             "mesh data=%d x fsdp=%d: %d devices in %d processes", *setup.mesh_shape,
             jax.device_count(), jax.process_count(),
         )
-        self.data = DataPipeline.from_config(config.data, config.target.path)
-        total = self.data.total_steps(config.train.num_epochs)
-        self.total_steps = min(total, config.train.max_steps) if config.train.max_steps else total
+        self.data = DataPipeline.from_config(setup.data, setup.target_path)
+        total = self.data.total_steps(setup.run.num_epochs)
+        self.total_steps = min(total, setup.run.max_steps) if setup.run.max_steps else total
         tx = make_optimizer(setup.optimizer, self.total_steps)
         self.schedule = learning_rate_schedule(setup.optimizer, self.total_steps)
         self.target = load_target(
-            config.target.path, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype,
-            mesh=mesh,
+            setup.target_path, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, mesh=mesh,
         )
         target_graphdef, self.target_params = nnx.split(self.target)
         self.iterator = self.data.iterator(sharding=batch_sharding(mesh))
         self.checkpoints = RunCheckpoints(
-            self.workdir, every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep,
-            async_save=config.checkpoint.async_save,
+            workdir.checkpoints, every_steps=setup.checkpoint.every_steps, keep=setup.checkpoint.keep,
+            async_save=setup.checkpoint.async_save,
         )
-        state_kw = dict(seed=config.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
+        state_kw = dict(seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
         self.last_saved = self.checkpoints.latest_step()
         if self.last_saved is None:
             self.state, self.best_tau = init_train_state(setup.drafter, tx, **state_kw), None
@@ -128,25 +137,24 @@ class TrainingRun:
         self.step_fn = make_train_step(
             drafter_graphdef=self.drafter_graphdef, target_graphdef=target_graphdef,
             target_params=self.target_params, tx=tx, cfg=setup.objective,
-            grad_accum_steps=config.train.grad_accum_steps, mesh=mesh,
+            grad_accum_steps=setup.run.grad_accum_steps, mesh=mesh,
             state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
         )
-        self.evaluate = _acceptance_eval(config)
-        self.best = BestCheckpoint(self.workdir) if self.evaluate else None
-        self.run_config = json.loads(config.to_json_best_effort())
+        self.evaluate = AcceptanceEval.for_setup(setup) if setup.eval.during_training else None
+        self.best = BestCheckpoint(workdir.best_checkpoint) if self.evaluate else None
         self.monitor = Monitor(
-            self.workdir, total_steps=self.total_steps, start_step=int(self.state.step),
-            progress_bars=config.log.progress_bars, tensorboard=config.log.tensorboard,
-            wandb=config.log.wandb, wandb_project=config.log.wandb_project, run_config=self.run_config,
+            workdir, setup.log, total_steps=self.total_steps, start_step=int(self.state.step),
+            run_config=setup.config_dict,
         )
         self.step = int(self.state.step)
         self.epoch = None
         self.eval_metrics: dict = {}
 
-    def train(self) -> dict:
+    def train(self) -> RunOutcome:
         logged = {}
         start_step = self.step
-        sync_every = max(1, min(self.config.log.every_steps, MAX_STEPS_WITHOUT_SYNC))
+        already_finished = start_step >= self.total_steps and self.workdir.is_finished(self.total_steps)
+        sync_every = max(1, min(self.setup.log.every_steps, MAX_STEPS_WITHOUT_SYNC))
         with StopSignals() as stop:
             while self.step < self.total_steps:
                 self._start_epoch_if_new()
@@ -157,9 +165,9 @@ class TrainingRun:
                 if self.step % sync_every == 0 or self.step == self.total_steps:
                     self._check_finite()  # also waits for the step: see MAX_STEPS_WITHOUT_SYNC
                     stopping = stop.agreed()
-                if self.evaluate and self._due(self.config.eval.every_steps):
+                if self.evaluate and self._due(self.setup.eval.every_steps):
                     self._evaluate()
-                if self._due(self.config.log.every_steps) or stopping:
+                if self._due(self.setup.log.every_steps) or stopping:
                     logged = self._log()
                 if stopping:
                     log.warning("stopping at step %d on request", self.step)
@@ -169,13 +177,17 @@ class TrainingRun:
         if self.last_saved != self.step:
             self.checkpoints.save(self.step, self.state, self._meta(), self.iterator, force=True)
         self.checkpoints.wait()
-        export = os.path.join(self.workdir, "export")
-        if start_step >= self.total_steps and os.path.isfile(os.path.join(export, "config.json")):
-            log.info("this run had already finished at step %d; its drafter is in %s", self.step, export)
+        if already_finished:
+            log.info("this run had already finished at step %d; its drafter is in %s", self.step, self.workdir.export)
         elif self.step >= self.total_steps:
-            export_params(self.setup.drafter, self.state.params, export)
-            log.info("training finished at step %d; drafter exported to %s", self.step, export)
-        return logged
+            export_params(self.setup.drafter, self.state.params, self.workdir.export)
+            if jax.process_index() == 0:
+                self.workdir.mark_finished(self.step)
+            log.info("training finished at step %d; drafter exported to %s", self.step, self.workdir.export)
+        return RunOutcome(
+            step=self.step, total_steps=self.total_steps, finished=self.step >= self.total_steps,
+            already_finished=already_finished, metrics=logged,
+        )
 
     def close(self) -> None:
         self.monitor.close()
@@ -198,7 +210,7 @@ class TrainingRun:
 
     def _check_finite(self) -> None:
         streak, skipped = jax.device_get((self.state.nonfinite_streak, self.state.skipped_updates))
-        if streak >= self.config.train.max_nonfinite_streak:
+        if streak >= self.setup.run.max_nonfinite_streak:
             raise NonFiniteError(
                 f"{streak} consecutive steps (up to step {self.step}) had a non-finite loss or "
                 f"gradient and were skipped ({skipped} in all); stopping. The latest checkpoint "
@@ -214,7 +226,7 @@ class TrainingRun:
         if np.isfinite(tau) and (self.best_tau is None or tau > self.best_tau):
             self.best_tau = tau
             self.best.save(self.step, self.state.params, tau)
-            export_params(self.setup.drafter, self.state.params, os.path.join(self.workdir, "export_best"))
+            export_params(self.setup.drafter, self.state.params, self.workdir.export_best)
 
     def _log(self) -> dict:
         skipped = int(self.state.skipped_updates)
@@ -230,7 +242,7 @@ class TrainingRun:
     def _meta(self) -> dict:
         return {
             "epoch": self.iterator.epoch, "best_tau": self.best_tau, "total_steps": self.total_steps,
-            "drafter_config": self.setup.drafter.to_hf(), "config": self.run_config,
+            "drafter_config": self.setup.drafter.to_hf(), "config": self.setup.config_dict,
         }
 
 
@@ -250,13 +262,3 @@ def epoch_statistics(data: DataPipeline, epoch: int) -> dict:
         "skipped_samples": int(sum(manifest.get("skipped", {}).values())),
         "truncated_samples": int(manifest.get("truncated", 0)),
     }
-
-
-def _acceptance_eval(config: ml_collections.ConfigDict):
-    """A function (target, drafter) -> acceptance stats, or None when evaluation is off."""
-    if not config.eval.prompts or config.eval.every_steps <= 0:
-        return None
-    return acceptance.AcceptanceEval.from_files(
-        config.eval.prompts, config.target.path, num_prompts=config.eval.num_prompts,
-        enable_thinking=config.data.enable_thinking, max_new_tokens=config.eval.max_new_tokens,
-    )

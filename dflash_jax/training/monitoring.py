@@ -18,16 +18,16 @@ import jax
 import numpy as np
 import tqdm
 
+from dflash_jax.training.config import LogSettings
 from dflash_jax.training.objective import summarize
+from dflash_jax.training.workdir import Workdir
 
 log = logging.getLogger(__name__)
 
 
 class Monitor:
-    def __init__(
-        self, workdir: str, *, total_steps: int, start_step: int, progress_bars: bool,
-        tensorboard: bool, wandb: bool, wandb_project: str, run_config: dict,
-    ):
+    def __init__(self, workdir: Workdir, log_settings: LogSettings, *, total_steps: int, start_step: int,
+                 run_config: dict):
         self.active = jax.process_index() == 0
         self.total_steps = total_steps
         self._pending: list[dict] = []
@@ -36,18 +36,18 @@ class Monitor:
         self._tensorboard = self._wandb = None
         if not self.active:
             return
-        os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
-        if progress_bars:
+        os.makedirs(workdir.root, exist_ok=True)
+        self._jsonl = open(workdir.metrics, "a", buffering=1)
+        if log_settings.progress_bars:
             self._overall = tqdm.tqdm(
                 total=total_steps, initial=start_step, desc="train", unit="step", position=0,
                 dynamic_ncols=True,
             )
-        if tensorboard:
+        if log_settings.tensorboard:
             from tensorboardX import SummaryWriter
-            self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
-        if wandb:
-            self._wandb = _start_wandb(wandb_project, workdir, run_config)
+            self._tensorboard = SummaryWriter(workdir.tensorboard)
+        if log_settings.wandb:
+            self._wandb = _start_wandb(log_settings.wandb_project, workdir, run_config)
 
     def start_epoch(
         self, epoch: int, *, step: int, steps_in_epoch: int, step_in_epoch: int, stats: dict[str, Any]
@@ -129,15 +129,15 @@ class Monitor:
             self._wandb.finish()
 
 
-def _start_wandb(project: str, workdir: str, run_config: dict):
+def _start_wandb(project: str, workdir: Workdir, run_config: dict):
     try:
         import wandb
     except ImportError:
         log.warning("log.wandb is on but wandb is not installed (pip install wandb); not logging to W&B")
         return None
     # The run id is tied to the workdir, so a resumed run continues the same W&B run.
-    run_id = os.path.basename(os.path.abspath(workdir))
-    return wandb.init(project=project, dir=workdir, config=run_config, id=run_id, resume="allow")
+    run_id = os.path.basename(workdir.root)
+    return wandb.init(project=project, dir=workdir.root, config=run_config, id=run_id, resume="allow")
 
 
 def _format(values: dict[str, Any]) -> str:

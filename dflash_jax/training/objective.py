@@ -29,19 +29,8 @@ from dflash_jax.models.qwen3 import Transformer
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
-# The paper's loss decay γ per block size; other block sizes need an explicit γ.
+# docs/design.md §3.3: the paper's loss decay γ per block size; other sizes need an explicit γ.
 PAPER_LOSS_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-
-
-def loss_decay_gamma(block_size: int, override: float | None = None) -> float:
-    if override:
-        return float(override)
-    if block_size not in PAPER_LOSS_DECAY_GAMMA:
-        raise ValueError(
-            f"the paper gives no loss decay gamma for block_size={block_size} (known: "
-            f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma explicitly"
-        )
-    return PAPER_LOSS_DECAY_GAMMA[block_size]
 
 
 @dataclasses.dataclass(frozen=True)

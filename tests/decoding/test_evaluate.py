@@ -17,13 +17,15 @@ from flax import nnx
 from dflash_jax import evaluate
 from support.chat_data import chat, write_jsonl
 from dflash_jax.decoding.chat import BadRow, ChatTokenizer, load_prompts
-from dflash_jax.decoding.loading import load_any_drafter
-from dflash_jax.export import export_checkpoint
+from dflash_jax.errors import UserError
 from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.mesh import make_mesh
+from dflash_jax.training.drafters import export_checkpoint, load_any_drafter
+from dflash_jax.training.evaluation import run_evaluation
 from dflash_jax.training.step import OptimizerConfig, init_train_state, make_optimizer
+from dflash_jax.training.workdir import Workdir
 
 SETTINGS = dict(num_prompts=3, max_new_tokens=12)
 
@@ -45,11 +47,11 @@ def workdir(chat_target, tmp_path_factory):
                              compute_dtype=jnp.float32, mesh=make_mesh(-1, 1))
     # Larger weights than the 0.02 init, so that bf16 rounding is visible if it were skipped.
     state = state.replace(params=jax.tree.map(lambda p: p * 7.3, state.params))
-    checkpoints = RunCheckpoints(str(workdir), every_steps=1, keep=None, async_save=False)
+    checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
     checkpoints.save(5, state, {"drafter_config": cfg.to_hf()}, _IteratorState(), force=True)
     checkpoints.wait()
     checkpoints.close()
-    export_checkpoint(str(workdir))
+    export_checkpoint(Workdir.at(str(workdir)))
     return workdir
 
 
@@ -88,7 +90,7 @@ def test_cli_entry_points_start(module, flag):
 
 
 def test_cli_on_export_reports_the_tau_of_the_workdir(chat_target, workdir, prompts_file, tmp_path, capsys):
-    ours = evaluate.run_evaluation(chat_target, str(workdir), [prompts_file], **SETTINGS)["sets"]["prompts"]
+    ours = run_evaluation(chat_target, str(workdir), [prompts_file], **SETTINGS)["sets"]["prompts"]
     out_dir = tmp_path / "eval"
     run_cli(evaluate, [f"--target={chat_target}", f"--drafter={workdir / 'export'}", f"--prompts={prompts_file}",
                        f"--out_dir={out_dir}", f"--num_prompts={SETTINGS['num_prompts']}",
@@ -115,5 +117,5 @@ def test_bad_inputs_are_clear_errors(chat_target, tmp_path):
         load_prompts(str(broken), tokenizer)
     with pytest.raises(FileNotFoundError, match="bundled: heldout_prompts"):
         load_prompts("no_such_set", tokenizer)
-    with pytest.raises(FileNotFoundError, match="neither a drafter export directory"):
+    with pytest.raises(UserError, match="neither a drafter export directory"):
         load_any_drafter(str(tmp_path))

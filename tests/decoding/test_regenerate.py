@@ -17,6 +17,7 @@ from dflash_jax.decoding.backends import HttpBackend, JaxBackend, Regenerated
 from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.http_client import ChatCompletionsClient
+from dflash_jax.decoding.regeneration import Regeneration
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.models.hf import load_target
 
@@ -129,7 +130,7 @@ def test_http_backend_rewrites_every_assistant_turn_and_records_failures(server,
 def test_reasoning_is_kept_apart_in_thinking_mode(server, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [chat("think about it")])
     output = tmp_path / "out.jsonl"
-    regenerate.Regeneration(str(source), str(output)).run(http_backend(server, enable_thinking=True))
+    Regeneration(str(source), str(output)).run(http_backend(server, enable_thinking=True))
     message = read_jsonl(output)[0]["messages"][-1]
     assert message == {"role": "assistant", "content": "reply to think about it #0",
                        "reasoning_content": "thinking..."}
@@ -152,11 +153,11 @@ def test_resumes_without_duplicating_or_losing_rows(server, tmp_path):
     rows = [chat(f"question {i}") for i in range(10)]
     source, output = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     with pytest.raises(KeyboardInterrupt):
-        regenerate.Regeneration(str(source), str(output)).run(InterruptedBackend(rows=3))
+        Regeneration(str(source), str(output)).run(InterruptedBackend(rows=3))
     assert [r["regenerated"]["line"] for r in read_jsonl(output)] == [1, 2, 3]
 
     # A run limited to 2 rows, then a crash in the middle of writing a row.
-    counts = regenerate.Regeneration(str(source), str(output)).run(http_backend(server), limit=2)
+    counts = Regeneration(str(source), str(output)).run(http_backend(server), limit=2)
     assert counts == {"done_before": 3, "regenerated": 2, "failed": 0}
     with open(output, "a") as f:
         f.write('{"messages": [{"role": "user", "content": "question 5"}], "regener')
@@ -171,7 +172,7 @@ def test_output_that_is_not_a_regeneration_is_refused(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [chat("q")])
     output = write_jsonl(tmp_path / "out.jsonl", [chat("someone else's file")])
     with pytest.raises(ValueError, match="out.jsonl:1 is not a regenerated row"):
-        regenerate.Regeneration(str(source), str(output)).run(InterruptedBackend(rows=1))
+        Regeneration(str(source), str(output)).run(InterruptedBackend(rows=1))
 
 
 def test_jax_backend_writes_the_targets_greedy_responses(chat_target, tmp_path):
@@ -181,7 +182,7 @@ def test_jax_backend_writes_the_targets_greedy_responses(chat_target, tmp_path):
     target = load_target(chat_target, param_dtype=jnp.float32, compute_dtype=jnp.float32)
     tokenizer = ChatTokenizer(chat_target)
     backend = JaxBackend(target, tokenizer, max_new_tokens=6, batch_size=2, sampling=GREEDY, max_prompt_len=64)
-    counts = regenerate.Regeneration(str(source), str(output)).run(backend)
+    counts = Regeneration(str(source), str(output)).run(backend)
     assert counts["regenerated"] == 3 and counts["failed"] == 0
     out = {r["regenerated"]["line"]: r["messages"] for r in read_jsonl(output)}
     # Each response is the target's greedy continuation of the conversation before it.

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dflash_jax.export import restore_params
 from dflash_jax.models.hf import load_drafter
 from support import training_runs as testing
 from dflash_jax.training.checkpoint import RunCheckpoints
+from dflash_jax.training.drafters import restore_params
+from dflash_jax.training.workdir import Workdir
 
 EPOCHS = 4  # 12 steps each: long enough to interrupt a run reliably
 TOTAL_STEPS = 4 * 12
@@ -41,7 +42,7 @@ def logged_steps(workdir: Path) -> int:
 
 
 def latest_checkpoint(workdir: Path) -> int | None:
-    checkpoints = RunCheckpoints(workdir, every_steps=1, keep=None, async_save=False)
+    checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
     try:
         return checkpoints.latest_step()
     finally:
@@ -80,7 +81,7 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     testing.wait_for(lambda: logged_steps(interrupted) >= 20, proc, tmp_path / "run2.log")
     os.killpg(proc.pid, signal.SIGTERM)
     output = testing.finish(proc, tmp_path / "run2.log")
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 75, output[-3000:]  # stopped on request after saving: rerun to resume
     stopped_at = int(output.split("stopping at step ")[1].split()[0])
     assert 20 <= stopped_at < TOTAL_STEPS
     assert latest_checkpoint(interrupted) == stopped_at
@@ -95,8 +96,8 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     for step in want:
         for key in ("loss", "tau_train", "grad_norm", "fill", "learning_rate"):
             assert got[step][key] == want[step][key], (step, key)
-    _, final = restore_params(str(interrupted))
-    _, reference_final = restore_params(str(reference))
+    _, final = restore_params(Workdir.at(str(interrupted)))
+    _, reference_final = restore_params(Workdir.at(str(reference)))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(final), jax.device_get(reference_final))
 
     # The export at the end is what `python -m dflash_jax.export` writes from the checkpoint.
@@ -131,7 +132,7 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
         "training stopped: 3 consecutive steps (up to step 3) had a non-finite loss or gradient"
     )
     assert latest_checkpoint(workdir) == 2
-    _, params = restore_params(str(workdir))
+    _, params = restore_params(Workdir.at(str(workdir)))
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
 
 

@@ -8,6 +8,8 @@ import sys
 import numpy as np
 
 from dflash_jax.training import monitoring
+from dflash_jax.training.config import LogSettings
+from dflash_jax.training.workdir import Workdir
 
 
 def step_metrics(real_tokens: float, applied: bool = True) -> dict:
@@ -24,8 +26,9 @@ def test_window_rates_eta_and_logs(tmp_path, monkeypatch):
     clock = iter([10.0, 12.0])  # construction, then the flush: 2 s for 4 steps
     monkeypatch.setattr(monitoring.time, "perf_counter", lambda: next(clock))
     monitor = monitoring.Monitor(
-        tmp_path, total_steps=10, start_step=0, progress_bars=True, tensorboard=True,
-        wandb=False, wandb_project="", run_config={},
+        Workdir.at(str(tmp_path)), LogSettings(every_steps=1, progress_bars=True, tensorboard=True, wandb=False,
+                                               wandb_project=""),
+        total_steps=10, start_step=0, run_config={},
     )
     monitor.start_epoch(0, step=0, steps_in_epoch=7, step_in_epoch=0, stats={"packing_fill": 0.97, "skipped_samples": 3})
     for tokens, applied in [(90, True), (80, True), (70, False), (60, True)]:
@@ -48,8 +51,9 @@ def test_window_rates_eta_and_logs(tmp_path, monkeypatch):
 def test_wandb_without_the_package_only_warns(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     monitor = monitoring.Monitor(
-        tmp_path, total_steps=1, start_step=0, progress_bars=False, tensorboard=False,
-        wandb=True, wandb_project="p", run_config={},
+        Workdir.at(str(tmp_path)), LogSettings(every_steps=1, progress_bars=False, tensorboard=False, wandb=True,
+                                               wandb_project="p"),
+        total_steps=1, start_step=0, run_config={},
     )
     monitor.close()
     assert "wandb is not installed" in caplog.text

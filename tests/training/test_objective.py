@@ -222,13 +222,6 @@ def test_tau_train_counts_leading_hits_of_valid_blocks():
     assert summary["acc_slot_1"] == pytest.approx(3 / 4)
 
 
-def test_loss_decay_gamma_is_the_paper_value_or_explicit():
-    assert [objective.loss_decay_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
-    assert objective.loss_decay_gamma(12, 6.0) == 6.0
-    with pytest.raises(ValueError, match="block_size=12"):
-        objective.loss_decay_gamma(12)
-
-
 def test_rematerialized_layers_give_the_same_gradients(models):
     target, drafter = models
     batch = _batch(seed=2)

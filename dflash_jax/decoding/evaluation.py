@@ -1,0 +1,98 @@
+"""Measuring a drafter as a serving engine would: acceptance length and speed against the target.
+
+For every prompt set, the same prompts are decoded by DFlash speculative decoding and by the
+target alone (after compiling both), and the result holds τ (docs/design.md §4), its histogram,
+per-slot acceptance rates, tokens/s, time per output token and the speed ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from dflash_jax.decoding import report
+from dflash_jax.decoding.acceptance import acceptance_stats
+from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
+from dflash_jax.decoding.generate import Decoder, TargetDecoder
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.decoding.speculative import SpeculativeDecoder
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.qwen3 import Transformer
+
+
+def timed_generate(decoder: Decoder, prompts, *, seed: int, desc: str) -> list[tuple[float, list]]:
+    """Decode batch by batch; returns (seconds, generations) per batch."""
+    batches = []
+    for i, start in enumerate(tqdm(range(0, len(prompts), decoder.batch_size), desc=desc, leave=False)):
+        t0 = time.perf_counter()
+        generations = decoder.generate(prompts[start : start + decoder.batch_size], seed=seed + i)
+        batches.append((time.perf_counter() - t0, generations))
+    return batches
+
+
+def speed(batches: list[tuple[float, list]]) -> dict:
+    """Throughput, and each prompt's batch time per output token averaged over prompts."""
+    tokens = sum(len(g.tokens) for _, gens in batches for g in gens)
+    seconds = sum(s for s, _ in batches)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "ms_per_token": 1000 * float(np.mean([s / len(g.tokens) for s, gens in batches for g in gens])),
+    }
+
+
+def evaluate_set(target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed) -> dict:
+    kw = dict(max_prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
+              batch_size=min(batch_size, len(prompts)), sampling=sampling, stop_tokens=stop_tokens)
+    dflash = SpeculativeDecoder(target, drafter, **kw)
+    alone = TargetDecoder(target, **kw)
+    lengths = [len(p) for p in prompts]
+    dflash.warmup(lengths)  # compile outside the timed runs
+    alone.warmup(lengths)
+    spec = timed_generate(dflash, prompts, seed=seed, desc="DFlash")
+    ref = timed_generate(alone, prompts, seed=seed, desc="target alone")
+    spec_gens = [g for _, gens in spec for g in gens]
+    ref_gens = [g for _, gens in ref for g in gens]
+    result = acceptance_stats(spec_gens, drafter.cfg.block_size)
+    result["dflash"] = speed(spec)
+    result["target"] = speed(ref)
+    result["speedup"] = result["dflash"]["tokens_per_s"] / result["target"]["tokens_per_s"]
+    if sampling.greedy:
+        # Greedy DFlash is lossless in exact arithmetic; in bf16 a near-tie can still flip.
+        result["identical_outputs"] = float(np.mean(
+            [np.array_equal(a.tokens, b.tokens) for a, b in zip(spec_gens, ref_gens)]
+        ))
+    return result
+
+
+def evaluate(target: Transformer, drafter: DFlashDrafter, chat: ChatTokenizer, prompt_specs, *,
+             num_prompts: int = 0, max_new_tokens: int = 256, batch_size: int = 1,
+             sampling: SamplingConfig = SamplingConfig(), seed: int = 0) -> dict:
+    """Evaluate every prompt set (bundled names or JSONL paths); {"run": settings, "sets": {...}}."""
+    prompt_sets = dict(load_prompts(spec, chat, limit=num_prompts) for spec in prompt_specs)
+    sets = {}
+    for name, prompts in prompt_sets.items():
+        print(f"{name}: {len(prompts)} prompts")
+        sets[name] = evaluate_set(
+            target, drafter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+            sampling=sampling, stop_tokens=chat.stop_tokens, seed=seed,
+        )
+    run = {
+        "block_size": drafter.cfg.block_size, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "enable_thinking": chat.enable_thinking, "device": jax.devices()[0].device_kind,
+    }
+    return {"run": run, "sets": sets}
+
+
+def write_outputs(evaluation: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "eval.json"), "w") as out:
+        json.dump(evaluation, out, indent=2)
+    report.plot(evaluation["sets"], evaluation["run"]["block_size"], os.path.join(out_dir, "eval.png"))

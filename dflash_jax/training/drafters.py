@@ -1,0 +1,83 @@
+"""Drafter weights between a run and the serving format: export a run's drafter, load one back.
+
+An export directory is `config.json` + `model.safetensors` (docs/design.md §5), ours or a
+released DFlash drafter. A training workdir is read from its Orbax checkpoint and cast to the
+requested dtype exactly as the export casts, so a workdir and its export decode identically.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from dflash_jax.errors import UserError
+from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.hf import export_drafter, load_drafter
+from dflash_jax.training.checkpoint import RunCheckpoints
+from dflash_jax.training.mesh import make_mesh
+from dflash_jax.training.step import OptimizerConfig, abstract_train_state, drafter_graph, make_optimizer
+from dflash_jax.training.workdir import Workdir
+
+
+def export_params(cfg: DrafterConfig, params: nnx.State, out_dir: str, *, dtype=jnp.bfloat16) -> str:
+    """Gathers (possibly multi-host sharded) drafter weights; process 0 writes the export."""
+    host_params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() == 0:
+        export_drafter(nnx.merge(drafter_graph(cfg, jnp.float32), host_params), out_dir, dtype=dtype)
+    return out_dir
+
+
+def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterConfig, nnx.State]:
+    """The drafter config and fp32 weights of a run's checkpoint (default: the latest)."""
+    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
+    try:
+        step = checkpoints.latest_step() if step is None else step
+        if step is None:
+            raise UserError(f"no checkpoint in {checkpoints.directory}")
+        if step not in checkpoints.manager.all_steps():
+            raise UserError(f"no checkpoint of step {step} in {checkpoints.directory} "
+                            f"(steps: {checkpoints.manager.all_steps()})")
+        cfg = DrafterConfig.from_hf(checkpoints.restore_meta(step)["drafter_config"])
+        # Only the structure of the optimizer state matters for restoring, not its schedule.
+        abstract = abstract_train_state(
+            cfg, make_optimizer(OptimizerConfig(), 1), seed=0, compute_dtype=jnp.float32,
+            mesh=make_mesh(-1, 1),
+        )
+        return cfg, checkpoints.restore_state(step, abstract).params
+    finally:
+        checkpoints.close()
+
+
+def export_checkpoint(workdir: Workdir, *, step: int | None = None, out_dir: str | None = None,
+                      dtype=jnp.bfloat16) -> str:
+    cfg, params = restore_params(workdir, step)
+    return export_params(cfg, params, out_dir or workdir.export, dtype=dtype)
+
+
+def is_export_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def load_any_drafter(path: str, *, step: int | None = None, param_dtype=jnp.bfloat16,
+                     compute_dtype=jnp.bfloat16) -> DFlashDrafter:
+    """A drafter from an export directory or from a training workdir's checkpoint."""
+    if is_export_dir(path):
+        if step is not None:
+            raise UserError(f"{path} is an export directory; a checkpoint step only applies to workdirs")
+        return load_drafter(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    workdir = Workdir.at(path)
+    if not workdir.has_checkpoints():
+        raise UserError(
+            f"{path} is neither a drafter export directory (config.json + model.safetensors) nor a "
+            "training workdir (checkpoints/)"
+        )
+    cfg, params = restore_params(workdir, step)
+    graphdef, _ = nnx.split(nnx.eval_shape(
+        lambda: DFlashDrafter(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+    ))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(param_dtype), params))

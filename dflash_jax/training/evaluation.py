@@ -1,0 +1,75 @@
+"""Acceptance length during and after training, measured by real speculative decoding.
+
+During training, `AcceptanceEval` decodes a fixed prompt set every `eval.every_steps` (the best
+τ is kept, docs/design.md §7.4). At the end, `final_evaluation` measures the export against the
+target alone, as `python -m dflash_jax.evaluate` does, and keeps the result in `<workdir>/eval/`.
+Prompts are rendered with the target's own chat template, as a serving engine would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.decoding import evaluation
+from dflash_jax.decoding.acceptance import measure_acceptance
+from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.hf import load_target
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.training.config import TrainSetup
+from dflash_jax.training.drafters import load_any_drafter
+
+
+class AcceptanceEval:
+    """Callable (target, drafter) -> acceptance statistics on a fixed prompt set."""
+
+    def __init__(self, prompts: list[np.ndarray], stop: tuple[int, ...], *, max_new_tokens: int):
+        self.prompts, self.stop, self.max_new_tokens = prompts, stop, max_new_tokens
+
+    @classmethod
+    def for_setup(cls, setup: TrainSetup) -> AcceptanceEval:
+        chat = ChatTokenizer(setup.target_path, enable_thinking=setup.data.enable_thinking)
+        _, prompts = load_prompts(setup.eval.prompts, chat, limit=setup.eval.num_prompts)
+        return cls(prompts, chat.stop_tokens, max_new_tokens=setup.eval.max_new_tokens)
+
+    def __call__(self, target: Transformer, drafter: DFlashDrafter) -> dict:
+        return measure_acceptance(
+            target, drafter, self.prompts, max_new_tokens=self.max_new_tokens, stop_tokens=self.stop
+        )
+
+
+def run_evaluation(target_path: str, drafter_path: str, prompt_specs, *, drafter_step=None,
+                   dtype=jnp.bfloat16, enable_thinking=False, **kwargs) -> dict:
+    """`decoding.evaluation.evaluate` on models loaded from disk (the drafter: an export or a
+    workdir), both in `dtype`."""
+    chat = ChatTokenizer(target_path, enable_thinking=enable_thinking)
+    target = load_target(target_path, param_dtype=dtype, compute_dtype=dtype)
+    drafter = load_any_drafter(drafter_path, step=drafter_step, param_dtype=dtype, compute_dtype=dtype)
+    result = evaluation.evaluate(target, drafter, chat, prompt_specs, **kwargs)
+    result["run"].update(target=target_path, drafter=drafter_path, drafter_step=drafter_step,
+                         dtype=jnp.dtype(dtype).name)
+    return result
+
+
+def final_evaluation(setup: TrainSetup) -> dict | None:
+    """The finished run's export against the target alone on the eval prompts (None without
+    prompts). A rerun reads the saved result instead of decoding again."""
+    if not setup.eval.enabled:
+        return None
+    workdir = setup.workdir
+    saved = os.path.join(workdir.eval, "eval.json")
+    weights = os.path.join(workdir.export, "model.safetensors")
+    if os.path.isfile(saved) and os.path.getmtime(saved) >= os.path.getmtime(weights):
+        with open(saved) as f:
+            return json.load(f)
+    result = run_evaluation(
+        setup.target_path, workdir.export, [setup.eval.prompts], num_prompts=setup.eval.num_prompts,
+        max_new_tokens=setup.eval.max_new_tokens, dtype=setup.target_dtype,
+        enable_thinking=setup.data.enable_thinking,
+    )
+    evaluation.write_outputs(result, workdir.eval)
+    return result

@@ -1,0 +1,131 @@
+"""The workdir of a training run: every path of the run, whether it finished, and its lock.
+
+    <workdir>/
+      checkpoints/        Orbax steps: train state, run metadata, data-iterator position
+      best_checkpoint/    drafter weights with the best in-training acceptance length (tau)
+      export/             the final drafter (docs/design.md §5), written when the run finishes
+      export_best/        the best-tau drafter in the same format
+      finished.json       {"step": N}: the run reached its last step N and exported
+      metrics.jsonl       one JSON line per log step, epoch start and evaluation
+      tensorboard/        the same scalars for TensorBoard
+      eval/               the closing evaluation (eval.json, eval.png)
+      .train.lock         held by the running training process (one run per workdir)
+
+Nothing else in the package spells these names (docs/design.md §7.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+
+import jax
+
+from dflash_jax.errors import UserError
+
+
+class WorkdirBusyError(UserError):
+    """Another training process holds the workdir."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workdir:
+    root: str  # absolute
+
+    @classmethod
+    def at(cls, path: str) -> Workdir:
+        return cls(os.path.abspath(os.path.expanduser(path)))
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    @property
+    def checkpoints(self) -> str:
+        return self._path("checkpoints")
+
+    @property
+    def best_checkpoint(self) -> str:
+        return self._path("best_checkpoint")
+
+    @property
+    def export(self) -> str:
+        return self._path("export")
+
+    @property
+    def export_best(self) -> str:
+        return self._path("export_best")
+
+    @property
+    def metrics(self) -> str:
+        return self._path("metrics.jsonl")
+
+    @property
+    def tensorboard(self) -> str:
+        return self._path("tensorboard")
+
+    @property
+    def eval(self) -> str:
+        return self._path("eval")
+
+    @property
+    def _finished_file(self) -> str:
+        return self._path("finished.json")
+
+    def has_checkpoints(self) -> bool:
+        return os.path.isdir(self.checkpoints)
+
+    def finished_step(self) -> int | None:
+        """The last step of the run if it finished and exported its drafter, else None."""
+        try:
+            with open(self._finished_file) as f:
+                step = int(json.load(f)["step"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+        return step if os.path.isfile(os.path.join(self.export, "config.json")) else None
+
+    def is_finished(self, total_steps: int) -> bool:
+        """Whether the run has trained all `total_steps` and exported (a run whose config now asks
+        for more steps, e.g. more epochs, is not finished)."""
+        step = self.finished_step()
+        return step is not None and step >= total_steps
+
+    def mark_finished(self, step: int) -> None:
+        """Called once the export of the last step is in place."""
+        tmp = self._finished_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"step": step}, f)
+        os.replace(tmp, self._finished_file)
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Holds an exclusive lock on `.train.lock` (process 0 only) while the run lasts.
+
+        A second run in the same directory would interleave its checkpoints and metrics with the
+        first one's. The OS releases the lock when the process dies, so a crashed run never
+        blocks the next one.
+        """
+        if jax.process_index() != 0:
+            yield
+            return
+        os.makedirs(self.root, exist_ok=True)
+        with open(self._path(".train.lock"), "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                raise WorkdirBusyError(
+                    f"another training run (pid {holder}) is using {self.root}; wait for it, stop it, "
+                    "or pass a different --config.workdir"
+                ) from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)

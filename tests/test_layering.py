@@ -1,0 +1,58 @@
+"""The package's layers only point down (docs/design.md §9):
+
+    errors <- models <- data <- decoding <- training <- command-line modules
+
+and the package imports no test framework or reference implementation (torch)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash_jax"
+LAYERS = {"errors": 0, "models": 1, "data": 2, "decoding": 3, "training": 4}
+COMMAND_LINE = 5  # dflash_jax/<name>.py: cli, prepare, evaluate, regenerate, export, plan
+FORBIDDEN = {"torch", "pytest", "support"}
+
+
+def layer_of(module: str) -> int:
+    """'dflash_jax.training.loop' -> 4; a top-level module other than errors is a command line."""
+    parts = module.split(".")
+    return LAYERS.get(parts[1], COMMAND_LINE) if len(parts) > 1 else COMMAND_LINE
+
+
+def imports(path: Path) -> list[str]:
+    """Every module a file imports, at any depth (function-level imports included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append(node.module)
+            # `from dflash_jax import cli` imports the module dflash_jax.cli
+            found += [f"{node.module}.{alias.name}" for alias in node.names if node.module == "dflash_jax"]
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_imports_point_down(path):
+    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    own = layer_of(name)
+    for module in imports(path):
+        assert module.split(".")[0] not in FORBIDDEN, f"{name} imports {module}"
+        if module.startswith("dflash_jax.") and module.count(".") >= 1:
+            target = layer_of(module)
+            assert target <= own, f"{name} (layer {own}) imports {module} (layer {target}), a higher layer"
+            if own < COMMAND_LINE:
+                assert target < COMMAND_LINE, f"{name} imports the command-line module {module}"
+
+
+def test_the_check_can_fail():
+    assert layer_of("dflash_jax.training.loop") > layer_of("dflash_jax.models.qwen3")
+    assert layer_of("dflash_jax.export") == COMMAND_LINE
+    assert "dflash_jax.cli" in imports(PACKAGE / "evaluate.py")
