@@ -23,7 +23,8 @@ from dflash_jax.training.mesh import initialize_distributed
 from dflash_jax.training.summary import summary
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"),
+    "config",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"),
     "Training config file (configs/*.py), optionally with variants: file.py:variant,variant.",
     lock_config=True,
 )
@@ -39,8 +40,10 @@ def main(argv) -> int:
     outcome = train(setup)
     if not outcome.finished:
         if jax.process_index() == 0:
-            print(f"stopped at step {outcome.step} of {outcome.total_steps} after saving a checkpoint; "
-                  "run the same command again to resume")
+            print(
+                f"stopped at step {outcome.step} of {outcome.total_steps} after saving a checkpoint; "
+                "run the same command again to resume"
+            )
         return cli.EXIT_STOPPED
     if jax.process_index() == 0:
         print(summary(setup.workdir, final_evaluation(setup), already_finished=outcome.already_finished))

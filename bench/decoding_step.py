@@ -27,8 +27,7 @@ from dflash_jax.models.qwen3 import Transformer
 
 def step_ms(decoder, prompt: np.ndarray, steps: int) -> float:
     """Median time of `steps` decoding steps after the prompt (no stop tokens, so none ends)."""
-    st = decoder._prefill(*pad_batch([prompt] * decoder.batch_size, decoder.batch_size, len(prompt)),
-                          jax.random.key(0))
+    st = decoder._prefill(*pad_batch([prompt] * decoder.batch_size, decoder.batch_size, len(prompt)), jax.random.key(0))
     st, _ = decoder._step(st)  # compile
     times = []
     for _ in range(steps):
@@ -58,8 +57,14 @@ def main():
     a = p.parse_args()
     dtype = jnp.dtype(a.dtype)
     cfg = TransformerConfig(
-        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
-        num_heads=a.heads, num_kv_heads=a.kv_heads, head_dim=a.head_dim, rope=RopeConfig(theta=1e6),
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_layers=a.layers,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        rope=RopeConfig(theta=1e6),
     )
     target = Transformer(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(0))
     prompt = np.random.default_rng(0).integers(0, a.vocab - 1, a.context).astype(np.int32)
@@ -68,11 +73,12 @@ def main():
     print(f"{jax.devices()[0].device_kind}, {a.dtype}, batch {a.batch_size}, context {a.context}")
     print(f"target alone: {base:.3f} ms/step")
     for block in a.block_sizes:
-        dcfg = DrafterConfig.for_target(cfg, num_layers=a.drafter_layers, mask_token_id=a.vocab - 1,
-                                        block_size=block)
+        dcfg = DrafterConfig.for_target(cfg, num_layers=a.drafter_layers, mask_token_id=a.vocab - 1, block_size=block)
         drafter = DFlashDrafter(dcfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(1))
         ms = step_ms(SpeculativeDecoder(target, drafter, **kw), prompt, a.steps)
-        print(f"DFlash block {block:>2}: {ms:.3f} ms/step, c = {ms / base:.2f} (faster than the target alone when τ > c)")
+        print(
+            f"DFlash block {block:>2}: {ms:.3f} ms/step, c = {ms / base:.2f} (faster than the target alone when τ > c)"
+        )
 
 
 if __name__ == "__main__":

@@ -87,7 +87,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         data = DataPipeline(
-            synthetic_cache(directory, lengths), seq_len=args.seq_len, global_batch_rows=args.rows, seed=0, read_threads=0
+            synthetic_cache(directory, lengths),
+            seq_len=args.seq_len,
+            global_batch_rows=args.rows,
+            seed=0,
+            read_threads=0,
         )
         it = data.iterator(process_index=0, process_count=1)
         next(it)  # plan the epoch outside the timing

@@ -34,15 +34,15 @@ def errors(path: str, compute_dtype) -> tuple[float, float, float]:
     model = load_target(path, param_dtype=jnp.float32, compute_dtype=compute_dtype)
     with jax.default_matmul_precision("highest"):
         logits, hidden = model(
-            jnp.asarray(tokens), jnp.ones(tokens.shape, jnp.int32),
+            jnp.asarray(tokens),
+            jnp.ones(tokens.shape, jnp.int32),
             jnp.broadcast_to(jnp.arange(SEQ), tokens.shape),
             hidden_layers=tuple(range(model.cfg.num_layers - 1)),
         )
     ref_logits = out.logits.numpy()
     logit_err = float(np.abs(np.asarray(logits, np.float32) - ref_logits).max())
     hidden_err = max(
-        float(np.abs(np.asarray(h, np.float32) - out.hidden_states[i + 1].numpy()).max())
-        for i, h in enumerate(hidden)
+        float(np.abs(np.asarray(h, np.float32) - out.hidden_states[i + 1].numpy()).max()) for i, h in enumerate(hidden)
     )
     argmax_agree = float((np.asarray(logits).argmax(-1) == ref_logits.argmax(-1)).mean())
     return logit_err, hidden_err, argmax_agree

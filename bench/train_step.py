@@ -14,8 +14,8 @@ compute dtype on the same device, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -38,8 +38,14 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", 
 
 # A Qwen3-style model small enough for a CPU, big enough that matmuls dominate.
 SMALL_TARGET = TransformerConfig(
-    vocab_size=32768, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-    num_kv_heads=4, head_dim=64, rope=RopeConfig(1_000_000.0),
+    vocab_size=32768,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    rope=RopeConfig(1_000_000.0),
 )
 
 
@@ -60,8 +66,7 @@ def setups(names: list[str]) -> dict[str, TrainSetup]:
         if name == "default":
             out[name] = resolve(load_config_file(DEFAULT_CONFIG), num_devices=jax.device_count())
         elif name == "small":
-            out[name] = resolve(small_config(), num_devices=jax.device_count(), target=SMALL_TARGET,
-                                check_files=False)
+            out[name] = resolve(small_config(), num_devices=jax.device_count(), target=SMALL_TARGET, check_files=False)
         else:
             raise SystemExit(f"unknown config {name!r} (default, small)")
     return out
@@ -77,9 +82,14 @@ def model_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
 
     # Target: forward through the last feature layer, causal attention computed densely.
     target_layers = max(obj.target_layer_ids) + 1
-    target = 2 * rows * target_layers * (
-        seq_len * layer_weights(h, t.intermediate_size, t.num_heads, t.num_kv_heads)
-        + 2 * seq_len * seq_len * t.num_heads * hd
+    target = (
+        2
+        * rows
+        * target_layers
+        * (
+            seq_len * layer_weights(h, t.intermediate_size, t.num_heads, t.num_kv_heads)
+            + 2 * seq_len * seq_len * t.num_heads * hd
+        )
     )
     # Drafter: fc on context features; per layer, context k/v and the block tokens' layer, each
     # block query attending to S context keys and its Bk block keys.
@@ -111,21 +121,31 @@ def matmul_peak(dtype, n: int = 2048, repeats: int = 10) -> float:
 
 def bench(setup: TrainSetup, steps: int) -> dict:
     mesh = make_mesh(*setup.mesh_shape)
-    graphdef, target_params = nnx.split(nnx.eval_shape(
-        lambda: Transformer(setup.target, param_dtype=setup.target_dtype,
-                            compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0))
-    ))
+    graphdef, target_params = nnx.split(
+        nnx.eval_shape(
+            lambda: Transformer(
+                setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
+            )
+        )
+    )
     target_params = jax.jit(
-        lambda: nnx.split(Transformer(setup.target, param_dtype=setup.target_dtype,
-                                      compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)))[1],
+        lambda: nnx.split(
+            Transformer(
+                setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
+            )
+        )[1],
         out_shardings=state_shardings(mesh, target_params),
     )()
     tx = step_lib.make_optimizer(setup.optimizer, 1000)
     state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
     train_step = step_lib.make_train_step(
         drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
-        target_graphdef=graphdef, target_params=target_params, tx=tx, cfg=setup.objective,
-        grad_accum_steps=setup.run.grad_accum_steps, mesh=mesh,
+        target_graphdef=graphdef,
+        target_params=target_params,
+        tx=tx,
+        cfg=setup.objective,
+        grad_accum_steps=setup.run.grad_accum_steps,
+        mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),
     )
     rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len

@@ -1,7 +1,7 @@
 """Tiny CPU run: the bundled tiny Qwen3 target and stdlib demo corpus, a few minutes on 2 cores.
 
-    python train.py
-    python train.py --config=configs/default.py --config.workdir=/tmp/dflash_run --config.train.max_steps=50
+python train.py
+python train.py --config=configs/default.py --config.workdir=/tmp/dflash_run --config.train.max_steps=50
 """
 
 import os

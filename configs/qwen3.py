@@ -27,8 +27,10 @@ def get_config(variants: str = "8b"):
     chosen = [v for v in variants.split(",") if v]
     unknown = [v for v in chosen if v not in SIZES and v not in BLOCK_SIZES and v != "fsdp"]
     if unknown:
-        raise ConfigError(f"unknown config variant(s) {unknown}: use a size {sorted(SIZES)}, a block "
-                          f"size {sorted(BLOCK_SIZES)} and/or 'fsdp'")
+        raise ConfigError(
+            f"unknown config variant(s) {unknown}: use a size {sorted(SIZES)}, a block "
+            f"size {sorted(BLOCK_SIZES)} and/or 'fsdp'"
+        )
     sizes = [v for v in chosen if v in SIZES] or ["8b"]
     blocks = [v for v in chosen if v in BLOCK_SIZES] or ["b16"]
     if len(sizes) > 1 or len(blocks) > 1:

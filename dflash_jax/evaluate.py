@@ -56,9 +56,17 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     except ValueError as e:
         raise UserError(str(e)) from None
     evaluation = run_evaluation(
-        f.target, f.drafter, f.prompts, drafter_step=f.drafter_step, num_prompts=f.num_prompts,
-        max_new_tokens=f.max_new_tokens, batch_size=f.batch_size, sampling=sampling,
-        enable_thinking=f.enable_thinking, dtype=DTYPES[f.dtype], seed=f.seed,
+        f.target,
+        f.drafter,
+        f.prompts,
+        drafter_step=f.drafter_step,
+        num_prompts=f.num_prompts,
+        max_new_tokens=f.max_new_tokens,
+        batch_size=f.batch_size,
+        sampling=sampling,
+        enable_thinking=f.enable_thinking,
+        dtype=DTYPES[f.dtype],
+        seed=f.seed,
     )
     write_outputs(evaluation, f.out_dir)
     print(report.table(evaluation["sets"]))

@@ -37,11 +37,23 @@ def make_backend(f):
     if f.backend == "http":
         from dflash_jax.decoding.http_client import ChatCompletionsClient
 
-        client = ChatCompletionsClient(f.server_url, model=f.model, api_key=os.environ.get("OPENAI_API_KEY", ""),
-                                       timeout=f.request_timeout, retries=f.retries)
-        return HttpBackend(client, concurrency=f.concurrency, max_tokens=f.max_new_tokens,
-                           temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
-                           enable_thinking=f.enable_thinking, seed=f.seed if f.temperature else None)
+        client = ChatCompletionsClient(
+            f.server_url,
+            model=f.model,
+            api_key=os.environ.get("OPENAI_API_KEY", ""),
+            timeout=f.request_timeout,
+            retries=f.retries,
+        )
+        return HttpBackend(
+            client,
+            concurrency=f.concurrency,
+            max_tokens=f.max_new_tokens,
+            temperature=f.temperature,
+            top_p=f.top_p,
+            top_k=f.top_k,
+            enable_thinking=f.enable_thinking,
+            seed=f.seed if f.temperature else None,
+        )
     if not f.target:
         raise app.UsageError("--target is required with --backend=jax")
     from dflash_jax.decoding.chat import ChatTokenizer
@@ -51,9 +63,15 @@ def make_backend(f):
     max_prompt_len = f.max_prompt_len or target.cfg.max_position_embeddings - f.max_new_tokens
     if max_prompt_len < 1:
         raise app.UsageError(f"--max_new_tokens={f.max_new_tokens} leaves no room for a prompt")
-    return JaxBackend(target, ChatTokenizer(f.target, enable_thinking=f.enable_thinking),
-                      max_new_tokens=f.max_new_tokens, batch_size=f.batch_size, sampling=sampling,
-                      max_prompt_len=max_prompt_len, seed=f.seed)
+    return JaxBackend(
+        target,
+        ChatTokenizer(f.target, enable_thinking=f.enable_thinking),
+        max_new_tokens=f.max_new_tokens,
+        batch_size=f.batch_size,
+        sampling=sampling,
+        max_prompt_len=max_prompt_len,
+        seed=f.seed,
+    )
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -70,7 +88,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("request_timeout", 600.0, "http back-end: seconds per request.", **fv)
     flags.DEFINE_integer("retries", 3, "http back-end: retries of transient failures per request.", **fv)
     flags.DEFINE_integer("batch_size", 8, "jax back-end: conversations generated together.", **fv)
-    flags.DEFINE_integer("max_prompt_len", 0, "jax back-end: longest prompt (0: the target's context minus max_new_tokens).", **fv)
+    flags.DEFINE_integer(
+        "max_prompt_len", 0, "jax back-end: longest prompt (0: the target's context minus max_new_tokens).", **fv
+    )
     flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "jax back-end: weight and compute dtype.", **fv)
     flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response at most.", **fv)
     flags.DEFINE_float("temperature", 0.0, "0: greedy, as the DFlash recipe.", **fv)
@@ -89,8 +109,10 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     if os.path.abspath(f.input) == os.path.abspath(f.output):
         raise app.UsageError("--output must differ from --input (the output is appended to)")
     counts = Regeneration(f.input, f.output).run(make_backend(f), limit=f.limit)
-    print(f"{counts['regenerated']} rows regenerated into {f.output} ({counts['done_before']} were done "
-          f"before), {counts['failed']} failed" + (f" (see {failures_path(f.output)})" if counts["failed"] else ""))
+    print(
+        f"{counts['regenerated']} rows regenerated into {f.output} ({counts['done_before']} were done "
+        f"before), {counts['failed']} failed" + (f" (see {failures_path(f.output)})" if counts["failed"] else "")
+    )
 
 
 if __name__ == "__main__":

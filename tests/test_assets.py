@@ -25,8 +25,13 @@ build_corpus = _load("build_corpus")
 train_tiny_target = _load("train_tiny_target")
 
 # A few packages keep the stdlib walk short; a large held-out fraction makes both sides non-empty.
-SMALL = dict(seed=0, max_functions=50, heldout_frac=0.3, num_prompts=4,
-             only=("json", "email", "logging", "concurrent", "importlib"))
+SMALL = dict(
+    seed=0,
+    max_functions=50,
+    heldout_frac=0.3,
+    num_prompts=4,
+    only=("json", "email", "logging", "concurrent", "importlib"),
+)
 
 
 def _read_jsonl(path):
@@ -72,11 +77,38 @@ def test_corpus_split_is_by_source_file(small_corpus):
 
 
 def _build_tiny(data, out):
-    return train_tiny_target.main([
-        "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size", "4",
-        "--vocab-size", "320", "--hidden-size", "32", "--intermediate-size", "64",
-        "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16",
-        "--eval-docs", "4", "--eval-every", "0", "--log-every", "1"])
+    return train_tiny_target.main(
+        [
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--vocab-size",
+            "320",
+            "--hidden-size",
+            "32",
+            "--intermediate-size",
+            "64",
+            "--num-layers",
+            "2",
+            "--num-heads",
+            "2",
+            "--num-kv-heads",
+            "1",
+            "--head-dim",
+            "16",
+            "--eval-docs",
+            "4",
+            "--eval-every",
+            "0",
+            "--log-every",
+            "1",
+        ]
+    )
 
 
 def test_tiny_target_trains_deterministically_and_loads(small_corpus, tmp_path):
@@ -89,8 +121,7 @@ def test_tiny_target_trains_deterministically_and_loads(small_corpus, tmp_path):
     assert metrics["vocab_size"] == 320 and len(metrics["log"]) == 3
 
     tok = AutoTokenizer.from_pretrained(tmp_path / "a")
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
     ids = tok(text, return_tensors="pt")["input_ids"]
@@ -119,8 +150,7 @@ def test_committed_target_loads_in_transformers():
         assert tok(special, add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids(special)]
 
     prompt = _read_jsonl(DATA / "heldout_prompts.jsonl")[0]["messages"]
-    text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                   enable_thinking=False)
+    text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
     model = AutoModelForCausalLM.from_pretrained(TARGET)
     ids = tok(text, return_tensors="pt")["input_ids"]
@@ -152,8 +182,9 @@ def test_built_and_committed_targets_match_transformers_in_jax(small_corpus, tmp
     _build_tiny(small_corpus, tmp_path / "small")
     for path in (tmp_path / "small", TARGET):
         tok = AutoTokenizer.from_pretrained(path)
-        text = tok.apply_chat_template([{"role": "user", "content": "Implement `f(x)`."}],
-                                       tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "Implement `f(x)`."}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(text, return_tensors="pt")["input_ids"]
         with torch.no_grad():
             ref = AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=ids).logits.numpy()

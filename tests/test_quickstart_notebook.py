@@ -88,7 +88,10 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     nb.cells.insert(params + 1, injected)
 
     client = NotebookClient(
-        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}},
+        nb,
+        timeout=900,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute(env=kernel_env())  # raises CellExecutionError, with the traceback, if a cell fails
 

@@ -34,11 +34,19 @@ import sysconfig
 
 # Test suites, the IDE, the 2to3 tool (with Python 2 fixtures), installed
 # third-party packages and generated data files are not library code.
-SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages",
-             "dist-packages", "__pycache__", "pydoc_data", "turtledemo"}
+SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "pydoc_data",
+    "turtledemo",
+}
 # Strings the tokenizer treats as special tokens must never occur in the data.
-SPECIAL_STRINGS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>",
-                   "</think>", "<|MASK|>")
+SPECIAL_STRINGS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|MASK|>")
 FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
@@ -96,11 +104,11 @@ def _dedented_source(lines: list[str], node) -> str | None:
     first = min([node.lineno] + [d.lineno for d in node.decorator_list])
     indent = " " * node.col_offset
     out = []
-    for line in lines[first - 1:node.end_lineno]:
+    for line in lines[first - 1 : node.end_lineno]:
         if not line.strip():
             out.append("")
         elif line.startswith(indent):
-            out.append(line[len(indent):].rstrip())
+            out.append(line[len(indent) :].rstrip())
         else:
             return None
     return "\n".join(out)
@@ -140,12 +148,13 @@ def extract(root: pathlib.Path, rel: str, max_lines: int, max_chars: int) -> lis
         if any(s in user + assistant for s in SPECIAL_STRINGS):
             continue
         qual = node.name if cls is None else f"{cls}.{node.name}"
-        out.append({
-            "id": f"{rel}:{node.lineno}:{qual}",
-            "source": rel,
-            "messages": [{"role": "user", "content": user},
-                         {"role": "assistant", "content": assistant}],
-        })
+        out.append(
+            {
+                "id": f"{rel}:{node.lineno}:{qual}",
+                "source": rel,
+                "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}],
+            }
+        )
     return out
 
 
@@ -155,10 +164,16 @@ def is_heldout(rel: str, seed: int, heldout_frac: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < heldout_frac
 
 
-def build_corpus(root: pathlib.Path, seed: int = 0, max_functions: int = 0,
-                 max_lines: int = 60, max_chars: int = 1700,
-                 heldout_frac: float = 0.06, num_prompts: int = 32,
-                 only: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+def build_corpus(
+    root: pathlib.Path,
+    seed: int = 0,
+    max_functions: int = 0,
+    max_lines: int = 60,
+    max_chars: int = 1700,
+    heldout_frac: float = 0.06,
+    num_prompts: int = 32,
+    only: tuple[str, ...] = (),
+) -> dict[str, list[dict]]:
     """Returns {"train", "heldout", "heldout_prompts"}: lists of records."""
     records, seen = [], set()
     for rel in source_files(root, tuple(only)):
@@ -177,8 +192,9 @@ def build_corpus(root: pathlib.Path, seed: int = 0, max_functions: int = 0,
     train = [r for r in records if not is_heldout(r["source"], seed, heldout_frac)]
     heldout = [r for r in records if is_heldout(r["source"], seed, heldout_frac)]
     picked = rng.sample(heldout, min(num_prompts, len(heldout)))
-    prompts = [{"id": r["id"], "source": r["source"], "messages": r["messages"][:1]}
-               for r in sorted(picked, key=_file_order)]
+    prompts = [
+        {"id": r["id"], "source": r["source"], "messages": r["messages"][:1]} for r in sorted(picked, key=_file_order)
+    ]
     return {"train": train, "heldout": heldout, "heldout_prompts": prompts}
 
 
@@ -206,21 +222,21 @@ def write_corpus(out: pathlib.Path, corpus: dict[str, list[dict]], root: pathlib
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="assets/data", type=pathlib.Path)
-    p.add_argument("--stdlib", default=None, type=pathlib.Path,
-                   help="stdlib directory (default: the running interpreter's)")
+    p.add_argument(
+        "--stdlib", default=None, type=pathlib.Path, help="stdlib directory (default: the running interpreter's)"
+    )
     p.add_argument("--seed", default=0, type=int)
     p.add_argument("--max-functions", default=0, type=int, help="0 = all")
     p.add_argument("--max-lines", default=60, type=int)
-    p.add_argument("--max-chars", default=1700, type=int,
-                   help="cap on user + assistant characters")
+    p.add_argument("--max-chars", default=1700, type=int, help="cap on user + assistant characters")
     p.add_argument("--heldout-frac", default=0.06, type=float)
     p.add_argument("--num-prompts", default=32, type=int)
-    p.add_argument("--only", nargs="*", default=(),
-                   help="restrict to these top-level modules/packages")
+    p.add_argument("--only", nargs="*", default=(), help="restrict to these top-level modules/packages")
     a = p.parse_args(argv)
     root = a.stdlib or stdlib_dir()
-    corpus = build_corpus(root, a.seed, a.max_functions, a.max_lines, a.max_chars,
-                          a.heldout_frac, a.num_prompts, tuple(a.only))
+    corpus = build_corpus(
+        root, a.seed, a.max_functions, a.max_lines, a.max_chars, a.heldout_frac, a.num_prompts, tuple(a.only)
+    )
     write_corpus(a.out, corpus, root)
     for k, v in corpus.items():
         print(f"{k}: {len(v)} records, {len({r['source'] for r in v})} source files")

@@ -61,8 +61,11 @@ def train_tokenizer(records: list[dict], vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     # Role headers included so that "assistant\n" etc. become single tokens.
     texts = [f"{m['role']}\n{m['content']}" for r in records for m in r["messages"]]
     tok.train_from_iterator(texts, trainer)
@@ -113,8 +116,8 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
     window = 32 * batch_size
     batches = []
     for i in range(0, len(order), window):
-        chunk = sorted(order[i:i + window], key=lambda j: lengths[j])
-        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[i : i + window], key=lambda j: lengths[j])
+        batches += [chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return batches
 
@@ -126,8 +129,8 @@ def collate(seqs: list[list[int]], idx: list[int], pad_id: int):
     ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(idx), width), dtype=torch.long)
     for row, i in enumerate(idx):
-        ids[row, :len(seqs[i])] = torch.tensor(seqs[i])
-        mask[row, :len(seqs[i])] = 1
+        ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
+        mask[row, : len(seqs[i])] = 1
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
 
@@ -142,11 +145,12 @@ def evaluate(model, seqs: list[list[int]], pad_id: int, batch_size: int = 16) ->
     total, count = 0.0, 0
     with torch.no_grad():
         for k in range(0, len(order), batch_size):
-            ids, mask, labels = collate(seqs, order[k:k + batch_size], pad_id)
+            ids, mask, labels = collate(seqs, order[k : k + batch_size], pad_id)
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
             target = labels[:, 1:]
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                     target.reshape(-1), ignore_index=-100, reduction="sum").item()
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100, reduction="sum"
+            ).item()
             count += int((target != -100).sum())
     model.train()
     return total / count
@@ -164,13 +168,21 @@ def build_model(args, vocab_size: int, ids: dict):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=args.max_position_embeddings,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"])
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
     return Qwen3ForCausalLM(config)
 
 
@@ -186,14 +198,14 @@ def train(args) -> dict:
     train_recs = read_jsonl(args.data / "stdlib_train.jsonl")
     heldout_recs = read_jsonl(args.data / "stdlib_heldout.jsonl")
     if args.max_train_docs:
-        train_recs = train_recs[:args.max_train_docs]
+        train_recs = train_recs[: args.max_train_docs]
     tok = train_tokenizer(train_recs, args.vocab_size)
     hf_tok = save_tokenizer(tok, args.out, args.max_position_embeddings)
     ids = {t: hf_tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     pad_id = ids["<|endoftext|>"]
 
     train_seqs = encode(hf_tok, train_recs, args.max_len)
-    eval_seqs = encode(hf_tok, heldout_recs[:args.eval_docs or None], args.max_len)
+    eval_seqs = encode(hf_tok, heldout_recs[: args.eval_docs or None], args.max_len)
     if ids[MASK_TOKEN] in {t for s in train_seqs + eval_seqs for t in s}:
         raise ValueError(f"{MASK_TOKEN} occurs in the data; it must stay unused")
     lengths = [len(s) for s in train_seqs]
@@ -203,12 +215,16 @@ def train(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.ndim >= 2]  # no decay on norm gains
     rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     warmup = max(1, int(args.warmup_frac * args.steps))
-    print(f"{n_params:,} params, {len(train_seqs)} train / {len(eval_seqs)} held-out seqs, "
-          f"{sum(lengths):,} train tokens", flush=True)
+    print(
+        f"{n_params:,} params, {len(train_seqs)} train / {len(eval_seqs)} held-out seqs, {sum(lengths):,} train tokens",
+        flush=True,
+    )
 
     log, epoch, step, recent = [], 0, 0, []
     while step < args.steps:
@@ -226,9 +242,14 @@ def train(args) -> dict:
             step += 1
             recent = (recent + [loss.item()])[-50:]
             if step % args.log_every == 0 or step == args.steps:
-                entry = {"step": step, "epoch": epoch, "loss": round(sum(recent) / len(recent), 4),
-                         "lr": opt.param_groups[0]["lr"], "elapsed_s": round(time.time() - t0, 1),
-                         "cpu_s": round(time.process_time() - cpu0, 1)}
+                entry = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": round(sum(recent) / len(recent), 4),
+                    "lr": opt.param_groups[0]["lr"],
+                    "elapsed_s": round(time.time() - t0, 1),
+                    "cpu_s": round(time.process_time() - cpu0, 1),
+                }
                 if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                     entry["heldout_loss"] = round(evaluate(model, eval_seqs, pad_id), 4)
                 log.append(entry)
@@ -265,8 +286,11 @@ def save_model(model, hf_tok, ids: dict, out: pathlib.Path) -> None:
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], do_sample=False)
+        bos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        do_sample=False,
+    )
     model.save_pretrained(out)
     # Also keep the classic top-level rope_theta that Qwen3 checkpoints carry,
     # for readers that do not know transformers 5's rope_parameters.
@@ -281,46 +305,49 @@ def write_readme(out: pathlib.Path, m: dict, hf_tok) -> None:
     a = m["args"]
     example = [{"role": "user", "content": "Implement `add(a, b)`:\n\nReturn a + b."}]
     rendered = hf_tok.apply_chat_template(example, tokenize=False, add_generation_prompt=True)
-    sizes = "\n".join(f"| `{p.name}` | {p.stat().st_size:,} |" for p in sorted(out.iterdir())
-                      if p.is_file() and p.name not in ("README.md",))
+    sizes = "\n".join(
+        f"| `{p.name}` | {p.stat().st_size:,} |"
+        for p in sorted(out.iterdir())
+        if p.is_file() and p.name not in ("README.md",)
+    )
     specials = ", ".join(f"`{t}` = {hf_tok.convert_tokens_to_ids(t)}" for t in SPECIAL_TOKENS)
     text = f"""# tiny-qwen3: the bundled demo target
 
-A {m['params']:,}-parameter `Qwen3ForCausalLM` trained from scratch on the stdlib demo corpus
+A {m["params"]:,}-parameter `Qwen3ForCausalLM` trained from scratch on the stdlib demo corpus
 (`assets/data/`), so that `python train.py` can train a DFlash drafter in minutes on a CPU.
 It is a demo asset, not a useful language model: it writes Python-stdlib-style functions.
 
 ## How it was built
 
     python assets/build/build_corpus.py --out assets/data --seed 0
-    {a['command']}
+    {a["command"]}
 
-(python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, {a['threads']} CPU
+(python {m["python"]}, torch {m["torch"]}, transformers {m["transformers"]}, {a["threads"]} CPU
 threads; deterministic for a given seed and thread count.)
 
 - Tokenizer: byte-level BPE (`tokenizers`), trained on the training split only; vocab size
-  {m['vocab_size']} including the special tokens {specials}.
-- **Mask token:** `<|MASK|>` = id **{m['mask_token_id']}** (`tokenizer.mask_token_id`). It never
+  {m["vocab_size"]} including the special tokens {specials}.
+- **Mask token:** `<|MASK|>` = id **{m["mask_token_id"]}** (`tokenizer.mask_token_id`). It never
   occurs in the data; it exists only as the DFlash drafter's mask token (an existing
   embedding row).
-- Model: {a['num_layers']} layers, hidden {a['hidden_size']}, {a['num_heads']} heads /
-  {a['num_kv_heads']} KV heads, head_dim {a['head_dim']}, intermediate {a['intermediate_size']},
-  tied embeddings, rope_theta 1e6, max positions {a['max_position_embeddings']}; fp32 weights.
+- Model: {a["num_layers"]} layers, hidden {a["hidden_size"]}, {a["num_heads"]} heads /
+  {a["num_kv_heads"]} KV heads, head_dim {a["head_dim"]}, intermediate {a["intermediate_size"]},
+  tied embeddings, rope_theta 1e6, max positions {a["max_position_embeddings"]}; fp32 weights.
 - Training: loss on every token of the rendered conversation (prompt and answer);
-  conversations over {a['max_len']} tokens dropped; AdamW (0.9, 0.95), lr {a['lr']} with
-  {a['warmup_frac']:.0%} warmup and cosine decay to 10%, weight decay {a['weight_decay']}
-  on matrices, grad clip 1.0, {a['batch_size']} conversations per step (length-bucketed),
-  {a['steps']} steps = {m['epochs_seen']} epochs over {m['train_sequences']:,} conversations
-  ({m['train_tokens_per_epoch']:,} tokens per epoch).
+  conversations over {a["max_len"]} tokens dropped; AdamW (0.9, 0.95), lr {a["lr"]} with
+  {a["warmup_frac"]:.0%} warmup and cosine decay to 10%, weight decay {a["weight_decay"]}
+  on matrices, grad clip 1.0, {a["batch_size"]} conversations per step (length-bucketed),
+  {a["steps"]} steps = {m["epochs_seen"]} epochs over {m["train_sequences"]:,} conversations
+  ({m["train_tokens_per_epoch"]:,} tokens per epoch).
 
 ## Results
 
 | | |
 |---|---|
-| training loss (mean of the last 50 steps) | {m['train_loss_last50']} |
-| held-out loss ({m['heldout_sequences']} conversations from unseen source files) | {m['heldout_loss']} |
-| held-out perplexity | {m['heldout_perplexity']} |
-| training time | {m['train_time_s'] / 60:.1f} min wall, {m['train_cpu_s'] / 60:.1f} CPU-min ({a['threads']} threads) |
+| training loss (mean of the last 50 steps) | {m["train_loss_last50"]} |
+| held-out loss ({m["heldout_sequences"]} conversations from unseen source files) | {m["heldout_loss"]} |
+| held-out perplexity | {m["heldout_perplexity"]} |
+| training time | {m["train_time_s"] / 60:.1f} min wall, {m["train_cpu_s"] / 60:.1f} CPU-min ({a["threads"]} threads) |
 
 The full curve is in `metrics.json` (`log`). Wall time depends on the machine's load; on an
 idle 2-core machine the default model takes 0.6-1.1 s per step (15-25 min for 1200 steps
@@ -376,8 +403,7 @@ def main(argv=None) -> dict:
     p.add_argument("--log-every", default=25, type=int)
     p.add_argument("--threads", default=2, type=int)
     args = p.parse_args(argv)
-    args.command = "python assets/build/train_tiny_target.py " + shlex.join(
-        sys.argv[1:] if argv is None else argv)
+    args.command = "python assets/build/train_tiny_target.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     return train(args)
 
 

@@ -231,7 +231,9 @@ class ChunkTokenizer:
         if self.overlength == "drop":
             raise BadSample("overlength", f"{len(ids)} tokens > seq_len {self.seq_len}")
         if not mask[: self.seq_len].any():
-            raise BadSample("no_loss_after_truncation", f"{len(ids)} tokens, none trained on in the first {self.seq_len}")
+            raise BadSample(
+                "no_loss_after_truncation", f"{len(ids)} tokens, none trained on in the first {self.seq_len}"
+            )
         return ids[: self.seq_len], mask[: self.seq_len]
 
 
@@ -271,7 +273,7 @@ class _Counts:
         }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encoder(tokenizer_dir: str, enable_thinking: bool) -> SampleEncoder:
     return SampleEncoder(tokenizer_dir, enable_thinking)
 

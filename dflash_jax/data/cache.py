@@ -45,7 +45,9 @@ def _writing(fn):
             return fn(*args, **kwargs)
         except OSError as e:
             where = e.filename or getattr(args[0] if args else None, "directory", None) or "the tokenized cache"
-            raise DataError(f"cannot write {where}: {e.strerror or e}; set data.cache_dir to a writable place with free space") from None
+            raise DataError(
+                f"cannot write {where}: {e.strerror or e}; set data.cache_dir to a writable place with free space"
+            ) from None
 
     return wrapper
 

@@ -71,7 +71,9 @@ def tokenizer_fingerprint(tokenizer_dir: str) -> dict[str, str]:
             with open(path, "rb") as f:
                 digests[name] = hashlib.file_digest(f, "sha256").hexdigest()
     if not digests:
-        raise ConfigError(f"target.path={tokenizer_dir!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+        raise ConfigError(
+            f"target.path={tokenizer_dir!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)"
+        )
     return digests
 
 
@@ -126,12 +128,16 @@ class SampleEncoder:
         try:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except (TypeError, ValueError) as e:
-            raise BadSample("unencodable_text", f"the tokenizer cannot encode the text ({type(e).__name__}: {e})") from None
+            raise BadSample(
+                "unencodable_text", f"the tokenizer cannot encode the text ({type(e).__name__}: {e})"
+            ) from None
         return np.asarray(ids, np.int32)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> np.ndarray:
         if self.tokenizer.chat_template is None:
-            raise DataError(f"the tokenizer in {self._tokenizer_dir} has no chat template, so it cannot render conversations")
+            raise DataError(
+                f"the tokenizer in {self._tokenizer_dir} has no chat template, so it cannot render conversations"
+            )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -143,7 +149,9 @@ class SampleEncoder:
             raise BadSample("template_error", f"{type(e).__name__}: {e}") from None
         return self._ids(text)
 
-    def _encode_conversation(self, messages: tuple[dict[str, str], ...], max_len: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_conversation(
+        self, messages: tuple[dict[str, str], ...], max_len: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         try:
             return self._encode_rendered(messages, max_len)
         except BadSample as e:
@@ -151,7 +159,9 @@ class SampleEncoder:
                 raise BadSample("assistant_first_unsupported", f"the chat template refused it ({e.detail})") from None
             raise
 
-    def _encode_rendered(self, messages: tuple[dict[str, str], ...], max_len: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_rendered(
+        self, messages: tuple[dict[str, str], ...], max_len: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         rendered: dict[tuple[int, bool], np.ndarray] = {}
 
         def prefix(k: int, add_generation_prompt: bool = False) -> np.ndarray:
@@ -191,7 +201,9 @@ class SampleEncoder:
         """Token range of assistant message i inside `full`, after its generation prompt."""
         context, prompt, own = prefix(i), prefix(i, True), prefix(i + 1)
         if not (_is_prefix(context, full) and _is_prefix(context, prompt)):
-            raise BadSample("template_mismatch", f"messages before turn {i} render differently in the full conversation")
+            raise BadSample(
+                "template_mismatch", f"messages before turn {i} render differently in the full conversation"
+            )
         if i == _opening_assistant_turn(messages) and not _is_prefix(prompt, own):
             # No user turn before it, so templates such as Qwen3's render it in its history form
             # (no think block): its own tokens start where the generation prompt and it part.

@@ -50,8 +50,15 @@ class DataConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 out.append(f"data.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        minimum = {"seq_len": 2, "global_batch_rows": 1, "pack_window": 1, "tokenize_processes": 0,
-                   "seed": 0, "read_threads": 0, "prefetch_batches": 0}
+        minimum = {
+            "seq_len": 2,
+            "global_batch_rows": 1,
+            "pack_window": 1,
+            "tokenize_processes": 0,
+            "seed": 0,
+            "read_threads": 0,
+            "prefetch_batches": 0,
+        }
         for name, low in minimum.items():
             if getattr(self, name) < low:
                 out.append(f"data.{name}={getattr(self, name)} must be at least {low}")

@@ -93,15 +93,22 @@ def decode_json_line(line: bytes) -> Any:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadSample("non_utf8", f"the line is not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)") from None
+        raise BadSample(
+            "non_utf8", f"the line is not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)"
+        ) from None
     try:
         return json.loads(text, object_pairs_hook=_object_without_duplicate_keys)
     except json.JSONDecodeError as e:
         incomplete = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
         if incomplete and not line.endswith(b"\n"):
-            raise BadSample("malformed_json", "the last line is truncated: it has no newline at the end and stops in the middle of a JSON value") from None
+            raise BadSample(
+                "malformed_json",
+                "the last line is truncated: it has no newline at the end and stops in the middle of a JSON value",
+            ) from None
         if incomplete:
-            raise BadSample("malformed_json", "the line stops in the middle of a JSON value (a row split over several lines?)") from None
+            raise BadSample(
+                "malformed_json", "the line stops in the middle of a JSON value (a row split over several lines?)"
+            ) from None
         raise BadSample("malformed_json", f"the line is not valid JSON: {_json_error(e)}") from None
     except RecursionError:
         raise BadSample("malformed_json", "the JSON is nested too deeply to read") from None
@@ -155,7 +162,11 @@ def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
         return _plain_text(record["text"])
     turns = record[data_format]
     if not isinstance(turns, list):
-        hint = " (it holds JSON text: decode it into a list)" if isinstance(turns, str) and turns.lstrip().startswith("[") else ""
+        hint = (
+            " (it holds JSON text: decode it into a list)"
+            if isinstance(turns, str) and turns.lstrip().startswith("[")
+            else ""
+        )
         raise BadSample("bad_message", f"`{data_format}` is {a_json_type(turns)}, not a list of messages{hint}")
     messages = tuple(_message(turn, f"{data_format}[{i}]", data_format) for i, turn in enumerate(turns))
     check_assistant_turns(messages, data_format)
@@ -210,7 +221,9 @@ def _text_content(content: Any, where: str, data_format: str) -> str:
     ):
         text = "".join(p["text"] for p in content)
     elif data_format == "messages" and isinstance(content, list):
-        raise BadSample("bad_content", f"{where} is a list that is not a non-empty list of {{type: text, text: string}} parts")
+        raise BadSample(
+            "bad_content", f"{where} is a list that is not a non-empty list of {{type: text, text: string}} parts"
+        )
     else:
         raise BadSample("bad_content", f"{where} is {a_json_type(content)}, not a string")
     _check_encodable(text, where)
@@ -229,7 +242,9 @@ def _check_encodable(text: str, where: str) -> None:
 
 def check_assistant_turns(messages: tuple[dict[str, str], ...], data_format: str = "messages") -> None:
     if not any(m["role"] == "assistant" for m in messages):
-        raise BadSample("no_assistant_turn", "the conversation has no assistant turn" if messages else "the message list is empty")
+        raise BadSample(
+            "no_assistant_turn", "the conversation has no assistant turn" if messages else "the message list is empty"
+        )
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and not m["content"].strip() and not m.get("reasoning_content", "").strip():
             raise BadSample("empty_assistant_turn", f"{data_format}[{i}] is an assistant turn with empty content")

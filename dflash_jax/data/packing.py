@@ -41,7 +41,9 @@ def plan_epoch(
 ) -> EpochPlan:
     """Packs every sample once into rows of `seq_len`, grouped `rows_per_batch` to a batch."""
     if len(lengths) and lengths.max() > seq_len:
-        raise ValueError(f"a sample of {lengths.max()} tokens exceeds seq_len {seq_len}; rebuild the cache for this seq_len")
+        raise ValueError(
+            f"a sample of {lengths.max()} tokens exceeds seq_len {seq_len}; rebuild the cache for this seq_len"
+        )
     order = np.random.default_rng([seed, epoch]).permutation(len(lengths))
     rows = _best_fit(order, lengths, seq_len, window)
     _split_to_full_batches(rows, rows_per_batch)

@@ -133,9 +133,7 @@ class DataPipeline:
         return grain.MapDataset.range(plan.num_batches * len(rows)).map(loader).batch(len(rows))
 
     def _plan(self, epoch: int) -> EpochPlan:
-        plan = plan_epoch(
-            self.cache.lengths, self.seq_len, self.global_batch_rows, self.seed, epoch, self.pack_window
-        )
+        plan = plan_epoch(self.cache.lengths, self.seq_len, self.global_batch_rows, self.seed, epoch, self.pack_window)
         self._steps_in_epoch[epoch] = plan.num_batches
         return plan
 
@@ -196,7 +194,9 @@ def process_rows(global_batch_rows: int, process_index: int, process_count: int)
 
 def sharding_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> range:
     """The contiguous rows of a global batch this process's devices hold under `sharding`."""
-    slices = {idx[0].indices(global_shape[0])[:2] for idx in sharding.addressable_devices_indices_map(global_shape).values()}
+    slices = {
+        idx[0].indices(global_shape[0])[:2] for idx in sharding.addressable_devices_indices_map(global_shape).values()
+    }
     starts, stops = zip(*sorted(slices))
     if any(stop != start for stop, start in zip(stops[:-1], starts[1:])):
         raise ValueError(f"this process's batch rows {sorted(slices)} are not contiguous under {sharding}")

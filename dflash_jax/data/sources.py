@@ -167,7 +167,9 @@ def check_jsonl_start(path: str, f) -> None:
             break
     f.seek(0)
     if first == b"{":
-        raise DataError(f"{path}: the file is one JSON object spread over several lines, not JSON Lines: write one object per line")
+        raise DataError(
+            f"{path}: the file is one JSON object spread over several lines, not JSON Lines: write one object per line"
+        )
     if first.startswith(b"["):
         try:
             value = json.loads(first)
@@ -185,7 +187,9 @@ def _parquet_chunks(path: str, rows_per_chunk: int, data_format: str) -> Iterato
         columns = [c for c in wanted if c in names]
         if not columns:
             have = ", ".join(sorted(names)[:8]) or "none"
-            raise DataError(f"{path}: the Parquet file has no {' or '.join(f'`{c}`' for c in wanted)} column (its columns: {have})")
+            raise DataError(
+                f"{path}: the Parquet file has no {' or '.join(f'`{c}`' for c in wanted)} column (its columns: {have})"
+            )
         bytes_per_row = os.path.getsize(path) / max(parquet.metadata.num_rows, 1)
         first_row = 0
         for batch in parquet.iter_batches(batch_size=rows_per_chunk, columns=columns, use_threads=False):

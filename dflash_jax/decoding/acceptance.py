@@ -8,7 +8,7 @@ prompt's mean acceptance length; prompts that finished at the prefill (no step) 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -63,7 +63,12 @@ def measure_acceptance(
     if not len(prompts):
         raise ValueError("measure_acceptance needs at least one prompt")
     decoder = SpeculativeDecoder(
-        target, drafter, max_prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-        batch_size=min(batch_size, len(prompts)), sampling=sampling, stop_tokens=stop_tokens,
+        target,
+        drafter,
+        max_prompt_len=max(len(p) for p in prompts),
+        max_new_tokens=max_new_tokens,
+        batch_size=min(batch_size, len(prompts)),
+        sampling=sampling,
+        stop_tokens=stop_tokens,
     )
     return acceptance_stats(decoder.generate(prompts, seed=seed), drafter.cfg.block_size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-from typing import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 
 import numpy as np
 
@@ -52,8 +52,17 @@ def rewrite_conversation(messages: list[dict]) -> Rewriter:
 class JaxBackend:
     """Greedy or sampled target generation, `batch_size` conversations in lockstep."""
 
-    def __init__(self, target: Transformer, chat: ChatTokenizer, *, max_new_tokens: int, batch_size: int,
-                 sampling: SamplingConfig, max_prompt_len: int, seed: int = 0):
+    def __init__(
+        self,
+        target: Transformer,
+        chat: ChatTokenizer,
+        *,
+        max_new_tokens: int,
+        batch_size: int,
+        sampling: SamplingConfig,
+        max_prompt_len: int,
+        seed: int = 0,
+    ):
         self.target, self.chat = target, chat
         self.max_new_tokens, self.batch_size, self.sampling = max_new_tokens, batch_size, sampling
         self.max_prompt_len, self.seed = max_prompt_len, seed
@@ -93,8 +102,11 @@ class JaxBackend:
     def _generate(self, prompts: list[np.ndarray], seed: int) -> list[Reply]:
         # One decoder per prompt-length bucket: short batches do not pay for the longest prompt.
         decoder = TargetDecoder(
-            self.target, max_prompt_len=min(prompt_bucket(max(map(len, prompts))), self.max_prompt_len),
-            max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, sampling=self.sampling,
+            self.target,
+            max_prompt_len=min(prompt_bucket(max(map(len, prompts))), self.max_prompt_len),
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            sampling=self.sampling,
             stop_tokens=self.chat.stop_tokens,
         )
         replies = []

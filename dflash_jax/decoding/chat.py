@@ -14,8 +14,9 @@ as <|im_end|>) stops loading with one line naming `file:line`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jinja2
 import numpy as np
@@ -35,8 +36,14 @@ from dflash_jax.errors import DataError
 
 BUNDLED_DATA = Path(__file__).resolve().parents[2] / "assets" / "data"
 BUNDLED_SETS = ("heldout_prompts", "stdlib_heldout")
-ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-         "tool": "tool"}
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "tool": "tool",
+}
 
 
 def resolve_prompt_set(spec: str) -> tuple[str, str]:
@@ -83,7 +90,9 @@ def conversation(record: Any) -> list[dict[str, str]]:
             raise ValueError(f"turn {i} content is {what}, not a string")
         surrogate = next((c for c in content if "\ud800" <= c <= "\udfff"), None)
         if surrogate:
-            raise ValueError(f"turn {i} content holds a lone surrogate \\u{ord(surrogate):04x}, which is not a character")
+            raise ValueError(
+                f"turn {i} content holds a lone surrogate \\u{ord(surrogate):04x}, which is not a character"
+            )
         messages.append({"role": ROLES[role], "content": content})
     return messages
 
@@ -138,7 +147,10 @@ class ChatTokenizer:
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> np.ndarray:
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
             enable_thinking=self.enable_thinking,
         )
         return np.asarray(ids, np.int32)

@@ -19,7 +19,7 @@ from dflash_jax.decoding import report
 from dflash_jax.decoding.acceptance import acceptance_stats
 from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
 from dflash_jax.decoding.generate import Decoder, TargetDecoder
-from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.decoding.sampling import GREEDY, SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.qwen3 import Transformer
@@ -48,8 +48,13 @@ def speed(batches: list[tuple[float, list]]) -> dict:
 
 
 def evaluate_set(target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed) -> dict:
-    kw = dict(max_prompt_len=max(len(p) for p in prompts), max_new_tokens=max_new_tokens,
-              batch_size=min(batch_size, len(prompts)), sampling=sampling, stop_tokens=stop_tokens)
+    kw = dict(
+        max_prompt_len=max(len(p) for p in prompts),
+        max_new_tokens=max_new_tokens,
+        batch_size=min(batch_size, len(prompts)),
+        sampling=sampling,
+        stop_tokens=stop_tokens,
+    )
     dflash = SpeculativeDecoder(target, drafter, **kw)
     alone = TargetDecoder(target, **kw)
     lengths = [len(p) for p in prompts]
@@ -65,28 +70,48 @@ def evaluate_set(target, drafter, prompts, *, max_new_tokens, batch_size, sampli
     result["speedup"] = result["dflash"]["tokens_per_s"] / result["target"]["tokens_per_s"]
     if sampling.greedy:
         # Greedy DFlash is lossless in exact arithmetic; in bf16 a near-tie can still flip.
-        result["identical_outputs"] = float(np.mean(
-            [np.array_equal(a.tokens, b.tokens) for a, b in zip(spec_gens, ref_gens)]
-        ))
+        result["identical_outputs"] = float(
+            np.mean([np.array_equal(a.tokens, b.tokens) for a, b in zip(spec_gens, ref_gens)])
+        )
     return result
 
 
-def evaluate(target: Transformer, drafter: DFlashDrafter, chat: ChatTokenizer, prompt_specs, *,
-             num_prompts: int = 0, max_new_tokens: int = 256, batch_size: int = 1,
-             sampling: SamplingConfig = SamplingConfig(), seed: int = 0) -> dict:
+def evaluate(
+    target: Transformer,
+    drafter: DFlashDrafter,
+    chat: ChatTokenizer,
+    prompt_specs,
+    *,
+    num_prompts: int = 0,
+    max_new_tokens: int = 256,
+    batch_size: int = 1,
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
+) -> dict:
     """Evaluate every prompt set (bundled names or JSONL paths); {"run": settings, "sets": {...}}."""
     prompt_sets = dict(load_prompts(spec, chat, limit=num_prompts) for spec in prompt_specs)
     sets = {}
     for name, prompts in prompt_sets.items():
         print(f"{name}: {len(prompts)} prompts")
         sets[name] = evaluate_set(
-            target, drafter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-            sampling=sampling, stop_tokens=chat.stop_tokens, seed=seed,
+            target,
+            drafter,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            sampling=sampling,
+            stop_tokens=chat.stop_tokens,
+            seed=seed,
         )
     run = {
-        "block_size": drafter.cfg.block_size, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-        "enable_thinking": chat.enable_thinking, "device": jax.devices()[0].device_kind,
+        "block_size": drafter.cfg.block_size,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "enable_thinking": chat.enable_thinking,
+        "device": jax.devices()[0].device_kind,
     }
     return {"run": run, "sets": sets}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
@@ -84,7 +84,7 @@ class TargetState:
     key: jax.Array
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
     """Jitted (prefill, step) for one model structure and sampling setting.
 
@@ -99,8 +99,9 @@ def target_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
         key, prefill_key = jax.random.split(key)
         first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling)
         out = outputs_lib.Outputs.create(tokens.shape[0], capacity).replace(done=~valid)
-        out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
-                                    stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        out, _ = outputs_lib.append(
+            out, first[:, None], jnp.ones_like(lengths), stop_ids=stop_ids, max_new_tokens=max_new_tokens
+        )
         return TargetState(cache, first, out, key)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
@@ -109,8 +110,9 @@ def target_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
         logits, _, cache = target.decode(st.last[:, None], st.cache)
         key, step_key = jax.random.split(st.key)
         token = choose(logits[:, 0], sampling, step_key)
-        out, emitted = outputs_lib.append(st.outputs, token[:, None], jnp.ones_like(token),
-                                          stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        out, emitted = outputs_lib.append(
+            st.outputs, token[:, None], jnp.ones_like(token), stop_ids=stop_ids, max_new_tokens=max_new_tokens
+        )
         # Finished rows keep their cache length, so their (ignored) writes never run off the end.
         cache = cache.replace(lengths=jnp.where(out.done, st.cache.lengths, cache.lengths))
         return TargetState(cache, token, out, key), emitted
@@ -151,8 +153,17 @@ class Decoder:
 
     block_size = 1
 
-    def __init__(self, models, make_fns: Callable, *, max_prompt_len: int, max_new_tokens: int,
-                 batch_size: int = 1, sampling: SamplingConfig = GREEDY, stop_tokens: Sequence[int] = ()):
+    def __init__(
+        self,
+        models,
+        make_fns: Callable,
+        *,
+        max_prompt_len: int,
+        max_new_tokens: int,
+        batch_size: int = 1,
+        sampling: SamplingConfig = GREEDY,
+        stop_tokens: Sequence[int] = (),
+    ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.max_prompt_len = max_prompt_len
@@ -169,8 +180,17 @@ class Decoder:
         self.prefill_fn, self.step_fn = make_fns(graphdef, sampling)
 
     def _prefill(self, tokens, lengths, valid, key):
-        return self.prefill_fn(self._state, tokens, lengths, valid, key, self._max_new, self._stop_ids,
-                               cache_len=self.cache_len, capacity=self.capacity)
+        return self.prefill_fn(
+            self._state,
+            tokens,
+            lengths,
+            valid,
+            key,
+            self._max_new,
+            self._stop_ids,
+            cache_len=self.cache_len,
+            capacity=self.capacity,
+        )
 
     def _step(self, st):
         return self.step_fn(self._state, st, self._max_new, self._stop_ids)

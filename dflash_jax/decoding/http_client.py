@@ -28,8 +28,16 @@ class Reply:
 
 
 class ChatCompletionsClient:
-    def __init__(self, base_url: str, *, model: str = "", api_key: str = "", timeout: float = 600.0,
-                 retries: int = 3, backoff: float = 1.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str = "",
+        api_key: str = "",
+        timeout: float = 600.0,
+        retries: int = 3,
+        backoff: float = 1.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
@@ -63,11 +71,23 @@ class ChatCompletionsClient:
             raise RequestError(f"{self.base_url}/models lists no model; pass the model name")
         return models[0]["id"]
 
-    def chat(self, messages: list[dict], *, max_tokens: int, temperature: float, top_p: float = 1.0,
-             top_k: int = 0, enable_thinking: bool = False, seed: int | None = None) -> Reply:
+    def chat(
+        self,
+        messages: list[dict],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        enable_thinking: bool = False,
+        seed: int | None = None,
+    ) -> Reply:
         body = {
-            "model": self.model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p,
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
             # Both vLLM and SGLang pass these to the chat template (Qwen3's thinking switch).
             "chat_template_kwargs": {"enable_thinking": enable_thinking},
         }

@@ -23,7 +23,7 @@ class Outputs:
     done: jax.Array
 
     @classmethod
-    def create(cls, batch: int, capacity: int) -> "Outputs":
+    def create(cls, batch: int, capacity: int) -> Outputs:
         return cls(
             jnp.zeros((batch, capacity), jnp.int32),
             jnp.zeros((batch,), jnp.int32),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from absl import logging
 from tqdm import tqdm
@@ -66,10 +66,13 @@ class Regeneration:
         if limit:  # the bar (and its ETA) covers this run's rows only
             total = min(total, len(done) + limit)
         self.counts["done_before"] = len(done)
-        with open(self.output, "a", encoding="utf-8") as self._out, \
-                open(failures_path(self.output), "a", encoding="utf-8") as self._failures, \
-                tqdm(total=total, initial=min(len(done), total), unit="row", desc="regenerate",
-                     dynamic_ncols=True) as self._bar:
+        with (
+            open(self.output, "a", encoding="utf-8") as self._out,
+            open(failures_path(self.output), "a", encoding="utf-8") as self._failures,
+            tqdm(
+                total=total, initial=min(len(done), total), unit="row", desc="regenerate", dynamic_ncols=True
+            ) as self._bar,
+        ):
             for line, result in backend.run(self._pending(done, limit)):
                 self._finish(line, result)
         return self.counts

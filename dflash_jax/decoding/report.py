@@ -6,8 +6,13 @@ import numpy as np
 
 # (title, width, value format); the first column is left-aligned, the others right-aligned.
 COLUMNS = (
-    ("set", 18, "s"), ("prompts", 7, "d"), ("tau", 6, ".2f"), ("DFlash tok/s", 12, ".1f"),
-    ("target tok/s", 12, ".1f"), ("DFlash ms/tok", 13, ".2f"), ("target ms/tok", 13, ".2f"),
+    ("set", 18, "s"),
+    ("prompts", 7, "d"),
+    ("tau", 6, ".2f"),
+    ("DFlash tok/s", 12, ".1f"),
+    ("target tok/s", 12, ".1f"),
+    ("DFlash ms/tok", 13, ".2f"),
+    ("target ms/tok", 13, ".2f"),
     ("speedup", 7, ".2f"),
 )
 
@@ -21,15 +26,21 @@ def table(results: dict[str, dict]) -> str:
     header = _row([title for title, _, _ in COLUMNS])
     lines = [header, "-" * len(header)]
     for name, r in results.items():
-        values = (name[:18], r["num_prompts"], r["tau"], r["dflash"]["tokens_per_s"],
-                  r["target"]["tokens_per_s"], r["dflash"]["ms_per_token"], r["target"]["ms_per_token"],
-                  r["speedup"])
+        values = (
+            name[:18],
+            r["num_prompts"],
+            r["tau"],
+            r["dflash"]["tokens_per_s"],
+            r["target"]["tokens_per_s"],
+            r["dflash"]["ms_per_token"],
+            r["target"]["ms_per_token"],
+            r["speedup"],
+        )
         lines.append(_row([format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)]))
     for name, r in results.items():
         hist = np.asarray(r["histogram"], float)
         fractions = hist / max(hist.sum(), 1)
-        lines.append(f"{name}: acceptance lengths 1..{len(hist)}: "
-                     + " ".join(f"{f:.2f}" for f in fractions))
+        lines.append(f"{name}: acceptance lengths 1..{len(hist)}: " + " ".join(f"{f:.2f}" for f in fractions))
     return "\n".join(lines)
 
 
@@ -44,13 +55,26 @@ def plot(results: dict[str, dict], block_size: int, path: str) -> None:
     width = 0.8 / max(len(results), 1)
     for i, (name, r) in enumerate(results.items()):
         hist = np.asarray(r["histogram"], float)
-        ax_hist.bar(lengths + (i - (len(results) - 1) / 2) * width, hist / max(hist.sum(), 1), width,
-                    label=f"{name} (τ={r['tau']:.2f}, {r['speedup']:.2f}x)")
+        ax_hist.bar(
+            lengths + (i - (len(results) - 1) / 2) * width,
+            hist / max(hist.sum(), 1),
+            width,
+            label=f"{name} (τ={r['tau']:.2f}, {r['speedup']:.2f}x)",
+        )
         ax_slots.plot(np.arange(1, block_size), r["slot_acceptance"], marker="o", label=name)
-    ax_hist.set(xlabel="acceptance length per step", ylabel="fraction of steps",
-                title="Acceptance length histogram", xticks=lengths)
-    ax_slots.set(xlabel="draft slot", ylabel="fraction of steps accepting it", ylim=(0, 1.02),
-                 title="Per-slot acceptance", xticks=np.arange(1, block_size))
+    ax_hist.set(
+        xlabel="acceptance length per step",
+        ylabel="fraction of steps",
+        title="Acceptance length histogram",
+        xticks=lengths,
+    )
+    ax_slots.set(
+        xlabel="draft slot",
+        ylabel="fraction of steps accepting it",
+        ylim=(0, 1.02),
+        title="Per-slot acceptance",
+        xticks=np.arange(1, block_size),
+    )
     ax_hist.legend(fontsize=8)
     ax_slots.legend(fontsize=8)
     fig.tight_layout()

@@ -23,8 +23,8 @@ from flax import nnx
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.generate import Decoder, prefill
 from dflash_jax.decoding.sampling import SamplingConfig, choose, verify_block
-from dflash_jax.models.drafter import ContextCache, DFlashDrafter
 from dflash_jax.models.cache import KVCache
+from dflash_jax.models.drafter import ContextCache, DFlashDrafter
 from dflash_jax.models.qwen3 import Transformer
 
 
@@ -45,7 +45,7 @@ def draft_block(target: Transformer, drafter: DFlashDrafter, anchor, positions, 
     return choose(logits, sampling, key), logits
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
     """Jitted (prefill, step) for one (target, drafter) structure and sampling setting; see
     `generate.target_fns` for why they are built once per graphdef."""
@@ -56,14 +56,16 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
         batch, prompt_len = tokens.shape
         cache = target.new_cache(batch, cache_len)
         key, prefill_key = jax.random.split(key)
-        first, features, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling,
-                                         feature_layers=drafter.cfg.target_layer_ids)
+        first, features, cache = prefill(
+            target, tokens, lengths, cache, prefill_key, sampling, feature_layers=drafter.cfg.target_layer_ids
+        )
         context = drafter.new_cache(batch, cache_len)
         positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
         context = drafter.extend_context(context, features, positions, lengths)
         out = outputs_lib.Outputs.create(batch, capacity).replace(done=~valid)
-        out, _ = outputs_lib.append(out, first[:, None], jnp.ones_like(lengths),
-                                    stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        out, _ = outputs_lib.append(
+            out, first[:, None], jnp.ones_like(lengths), stop_ids=stop_ids, max_new_tokens=max_new_tokens
+        )
         return SpecState(cache, context, first, out, key)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
@@ -72,16 +74,15 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
         key, draft_key, verify_key = jax.random.split(st.key, 3)
         start = st.target_cache.lengths
         positions = start[:, None] + jnp.arange(drafter.cfg.block_size)[None, :]
-        drafts, draft_logits = draft_block(target, drafter, st.anchor, positions, st.context, sampling,
-                                           draft_key)
+        drafts, draft_logits = draft_block(target, drafter, st.anchor, positions, st.context, sampling, draft_key)
 
         block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
-        logits, features, cache = target.decode(block, st.target_cache,
-                                                feature_layers=drafter.cfg.target_layer_ids)
+        logits, features, cache = target.decode(block, st.target_cache, feature_layers=drafter.cfg.target_layer_ids)
         accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key)
 
-        out, emitted = outputs_lib.append(st.outputs, tokens, accepted + 1,
-                                          stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        out, emitted = outputs_lib.append(
+            st.outputs, tokens, accepted + 1, stop_ids=stop_ids, max_new_tokens=max_new_tokens
+        )
         # Rows still running keep anchor + accepted drafts; finished rows freeze their caches, so
         # their (ignored) writes stay inside the cache length the decoder sized.
         kept = jnp.where(out.done, 0, accepted + 1)

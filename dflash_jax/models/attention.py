@@ -114,8 +114,12 @@ def block_attention(
 
 
 def block_attention_cached(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
-    k_blk: jax.Array, v_blk: jax.Array,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_lengths: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
 ) -> jax.Array:
     """One block per row against its cached context, the cache attended in place.
 

@@ -8,7 +8,7 @@ so memory grows with the chunk size, not with the number of blocks.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

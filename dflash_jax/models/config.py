@@ -32,7 +32,7 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "RopeConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
         # transformers >= 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
         params = dict(hf.get("rope_parameters") or {})
         scaling = hf.get("rope_scaling") or {}
@@ -86,12 +86,10 @@ class TransformerConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "TransformerConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> TransformerConfig:
         archs = hf.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_TARGET_ARCHITECTURES]
         if not known:
@@ -125,9 +123,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     k = num_draft_layers
-    return tuple(
-        int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)
-    )
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +147,7 @@ class DrafterConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad or not self.target_layer_ids:
             raise ValueError(
@@ -182,7 +176,7 @@ class DrafterConfig:
         block_size: int = 16,
         target_layer_ids: tuple[int, ...] | None = None,
         intermediate_size: int | None = None,
-    ) -> "DrafterConfig":
+    ) -> DrafterConfig:
         """The paper's default: the target's hidden size and head layout."""
         return cls(
             hidden_size=target.hidden_size,
@@ -194,9 +188,7 @@ class DrafterConfig:
             rope=target.rope,
             vocab_size=target.vocab_size,
             num_target_layers=target.num_layers,
-            target_layer_ids=tuple(
-                target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
-            ),
+            target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)),
             mask_token_id=mask_token_id,
             block_size=block_size,
             rms_norm_eps=target.rms_norm_eps,
@@ -230,7 +222,7 @@ class DrafterConfig:
         }
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "DrafterConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> DrafterConfig:
         if "DFlashDraftModel" not in (hf.get("architectures") or []):
             raise ValueError(
                 f"not a DFlash drafter config (architectures={hf.get('architectures')!r}, "

@@ -33,8 +33,14 @@ class DrafterLayer(TransformerBlock):
     """Queries from the block only; keys/values from the context and from the block (non-causal)."""
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, ctx: jax.Array, ctx_positions: jax.Array,
-        ctx_mask: jax.Array, *, blocks_per_chunk: int,
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        ctx: jax.Array,
+        ctx_positions: jax.Array,
+        ctx_mask: jax.Array,
+        *,
+        blocks_per_chunk: int,
     ) -> jax.Array:
         """x [B, N, L, D], positions [B, N, L], ctx [B, S, D], ctx_positions [B, S],
         ctx_mask [B, N, S] -> [B, N, L, D]."""
@@ -42,9 +48,7 @@ class DrafterLayer(TransformerBlock):
         q = self.self_attn.queries(h, positions)
         k_blk, v_blk = self.self_attn.keys_values(h, positions)
         k_ctx, v_ctx = self.self_attn.keys_values(ctx, ctx_positions)
-        attn = attention.block_attention(
-            q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk=blocks_per_chunk
-        )
+        attn = attention.block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk=blocks_per_chunk)
         return self.mlp_residual(x + self.self_attn.output(attn))
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: LayerCache, cache_lengths: jax.Array) -> jax.Array:
@@ -57,25 +61,36 @@ class DrafterLayer(TransformerBlock):
 
 
 class DFlashDrafter(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, *, param_dtype=jnp.float32,
-                 compute_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: DrafterConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.fc = linear(
-            cfg.num_context_features * cfg.hidden_size, cfg.hidden_size, rngs=rngs,
-            init_std=INIT_STD, **kw,
+            cfg.num_context_features * cfg.hidden_size,
+            cfg.hidden_size,
+            rngs=rngs,
+            init_std=INIT_STD,
+            **kw,
         )
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.layers = nnx.List([
-            DrafterLayer(
-                hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                rope=cfg.rope, qk_norm=True, eps=cfg.rms_norm_eps, rngs=rngs,
-                init_std=INIT_STD, **kw,
-            )
-            for _ in range(cfg.num_layers)
-        ])
+        self.layers = nnx.List(
+            [
+                DrafterLayer(
+                    hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    rope=cfg.rope,
+                    qk_norm=True,
+                    eps=cfg.rms_norm_eps,
+                    rngs=rngs,
+                    init_std=INIT_STD,
+                    **kw,
+                )
+                for _ in range(cfg.num_layers)
+            ]
+        )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
 
     def context(self, features: jax.Array) -> jax.Array:

@@ -120,9 +120,7 @@ def _fill(abstract_model, prefix: str, reader: SafetensorsReader, mesh: Mesh | N
     pure = nnx.to_pure_dict(state)
     pure = _set_leaves(pure, loaded)
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state), set(
-        checkpoint_name(p, prefix)[0] for p in loaded
-    )
+    return nnx.merge(graphdef, state), set(checkpoint_name(p, prefix)[0] for p in loaded)
 
 
 def _set_leaves(tree: dict, values: dict[tuple, jax.Array], prefix: tuple = ()) -> dict:
@@ -168,9 +166,7 @@ def load_drafter(
     return model
 
 
-def export_drafter(
-    drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype=jnp.bfloat16
-) -> Path:
+def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype=jnp.bfloat16) -> Path:
     """Write config.json + model.safetensors in the DESIGN §2 format, atomically."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -198,4 +194,3 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old)
     else:
         src.rename(dst)
-

@@ -31,13 +31,15 @@ class RMSNorm(nnx.Module):
 
 def linear(in_features: int, out_features: int, *, param_dtype, compute_dtype, rngs, init_std=None):
     """A bias-free projection; kernel stored [in, out] (torch stores the transpose)."""
-    init = (
-        nnx.initializers.normal(init_std) if init_std is not None
-        else nnx.initializers.lecun_normal()
-    )
+    init = nnx.initializers.normal(init_std) if init_std is not None else nnx.initializers.lecun_normal()
     return nnx.Linear(
-        in_features, out_features, use_bias=False, dtype=compute_dtype,
-        param_dtype=param_dtype, kernel_init=init, rngs=rngs,
+        in_features,
+        out_features,
+        use_bias=False,
+        dtype=compute_dtype,
+        param_dtype=param_dtype,
+        kernel_init=init,
+        rngs=rngs,
     )
 
 
@@ -76,8 +78,19 @@ class AttentionProjections(nnx.Module):
     """
 
     def __init__(
-        self, *, hidden_size, num_heads, num_kv_heads, head_dim, rope: RopeConfig, qk_norm: bool,
-        eps, param_dtype, compute_dtype, rngs, init_std=None,
+        self,
+        *,
+        hidden_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rope: RopeConfig,
+        qk_norm: bool,
+        eps,
+        param_dtype,
+        compute_dtype,
+        rngs,
+        init_std=None,
     ):
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
         self.q_proj = linear(hidden_size, num_heads * head_dim, **kw)

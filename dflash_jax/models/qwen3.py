@@ -12,7 +12,7 @@ Shapes: B batch rows, S (or T new) tokens, D model dim, V vocab; see `attention.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,20 +31,44 @@ class TransformerBlock(nnx.Module):
     """
 
     def __init__(
-        self, *, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, rope, qk_norm,
-        eps, param_dtype, compute_dtype, rngs, init_std=None,
+        self,
+        *,
+        hidden_size,
+        intermediate_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rope,
+        qk_norm,
+        eps,
+        param_dtype,
+        compute_dtype,
+        rngs,
+        init_std=None,
     ):
         norm_kw = dict(eps=eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.input_layernorm = RMSNorm(hidden_size, **norm_kw)
         self.self_attn = AttentionProjections(
-            hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, rope=rope, qk_norm=qk_norm, eps=eps, param_dtype=param_dtype,
-            compute_dtype=compute_dtype, rngs=rngs, init_std=init_std,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope=rope,
+            qk_norm=qk_norm,
+            eps=eps,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            rngs=rngs,
+            init_std=init_std,
         )
         self.post_attention_layernorm = RMSNorm(hidden_size, **norm_kw)
         self.mlp = SwiGLU(
-            hidden_size, intermediate_size, param_dtype=param_dtype, compute_dtype=compute_dtype,
-            rngs=rngs, init_std=init_std,
+            hidden_size,
+            intermediate_size,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            rngs=rngs,
+            init_std=init_std,
         )
 
     def mlp_residual(self, x: jax.Array) -> jax.Array:
@@ -75,28 +99,42 @@ class DecoderLayer(TransformerBlock):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, *, param_dtype=jnp.float32,
-                 compute_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs
         )
-        self.layers = nnx.List([
-            DecoderLayer(
-                hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                rope=cfg.rope, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
-                param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs,
-            )
-            for _ in range(cfg.num_layers)
-        ])
-        self.norm = RMSNorm(
-            cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype
+        self.layers = nnx.List(
+            [
+                DecoderLayer(
+                    hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    rope=cfg.rope,
+                    qk_norm=cfg.qk_norm,
+                    eps=cfg.rms_norm_eps,
+                    param_dtype=param_dtype,
+                    compute_dtype=compute_dtype,
+                    rngs=rngs,
+                )
+                for _ in range(cfg.num_layers)
+            ]
         )
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Linear(
-            cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=compute_dtype,
-            param_dtype=param_dtype, rngs=rngs,
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Linear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=compute_dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
         )
 
     def embed(self, tokens: jax.Array) -> jax.Array:

@@ -42,8 +42,13 @@ class RunCheckpoints:
         return self.manager.latest_step()
 
     def save(
-        self, step: int, state: TrainState, meta: dict[str, Any], iterator: DataIterator,
-        *, force: bool = False,
+        self,
+        step: int,
+        state: TrainState,
+        meta: dict[str, Any],
+        iterator: DataIterator,
+        *,
+        force: bool = False,
     ) -> bool:
         """Saves if `step` is on the save interval (or `force`); returns whether it did."""
         return self.manager.save(
@@ -72,9 +77,7 @@ class RunCheckpoints:
 
     def restore_state(self, step: int, abstract_state: TrainState) -> TrainState:
         """The train state alone (export needs neither data nor metadata)."""
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-        )
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         return restored.state
 
     def restore_meta(self, step: int) -> dict[str, Any]:
@@ -100,9 +103,7 @@ class BestCheckpoint:
     def save(self, step: int, params, tau: float) -> None:
         self.manager.save(
             step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave({"tau": tau})
-            ),
+            args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave({"tau": tau})),
             force=True,
         )
 

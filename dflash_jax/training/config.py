@@ -18,7 +18,6 @@ import json
 import os
 from typing import Any
 
-import jax.numpy as jnp
 import ml_collections
 
 from dflash_jax.data.chat import MASK_TOKEN
@@ -32,6 +31,7 @@ from dflash_jax.training.mesh import mesh_shape
 from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
 from dflash_jax.training.step import OptimizerConfig
 from dflash_jax.training.workdir import Workdir
+
 
 def base_config() -> ml_collections.ConfigDict:
     """Every field with the paper's recipe as default (docs/design.md §3.5)."""
@@ -181,7 +181,9 @@ class TrainSetup:
 def resolve_distributed(config: ml_collections.ConfigDict) -> DistributedSettings:
     """The distributed section alone: train.py needs it before JAX can count devices."""
     d = config.distributed
-    _require(d.num_processes >= 0, f"distributed.num_processes={d.num_processes} must be >= 0 (0 = from the environment)")
+    _require(
+        d.num_processes >= 0, f"distributed.num_processes={d.num_processes} must be >= 0 (0 = from the environment)"
+    )
     _require(d.process_id >= -1, f"distributed.process_id={d.process_id} must be >= -1 (-1 = from the environment)")
     return DistributedSettings(d.coordinator_address, d.num_processes, d.process_id)
 
@@ -220,26 +222,46 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
 
     block_size, seq_len = drafter_section.block_size, data.seq_len
     _require(drafter_section.num_layers >= 1, f"drafter.num_layers={drafter_section.num_layers} must be at least 1")
-    _require(2 <= block_size < seq_len,
-             f"drafter.block_size={block_size} must be at least 2 and below data.seq_len={seq_len}")
-    _require(drafter_section.intermediate_size >= 0,
-             f"drafter.intermediate_size={drafter_section.intermediate_size} must be >= 0 (0 = the target's)")
+    _require(
+        2 <= block_size < seq_len,
+        f"drafter.block_size={block_size} must be at least 2 and below data.seq_len={seq_len}",
+    )
+    _require(
+        drafter_section.intermediate_size >= 0,
+        f"drafter.intermediate_size={drafter_section.intermediate_size} must be >= 0 (0 = the target's)",
+    )
     layer_ids = tuple(drafter_section.target_layer_ids)
     bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
-    _require(not bad, f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
-                      f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})")
+    _require(
+        not bad,
+        f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
+        f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})",
+    )
     mask_token_id = _mask_token_id(drafter_section.mask_token_id, config.target.path)
-    _require(0 <= mask_token_id < target.vocab_size,
-             f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
-             f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}")
+    _require(
+        0 <= mask_token_id < target.vocab_size,
+        f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
+        f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}",
+    )
 
-    _require(1 <= train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}")
-    _require(train.loss_decay_gamma >= 0, f"train.loss_decay_gamma={train.loss_decay_gamma} must be >= 0 (0 = the paper's)")
-    _require(bool(train.loss_decay_gamma) or block_size in PAPER_LOSS_DECAY_GAMMA,
-             f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
-             f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma")
-    for name in ("num_epochs", "grad_accum_steps", "attention_chunk_blocks", "lm_head_chunk_blocks",
-                 "max_nonfinite_streak"):
+    _require(
+        1 <= train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}"
+    )
+    _require(
+        train.loss_decay_gamma >= 0, f"train.loss_decay_gamma={train.loss_decay_gamma} must be >= 0 (0 = the paper's)"
+    )
+    _require(
+        bool(train.loss_decay_gamma) or block_size in PAPER_LOSS_DECAY_GAMMA,
+        f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
+        f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma",
+    )
+    for name in (
+        "num_epochs",
+        "grad_accum_steps",
+        "attention_chunk_blocks",
+        "lm_head_chunk_blocks",
+        "max_nonfinite_streak",
+    ):
         _require(train[name] >= 1, f"train.{name}={train[name]} must be at least 1")
     _require(train.max_steps >= 0, f"train.max_steps={train.max_steps} must be >= 0 (0 = every step of num_epochs)")
     _require(train.learning_rate > 0, f"train.learning_rate={train.learning_rate} must be > 0")
@@ -255,9 +277,11 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
     rows, accum = data.global_batch_rows, train.grad_accum_steps
-    _require(rows % (num_devices * accum) == 0,
-             f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
-             f"train.grad_accum_steps ({accum}) = {num_devices * accum}")
+    _require(
+        rows % (num_devices * accum) == 0,
+        f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
+        f"train.grad_accum_steps ({accum}) = {num_devices * accum}",
+    )
 
     for field in ("checkpoint.every_steps", "checkpoint.keep", "log.every_steps", "eval.max_new_tokens"):
         section, name = field.split(".")
@@ -273,8 +297,11 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             raise ConfigError(f"eval.prompts={eval_prompts!r} does not exist ('' turns evaluation off)") from None
 
     drafter = DrafterConfig.for_target(
-        target, num_layers=drafter_section.num_layers, mask_token_id=mask_token_id,
-        block_size=block_size, target_layer_ids=layer_ids or None,
+        target,
+        num_layers=drafter_section.num_layers,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        target_layer_ids=layer_ids or None,
         intermediate_size=drafter_section.intermediate_size or None,
     )
     return TrainSetup(
@@ -285,7 +312,9 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         compute_dtype=compute_dtype,
         drafter=drafter,
         objective=ObjectiveConfig(
-            block_size=block_size, mask_token_id=mask_token_id, num_anchors=train.num_anchors,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            num_anchors=train.num_anchors,
             loss_decay_gamma=float(train.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA[block_size]),
             target_layer_ids=drafter.target_layer_ids,
             attention_chunk_blocks=train.attention_chunk_blocks,
@@ -293,8 +322,11 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             remat=train.remat,
         ),
         optimizer=OptimizerConfig(
-            learning_rate=train.learning_rate, warmup_fraction=train.warmup_fraction,
-            b1=train.b1, b2=train.b2, weight_decay=train.weight_decay,
+            learning_rate=train.learning_rate,
+            warmup_fraction=train.warmup_fraction,
+            b1=train.b1,
+            b2=train.b2,
+            weight_decay=train.weight_decay,
             grad_clip_norm=train.grad_clip_norm,
         ),
         data=data,

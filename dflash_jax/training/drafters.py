@@ -40,12 +40,16 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
         if step is None:
             raise UserError(f"no checkpoint in {checkpoints.directory}")
         if step not in checkpoints.manager.all_steps():
-            raise UserError(f"no checkpoint of step {step} in {checkpoints.directory} "
-                            f"(steps: {checkpoints.manager.all_steps()})")
+            raise UserError(
+                f"no checkpoint of step {step} in {checkpoints.directory} (steps: {checkpoints.manager.all_steps()})"
+            )
         cfg = DrafterConfig.from_hf(checkpoints.restore_meta(step)["drafter_config"])
         # Only the structure of the optimizer state matters for restoring, not its schedule.
         abstract = abstract_train_state(
-            cfg, make_optimizer(OptimizerConfig(), 1), seed=0, compute_dtype=jnp.float32,
+            cfg,
+            make_optimizer(OptimizerConfig(), 1),
+            seed=0,
+            compute_dtype=jnp.float32,
             mesh=make_mesh(-1, 1),
         )
         return cfg, checkpoints.restore_state(step, abstract).params
@@ -53,8 +57,9 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
         checkpoints.close()
 
 
-def export_checkpoint(workdir: Workdir, *, step: int | None = None, out_dir: str | None = None,
-                      dtype=jnp.bfloat16) -> str:
+def export_checkpoint(
+    workdir: Workdir, *, step: int | None = None, out_dir: str | None = None, dtype=jnp.bfloat16
+) -> str:
     cfg, params = restore_params(workdir, step)
     return export_params(cfg, params, out_dir or workdir.export, dtype=dtype)
 
@@ -63,8 +68,9 @@ def is_export_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
 
-def load_any_drafter(path: str, *, step: int | None = None, param_dtype=jnp.bfloat16,
-                     compute_dtype=jnp.bfloat16) -> DFlashDrafter:
+def load_any_drafter(
+    path: str, *, step: int | None = None, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16
+) -> DFlashDrafter:
     """A drafter from an export directory or from a training workdir's checkpoint."""
     if is_export_dir(path):
         if step is not None:
@@ -77,7 +83,9 @@ def load_any_drafter(path: str, *, step: int | None = None, param_dtype=jnp.bflo
             "training workdir (checkpoints/)"
         )
     cfg, params = restore_params(workdir, step)
-    graphdef, _ = nnx.split(nnx.eval_shape(
-        lambda: DFlashDrafter(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
-    ))
+    graphdef, _ = nnx.split(
+        nnx.eval_shape(
+            lambda: DFlashDrafter(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+        )
+    )
     return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(param_dtype), params))

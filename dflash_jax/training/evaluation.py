@@ -42,16 +42,25 @@ class AcceptanceEval:
         )
 
 
-def run_evaluation(target_path: str, drafter_path: str, prompt_specs, *, drafter_step=None,
-                   dtype=jnp.bfloat16, enable_thinking=False, **kwargs) -> dict:
+def run_evaluation(
+    target_path: str,
+    drafter_path: str,
+    prompt_specs,
+    *,
+    drafter_step=None,
+    dtype=jnp.bfloat16,
+    enable_thinking=False,
+    **kwargs,
+) -> dict:
     """`decoding.evaluation.evaluate` on models loaded from disk (the drafter: an export or a
     workdir), both in `dtype`."""
     chat = ChatTokenizer(target_path, enable_thinking=enable_thinking)
     target = load_target(target_path, param_dtype=dtype, compute_dtype=dtype)
     drafter = load_any_drafter(drafter_path, step=drafter_step, param_dtype=dtype, compute_dtype=dtype)
     result = evaluation.evaluate(target, drafter, chat, prompt_specs, **kwargs)
-    result["run"].update(target=target_path, drafter=drafter_path, drafter_step=drafter_step,
-                         dtype=jnp.dtype(dtype).name)
+    result["run"].update(
+        target=target_path, drafter=drafter_path, drafter_step=drafter_step, dtype=jnp.dtype(dtype).name
+    )
     return result
 
 
@@ -67,8 +76,12 @@ def final_evaluation(setup: TrainSetup) -> dict | None:
         with open(saved) as f:
             return json.load(f)
     result = run_evaluation(
-        setup.target_path, workdir.export, [setup.eval.prompts], num_prompts=setup.eval.num_prompts,
-        max_new_tokens=setup.eval.max_new_tokens, dtype=setup.target_dtype,
+        setup.target_path,
+        workdir.export,
+        [setup.eval.prompts],
+        num_prompts=setup.eval.num_prompts,
+        max_new_tokens=setup.eval.max_new_tokens,
+        dtype=setup.target_dtype,
         enable_thinking=setup.data.enable_thinking,
     )
     evaluation.write_outputs(result, workdir.eval)

@@ -107,8 +107,10 @@ class TrainingRun:
         self.workdir = workdir = setup.workdir
         mesh = make_mesh(*setup.mesh_shape)
         log.info(
-            "mesh data=%d x fsdp=%d: %d devices in %d processes", *setup.mesh_shape,
-            jax.device_count(), jax.process_count(),
+            "mesh data=%d x fsdp=%d: %d devices in %d processes",
+            *setup.mesh_shape,
+            jax.device_count(),
+            jax.process_count(),
         )
         self.data = DataPipeline.from_config(setup.data, setup.target_path)
         total = self.data.total_steps(setup.run.num_epochs)
@@ -116,12 +118,17 @@ class TrainingRun:
         tx = make_optimizer(setup.optimizer, self.total_steps)
         self.schedule = learning_rate_schedule(setup.optimizer, self.total_steps)
         self.target = load_target(
-            setup.target_path, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, mesh=mesh,
+            setup.target_path,
+            param_dtype=setup.target_dtype,
+            compute_dtype=setup.target_dtype,
+            mesh=mesh,
         )
         target_graphdef, self.target_params = nnx.split(self.target)
         self.iterator = self.data.iterator(sharding=batch_sharding(mesh))
         self.checkpoints = RunCheckpoints(
-            workdir.checkpoints, every_steps=setup.checkpoint.every_steps, keep=setup.checkpoint.keep,
+            workdir.checkpoints,
+            every_steps=setup.checkpoint.every_steps,
+            keep=setup.checkpoint.keep,
             async_save=setup.checkpoint.async_save,
         )
         state_kw = dict(seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
@@ -135,15 +142,22 @@ class TrainingRun:
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
         self.drafter_graphdef = drafter_graph(setup.drafter, setup.compute_dtype)
         self.step_fn = make_train_step(
-            drafter_graphdef=self.drafter_graphdef, target_graphdef=target_graphdef,
-            target_params=self.target_params, tx=tx, cfg=setup.objective,
-            grad_accum_steps=setup.run.grad_accum_steps, mesh=mesh,
+            drafter_graphdef=self.drafter_graphdef,
+            target_graphdef=target_graphdef,
+            target_params=self.target_params,
+            tx=tx,
+            cfg=setup.objective,
+            grad_accum_steps=setup.run.grad_accum_steps,
+            mesh=mesh,
             state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
         )
         self.evaluate = AcceptanceEval.for_setup(setup) if setup.eval.during_training else None
         self.best = BestCheckpoint(workdir.best_checkpoint) if self.evaluate else None
         self.monitor = Monitor(
-            workdir, setup.log, total_steps=self.total_steps, start_step=int(self.state.step),
+            workdir,
+            setup.log,
+            total_steps=self.total_steps,
+            start_step=int(self.state.step),
             run_config=setup.config_dict,
         )
         self.step = int(self.state.step)
@@ -185,8 +199,11 @@ class TrainingRun:
                 self.workdir.mark_finished(self.step)
             log.info("training finished at step %d; drafter exported to %s", self.step, self.workdir.export)
         return RunOutcome(
-            step=self.step, total_steps=self.total_steps, finished=self.step >= self.total_steps,
-            already_finished=already_finished, metrics=logged,
+            step=self.step,
+            total_steps=self.total_steps,
+            finished=self.step >= self.total_steps,
+            already_finished=already_finished,
+            metrics=logged,
         )
 
     def close(self) -> None:
@@ -204,8 +221,11 @@ class TrainingRun:
             self.epoch = epoch
             step_in_epoch = self.iterator.step if self.iterator.epoch == epoch else 0
             self.monitor.start_epoch(
-                epoch, step=self.step, steps_in_epoch=self.data.steps_in_epoch(epoch),
-                step_in_epoch=step_in_epoch, stats=epoch_statistics(self.data, epoch),
+                epoch,
+                step=self.step,
+                steps_in_epoch=self.data.steps_in_epoch(epoch),
+                step_in_epoch=step_in_epoch,
+                stats=epoch_statistics(self.data, epoch),
             )
 
     def _check_finite(self) -> None:
@@ -241,8 +261,11 @@ class TrainingRun:
 
     def _meta(self) -> dict:
         return {
-            "epoch": self.iterator.epoch, "best_tau": self.best_tau, "total_steps": self.total_steps,
-            "drafter_config": self.setup.drafter.to_hf(), "config": self.setup.config_dict,
+            "epoch": self.iterator.epoch,
+            "best_tau": self.best_tau,
+            "total_steps": self.total_steps,
+            "drafter_config": self.setup.drafter.to_hf(),
+            "config": self.setup.config_dict,
         }
 
 

@@ -24,9 +24,7 @@ def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
         raise ValueError(f"mesh shape data={data}, fsdp={fsdp} is invalid (use data=-1 or >= 1, fsdp >= 1)")
     if data == -1:
         if num_devices % fsdp:
-            raise ValueError(
-                f"mesh fsdp={fsdp} does not divide the {num_devices} available devices"
-            )
+            raise ValueError(f"mesh fsdp={fsdp} does not divide the {num_devices} available devices")
         data = num_devices // fsdp
     if data * fsdp != num_devices:
         raise ValueError(
@@ -41,9 +39,7 @@ def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     data, fsdp = mesh_shape(data, fsdp, len(devices))
     # Auto axes: the compiler propagates shardings through the models' plain einsums.
-    return jax.make_mesh(
-        (data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices
-    )
+    return jax.make_mesh((data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

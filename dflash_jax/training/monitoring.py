@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class Monitor:
-    def __init__(self, workdir: Workdir, log_settings: LogSettings, *, total_steps: int, start_step: int,
-                 run_config: dict):
+    def __init__(
+        self, workdir: Workdir, log_settings: LogSettings, *, total_steps: int, start_step: int, run_config: dict
+    ):
         self.active = jax.process_index() == 0
         self.total_steps = total_steps
         self._pending: list[dict] = []
@@ -40,11 +41,16 @@ class Monitor:
         self._jsonl = open(workdir.metrics, "a", buffering=1)
         if log_settings.progress_bars:
             self._overall = tqdm.tqdm(
-                total=total_steps, initial=start_step, desc="train", unit="step", position=0,
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                position=0,
                 dynamic_ncols=True,
             )
         if log_settings.tensorboard:
             from tensorboardX import SummaryWriter
+
             self._tensorboard = SummaryWriter(workdir.tensorboard)
         if log_settings.wandb:
             self._wandb = _start_wandb(log_settings.wandb_project, workdir, run_config)
@@ -61,8 +67,13 @@ class Monitor:
             if self._epoch_bar is not None:
                 self._epoch_bar.close()
             self._epoch_bar = tqdm.tqdm(
-                total=steps_in_epoch, initial=step_in_epoch, desc=f"epoch {epoch}", unit="step",
-                position=1, leave=False, dynamic_ncols=True,
+                total=steps_in_epoch,
+                initial=step_in_epoch,
+                desc=f"epoch {epoch}",
+                unit="step",
+                position=1,
+                leave=False,
+                dynamic_ncols=True,
             )
 
     def record(self, metrics: dict) -> None:
@@ -95,8 +106,10 @@ class Monitor:
             self.write(out, step=step, epoch=epoch)
             if self._overall is not None:
                 self._overall.set_postfix(
-                    loss=f"{out['loss']:.3f}", tau=f"{out['tau_train']:.2f}",
-                    tok_s=f"{out['tokens_per_sec']:.0f}", pad_tok_s=f"{out['padded_tokens_per_sec']:.0f}",
+                    loss=f"{out['loss']:.3f}",
+                    tau=f"{out['tau_train']:.2f}",
+                    tok_s=f"{out['tokens_per_sec']:.0f}",
+                    pad_tok_s=f"{out['padded_tokens_per_sec']:.0f}",
                     refresh=False,
                 )
             else:
@@ -107,7 +120,9 @@ class Monitor:
         """One JSONL line plus scalars under `kind/` in TensorBoard and W&B."""
         if not self.active:
             return
-        self._jsonl.write(json.dumps({"kind": kind, "step": step, "epoch": epoch, "time": time.time(), **values}) + "\n")
+        self._jsonl.write(
+            json.dumps({"kind": kind, "step": step, "epoch": epoch, "time": time.time(), **values}) + "\n"
+        )
         scalars = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
         if self._tensorboard is not None:
             for k, v in scalars.items():

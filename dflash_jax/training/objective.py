@@ -14,7 +14,7 @@ rematerialized in the backward pass, so the [blocks × vocab] logits never exist
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -83,9 +83,7 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return flat.reshape(index.shape)
 
 
-def make_blocks(
-    batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, cfg: ObjectiveConfig
-) -> Blocks:
+def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, cfg: ObjectiveConfig) -> Blocks:
     seq_len = batch["tokens"].shape[1]
     offsets = jnp.arange(cfg.block_size)
     index = anchor_index[:, :, None] + offsets  # [R, N, Bk]
@@ -116,13 +114,9 @@ def frozen_inputs(
     target: Transformer, batch: Batch, key: jax.Array, cfg: ObjectiveConfig
 ) -> tuple[jax.Array, jax.Array, Blocks]:
     """Everything that does not depend on the drafter: (features, block embeddings, blocks)."""
-    anchor_index, anchor_valid = sample_anchors(
-        key, batch["segment_ids"], batch["loss_mask"], cfg.num_anchors
-    )
+    anchor_index, anchor_valid = sample_anchors(key, batch["segment_ids"], batch["loss_mask"], cfg.num_anchors)
     blocks = make_blocks(batch, anchor_index, anchor_valid, cfg)
-    features = target.features(
-        batch["tokens"], batch["segment_ids"], batch["positions"], cfg.target_layer_ids
-    )
+    features = target.features(batch["tokens"], batch["segment_ids"], batch["positions"], cfg.target_layer_ids)
     block_embeds = target.embed(blocks.tokens)
     return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), blocks
 
@@ -159,12 +153,15 @@ def drafter_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decay-weighted CE normalized by Σw (0 when nothing is scored), and metric sums."""
     hidden = drafter(
-        block_embeds, blocks.positions, drafter.context(features), ctx_positions, blocks.ctx_mask,
-        blocks_per_chunk=cfg.attention_chunk_blocks, remat=cfg.remat,
+        block_embeds,
+        blocks.positions,
+        drafter.context(features),
+        ctx_positions,
+        blocks.ctx_mask,
+        blocks_per_chunk=cfg.attention_chunk_blocks,
+        remat=cfg.remat,
     )
-    ce, correct = lm_head_cross_entropy(
-        unembed, hidden[:, :, 1:], blocks.labels, chunk_blocks=cfg.lm_head_chunk_blocks
-    )
+    ce, correct = lm_head_cross_entropy(unembed, hidden[:, :, 1:], blocks.labels, chunk_blocks=cfg.lm_head_chunk_blocks)
     weight_sum = blocks.weights.sum()
     loss = (blocks.weights * ce).sum() / jnp.maximum(weight_sum, 1e-9)
     return loss, metric_sums(loss, correct, blocks)

@@ -13,7 +13,7 @@ state therefore never holds a non-finite weight, and neither does a checkpoint o
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -61,7 +61,9 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip_norm),
         optax.adamw(
-            learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
+            learning_rate_schedule(cfg, total_steps),
+            b1=cfg.b1,
+            b2=cfg.b2,
             weight_decay=cfg.weight_decay,
             # Decay matrices only: norm scales shrinking towards 0 is not regularization.
             mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
@@ -70,9 +72,7 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
 
 
 def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int) -> DFlashDrafter:
-    return DFlashDrafter(
-        cfg, param_dtype=jnp.float32, compute_dtype=compute_dtype, rngs=nnx.Rngs(seed)
-    )
+    return DFlashDrafter(cfg, param_dtype=jnp.float32, compute_dtype=compute_dtype, rngs=nnx.Rngs(seed))
 
 
 def drafter_graph(cfg: DrafterConfig, compute_dtype) -> nnx.GraphDef:
@@ -85,10 +85,14 @@ def _state_initializer(cfg: DrafterConfig, tx, seed: int, compute_dtype) -> Call
         _, params = nnx.split(_new_drafter(cfg, compute_dtype, seed))
         zero = jnp.zeros((), jnp.int32)
         return TrainState(
-            step=zero, params=params, opt_state=tx.init(params),
+            step=zero,
+            params=params,
+            opt_state=tx.init(params),
             rng=jax.random.key_data(jax.random.key(seed)),
-            skipped_updates=zero, nonfinite_streak=zero,
+            skipped_updates=zero,
+            nonfinite_streak=zero,
         )
+
     return init
 
 
@@ -98,13 +102,15 @@ def abstract_train_state(
     """ShapeDtypeStructs carrying their shardings: what a checkpoint is restored onto."""
     abstract = jax.eval_shape(_state_initializer(cfg, tx, seed, compute_dtype))
     shardings = state_shardings(mesh, abstract)
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def init_train_state(
-    cfg: DrafterConfig, tx: optax.GradientTransformation, *, seed: int, compute_dtype,
+    cfg: DrafterConfig,
+    tx: optax.GradientTransformation,
+    *,
+    seed: int,
+    compute_dtype,
     mesh: Mesh,
 ) -> TrainState:
     """A fresh drafter (normal(0.02) init) and optimizer state, created already sharded."""
@@ -150,9 +156,7 @@ def make_train_step(
 
     def loss_fn(params, target, features, block_embeds, positions, blocks):
         drafter = nnx.merge(drafter_graphdef, params)
-        return objective.drafter_loss(
-            drafter, target.unembed, features, block_embeds, positions, blocks, cfg
-        )
+        return objective.drafter_loss(drafter, target.unembed, features, block_embeds, positions, blocks, cfg)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -165,16 +169,12 @@ def make_train_step(
             features, block_embeds, blocks = objective.frozen_inputs(
                 target, micro, jax.random.fold_in(step_key, index), cfg
             )
-            (_, sums), micro_grads = grad_fn(
-                state.params, target, features, block_embeds, micro["positions"], blocks
-            )
+            (_, sums), micro_grads = grad_fn(state.params, target, features, block_embeds, micro["positions"], blocks)
             return jax.tree.map(jnp.add, grads, micro_grads), sums
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         micro_batches = _split_micro_batches(batch, grad_accum_steps, mesh)
-        grads, micro_sums = jax.lax.scan(
-            accumulate, zeros, (micro_batches, jnp.arange(grad_accum_steps))
-        )
+        grads, micro_sums = jax.lax.scan(accumulate, zeros, (micro_batches, jnp.arange(grad_accum_steps)))
         grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
         sums = jax.tree.map(lambda x: x.sum(0), micro_sums)
 

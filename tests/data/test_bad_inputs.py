@@ -27,11 +27,20 @@ ROWS = [
     ({"messages": {"role": "user"}}, "bad_message"),
     ({"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown_role"),
     ({"conversations": [{"from": "alien", "value": "hi"}, {"from": "gpt", "value": "x"}]}, "unknown_role"),
-    ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}, "no_assistant_turn"),
+    (
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]},
+        "no_assistant_turn",
+    ),
     (chat("What is the capital?", "   "), "empty_assistant_turn"),
     ({"text": "  "}, "empty_text"),
     (
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}, {"role": "assistant", "content": "x"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "tool", "content": "{}"},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
         "template_error",
     ),
     (chat("What is the capital?", "<think>\nhmm\n</think>\n\nParis.", "And Spain?", "Madrid."), "template_mismatch"),
@@ -68,7 +77,9 @@ def test_each_bad_row_is_counted_by_reason_with_its_line(tmp_path, target):
 
 
 def test_overlength_rows_are_dropped_and_counted_when_asked(tmp_path, target):
-    source = write_jsonl(tmp_path / "long.jsonl", [chat("Tell me a joke.", LONG), chat("What is the capital?", "Paris.")])
+    source = write_jsonl(
+        tmp_path / "long.jsonl", [chat("Tell me a joke.", LONG), chat("What is the capital?", "Paris.")]
+    )
     manifest = ensure_cache(data_config(source, tmp_path / "cache", overlength="drop"), target).manifest
     assert manifest["skipped"]["overlength"] == 1 and manifest["num_samples"] == 1
     assert manifest["truncated"] == 0
@@ -79,9 +90,15 @@ def test_overlength_rows_are_dropped_and_counted_when_asked(tmp_path, target):
     "template, reason",
     [
         # Renders only assistant text: nothing is prompt.
-        ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{ m.content }}{%- endif %}{%- endfor %}", "all_loss_mask"),
+        (
+            "{%- for m in messages %}{%- if m.role == 'assistant' %}{{ m.content }}{%- endif %}{%- endfor %}",
+            "all_loss_mask",
+        ),
         # Never renders assistant text: nothing to train on.
-        ("{%- for m in messages %}{%- if m.role == 'user' %}{{ m.content }}{%- endif %}{%- endfor %}", "empty_loss_mask"),
+        (
+            "{%- for m in messages %}{%- if m.role == 'user' %}{{ m.content }}{%- endif %}{%- endfor %}",
+            "empty_loss_mask",
+        ),
     ],
 )
 def test_degenerate_masks_are_counted(tmp_path, template, reason):
@@ -133,14 +150,18 @@ def test_unreadable_sources_and_options_are_reported(tmp_path, target):
     with pytest.raises(DataError, match="unsupported file type"):
         ensure_cache(data_config(tmp_path / "notes.txt", tmp_path / "cache"), target)
     source = write_jsonl(tmp_path / "ok.jsonl", [json.dumps(chat("hi", "Paris."))])
-    with pytest.raises(ValueError, match="data.overlength='cut'"):
-        ensure_cache(data_config(source, tmp_path / "cache", overlength="cut"), target)
+    # Options are checked once, by the config resolver, through DataConfig.problems().
+    assert data_config(source, tmp_path / "cache", overlength="cut").problems() == [
+        "data.overlength='cut' is not one of truncate, drop"
+    ]
     (tmp_path / "a_file").write_text("not a directory")
     with pytest.raises(DataError, match="^cannot write .*a_file: .*; set data.cache_dir to a writable place"):
         ensure_cache(data_config(source, tmp_path / "a_file" / "cache"), target)
 
 
 def test_a_source_without_any_usable_row_is_an_error(tmp_path, target):
-    source = write_jsonl(tmp_path / "all_bad.jsonl", [b"{\"messages\": [", {"text": ""}])
-    with pytest.raises(DataError, match=r"no usable sample in \S+: 2 rows read, all skipped: 1 malformed_json .*1 empty_text"):
+    source = write_jsonl(tmp_path / "all_bad.jsonl", [b'{"messages": [', {"text": ""}])
+    with pytest.raises(
+        DataError, match=r"no usable sample in \S+: 2 rows read, all skipped: 1 malformed_json .*1 empty_text"
+    ):
         ensure_cache(data_config(source, tmp_path / "cache"), target)

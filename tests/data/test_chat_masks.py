@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from support.chat_data import chat, write_tiny_target
 
 from dflash_jax.data.chat import SampleEncoder, control_tokens
 from dflash_jax.data.formats import BadSample, normalize_record
+from support.chat_data import chat, write_tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,9 @@ def test_single_turn_thinking_on_trains_on_the_think_block_too(encoders):
 
 
 def test_system_prompt_is_context_not_loss(encoders):
-    record = chat("How many legs does a spider have?", "A spider has eight legs.", system="You are a helpful assistant.")
+    record = chat(
+        "How many legs does a spider have?", "A spider has eight legs.", system="You are a helpful assistant."
+    )
     ids, mask = encode(encoders[False], record)
     text = encoders[False].tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
@@ -126,12 +128,21 @@ def test_control_tokens_are_the_special_and_markup_added_tokens(tmp_path):
     tokenizer.save(str(directory / "tokenizer.json"))
     tokens = control_tokens(transformers.AutoTokenizer.from_pretrained(str(directory)))
     assert set(tokens) == {
-        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|MASK|>", "<tool_call>", "[INST]"
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<think>",
+        "</think>",
+        "<|MASK|>",
+        "<tool_call>",
+        "[INST]",
     }
 
 
 def test_a_think_block_opening_an_answer_is_its_reasoning(encoders):
-    as_text = chat("What is the capital of France?", "<think>\nLet me think.\n</think>\n\nThe capital of France is Paris.")
+    as_text = chat(
+        "What is the capital of France?", "<think>\nLet me think.\n</think>\n\nThe capital of France is Paris."
+    )
     as_field = chat("What is the capital of France?", "The capital of France is Paris.")
     as_field["messages"][-1]["reasoning_content"] = "Let me think."
     for got, want in zip(encode(encoders[True], as_text), encode(encoders[True], as_field)):
@@ -140,7 +151,10 @@ def test_a_think_block_opening_an_answer_is_its_reasoning(encoders):
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_an_opening_assistant_turn_is_trained_on(encoders, thinking):
-    record = {"messages": [{"role": "assistant", "content": "Hello! How can I help?"}] + chat("Capital?", "Paris.")["messages"]}
+    record = {
+        "messages": [{"role": "assistant", "content": "Hello! How can I help?"}]
+        + chat("Capital?", "Paris.")["messages"]
+    }
     ids, mask = encode(encoders[thinking], record)
     last = "<think>\n\n</think>\n\nParis.<|im_end|>" if thinking else "Paris.<|im_end|>"
     assert loss_spans(encoders[thinking], ids, mask) == ["Hello! How can I help?<|im_end|>", last]
@@ -149,7 +163,9 @@ def test_an_opening_assistant_turn_is_trained_on(encoders, thinking):
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_a_length_limit_changes_nothing_within_it(encoders, thinking):
-    record = chat(*["What is the capital of France?", "<think>\nEasy.\n</think>\n\nParis." if thinking else "Paris."] * 12)
+    record = chat(
+        *["What is the capital of France?", "<think>\nEasy.\n</think>\n\nParis." if thinking else "Paris."] * 12
+    )
     sample = normalize_record(record, "auto")
     want_ids, want_mask = encoders[thinking].encode(sample)
     for limit in (8, 30, 64, 100, 200, len(want_ids)):

@@ -116,7 +116,9 @@ def test_resume_mid_epoch_yields_the_uninterrupted_batches(cache, tmp_path):
     interrupted = data.iterator(process_index=0, process_count=1)
     k = data.steps_in_epoch(0) - 3  # resume three steps before the epoch ends
     list(itertools.islice(interrupted, k))
-    resumed = save_and_restore(tmp_path / "ckpt", interrupted, pipeline(cache).iterator(process_index=0, process_count=1))
+    resumed = save_and_restore(
+        tmp_path / "ckpt", interrupted, pipeline(cache).iterator(process_index=0, process_count=1)
+    )
     assert (resumed.epoch, resumed.step) == (0, k)
     assert_batches_equal(list(itertools.islice(resumed, total - k)), reference[k:])
 
@@ -130,7 +132,9 @@ def test_two_processes_split_the_global_batch_and_resume_on_one(cache, tmp_path)
         local = [next(h) for h in halves]
         assert all(part["tokens"].shape == (ROWS // 2, SEQ_LEN) for part in local)
         assert_batches_equal([{key: np.concatenate([p[key] for p in local]) for key in want}], [want])
-    one = save_and_restore(tmp_path / "two_to_one", halves[0], pipeline(cache).iterator(process_index=0, process_count=1))
+    one = save_and_restore(
+        tmp_path / "two_to_one", halves[0], pipeline(cache).iterator(process_index=0, process_count=1)
+    )
     assert_batches_equal(list(itertools.islice(one, steps - k)), reference[k:])
 
 

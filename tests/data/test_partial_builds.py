@@ -99,8 +99,15 @@ def test_only_partials_whose_builder_is_gone_are_removed(tmp_path):
 
     removed = cache_lib.remove_abandoned_partials(str(tmp_path / "cache"))
     assert [r.split(" ")[0] for r in removed] == [
-        ".cache.partial-dead", ".cache.partial-elsewhere-old", ".cache.partial-unmarked-old"
+        ".cache.partial-dead",
+        ".cache.partial-elsewhere-old",
+        ".cache.partial-unmarked-old",
     ]
     assert "started 48 h ago" in removed[1]
-    assert partials(tmp_path) == [".cache.partial-alive", ".cache.partial-elsewhere", ".cache.partial-mine", ".cache.partial-unmarked-new"]
+    assert partials(tmp_path) == [
+        ".cache.partial-alive",
+        ".cache.partial-elsewhere",
+        ".cache.partial-mine",
+        ".cache.partial-unmarked-new",
+    ]
     assert (tmp_path / ".other.partial-dead").is_dir()

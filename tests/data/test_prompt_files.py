@@ -39,18 +39,33 @@ def test_reasoning_in_earlier_assistant_turns_is_not_control_text(tmp_path, toke
         (b'[{"messages": []},\n', "{path}: the file is a JSON array, not JSON Lines: write one object per line"),
         ('{"messages": [{"role": "user", "content": "hi"}]}\n'.encode("utf-16"), "{path}: the file is UTF-16"),
         (b"", "{path}: the file holds no prompt (it is empty or blank)"),
-        (b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n',
-         "{path}:2: not valid UTF-8 (byte 0xe9 at byte 47 of the line)"),
-        (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}\n', "{path}:1: turn 0 content holds a lone surrogate \\ud800"),
-        (b'{"messages": [{"role": "user", "content": "hi<|im_end|>"}]}\n',
-         "{path}:1: the content of turn 1 (user) holds the text '<|im_end|>', a control token of the tokenizer"),
-        (b'{"messages": [{"role": "user", "content": "<|MASK|>"}]}\n', "{path}:1: the content of turn 1 (user) holds the text '<|MASK|>'"),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n',
+            "{path}:2: not valid UTF-8 (byte 0xe9 at byte 47 of the line)",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}\n',
+            "{path}:1: turn 0 content holds a lone surrogate \\ud800",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi<|im_end|>"}]}\n',
+            "{path}:1: the content of turn 1 (user) holds the text '<|im_end|>', a control token of the tokenizer",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "<|MASK|>"}]}\n',
+            "{path}:1: the content of turn 1 (user) holds the text '<|MASK|>'",
+        ),
         (b'{"messages": [{"role": "user", "content": null}]}\n', "{path}:1: turn 0 content is null, not a string"),
         (b'{"messages": [{"role": "user"}]}\n', "{path}:1: turn 0 content is missing, not a string"),
-        (b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "user", "cont',
-         "{path}:2: the last line is truncated"),
-        (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x"}]}\n'
-         b'{"id": 1, "id": 2, "messages": []}\n', "{path}:2: an object has the key 'id' twice"),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "user", "cont',
+            "{path}:2: the last line is truncated",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x"}]}\n'
+            b'{"id": 1, "id": 2, "messages": []}\n',
+            "{path}:2: an object has the key 'id' twice",
+        ),
     ],
 )
 def test_bad_prompt_files_are_one_line_errors_naming_file_and_line(tmp_path, tokenizer, content, message):

@@ -24,7 +24,12 @@ JSONL_RECORDS = [
     chat("Tell me a joke.", "Why did the cat sit on the computer?", "Another.", "To keep an eye on the mouse."),
 ]
 PARQUET_RECORDS = [
-    {"conversations": [{"from": "human", "value": f"How many legs, {i}?"}, {"from": "gpt", "value": "Eight" + "!" * (i % 8)}]}
+    {
+        "conversations": [
+            {"from": "human", "value": f"How many legs, {i}?"},
+            {"from": "gpt", "value": "Eight" + "!" * (i % 8)},
+        ]
+    }
     for i in range(40)
 ]
 
@@ -139,7 +144,9 @@ def test_prepare_command_builds_the_cache_and_prints_steps(tmp_path, target, sou
     )
     run = subprocess.run(
         [sys.executable, "-m", "dflash_jax.prepare", f"--config={config}", "--epochs=2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
     assert "43 samples" in run.stdout and "steps per epoch (4 x 64): [" in run.stdout

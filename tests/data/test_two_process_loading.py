@@ -55,7 +55,9 @@ def test_each_process_loads_its_rows_of_the_global_batch(tmp_path):
     workers = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, str(p), port, str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for p in range(2)
     ]

@@ -25,7 +25,14 @@ def chat_target(tmp_path_factory):
 
     directory = write_tiny_target(tmp_path_factory.mktemp("chat_target"))
     write_hf_checkpoint(
-        directory, vocab_size=CHAT_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        directory,
+        vocab_size=CHAT_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
     )
     return str(directory)

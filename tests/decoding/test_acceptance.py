@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.decoding_models import BLOCK, OracleDrafter, make_successor_target, random_prompts
 from flax import nnx
 
 from dflash_jax.decoding import speculative
 from dflash_jax.decoding.acceptance import acceptance_stats, measure_acceptance
 from dflash_jax.decoding.generate import Generation
 from dflash_jax.decoding.sampling import GREEDY
+from support.decoding_models import BLOCK, OracleDrafter, make_successor_target, random_prompts
 
 
 def gen(steps):

@@ -11,21 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
-from support.decoding_models import CHAT_VOCAB
 from flax import nnx
 
 from dflash_jax import evaluate
-from support.chat_data import chat, write_jsonl
 from dflash_jax.decoding.chat import BadRow, ChatTokenizer, load_prompts
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.checkpoint import RunCheckpoints
-from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.drafters import export_checkpoint, load_any_drafter
 from dflash_jax.training.evaluation import run_evaluation
+from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.step import OptimizerConfig, init_train_state, make_optimizer
 from dflash_jax.training.workdir import Workdir
+from support.chat_data import chat, write_jsonl
+from support.decoding_models import CHAT_VOCAB
 
 SETTINGS = dict(num_prompts=3, max_new_tokens=12)
 
@@ -41,10 +41,12 @@ class _IteratorState:
 def workdir(chat_target, tmp_path_factory):
     """A training workdir with one checkpoint (saved by the training code) and its export."""
     workdir = tmp_path_factory.mktemp("workdir")
-    cfg = DrafterConfig.for_target(TransformerConfig.from_hf(read_config(chat_target)), num_layers=1,
-                                   mask_token_id=CHAT_VOCAB - 1, block_size=4)
-    state = init_train_state(cfg, make_optimizer(OptimizerConfig(), 10), seed=0,
-                             compute_dtype=jnp.float32, mesh=make_mesh(-1, 1))
+    cfg = DrafterConfig.for_target(
+        TransformerConfig.from_hf(read_config(chat_target)), num_layers=1, mask_token_id=CHAT_VOCAB - 1, block_size=4
+    )
+    state = init_train_state(
+        cfg, make_optimizer(OptimizerConfig(), 10), seed=0, compute_dtype=jnp.float32, mesh=make_mesh(-1, 1)
+    )
     # Larger weights than the 0.02 init, so that bf16 rounding is visible if it were skipped.
     state = state.replace(params=jax.tree.map(lambda p: p * 7.3, state.params))
     checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
@@ -57,12 +59,17 @@ def workdir(chat_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    return str(write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", [
-        chat("What is the capital of France?", "Paris."),
-        chat("Tell me a joke about cats."),
-        chat("How many legs does a spider have?", system="You are a helpful assistant."),
-        chat("unused: beyond num_prompts"),
-    ]))
+    return str(
+        write_jsonl(
+            tmp_path_factory.mktemp("prompts") / "prompts.jsonl",
+            [
+                chat("What is the capital of France?", "Paris."),
+                chat("Tell me a joke about cats."),
+                chat("How many legs does a spider have?", system="You are a helpful assistant."),
+                chat("unused: beyond num_prompts"),
+            ],
+        )
+    )
 
 
 def test_workdir_and_export_load_identical_weights(workdir):
@@ -84,17 +91,26 @@ def run_cli(module, args: list[str]) -> None:
 @pytest.mark.parametrize("module, flag", [("evaluate", "--drafter"), ("regenerate", "--server_url")])
 def test_cli_entry_points_start(module, flag):
     # absl exits with status 1 after --help; what matters is that the program defines its flags.
-    cli = subprocess.run([sys.executable, "-m", f"dflash_jax.{module}", "--help"],
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", f"dflash_jax.{module}", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert flag in cli.stdout, cli.stderr[-2000:]
 
 
 def test_cli_on_export_reports_the_tau_of_the_workdir(chat_target, workdir, prompts_file, tmp_path, capsys):
     ours = run_evaluation(chat_target, str(workdir), [prompts_file], **SETTINGS)["sets"]["prompts"]
     out_dir = tmp_path / "eval"
-    run_cli(evaluate, [f"--target={chat_target}", f"--drafter={workdir / 'export'}", f"--prompts={prompts_file}",
-                       f"--out_dir={out_dir}", f"--num_prompts={SETTINGS['num_prompts']}",
-                       f"--max_new_tokens={SETTINGS['max_new_tokens']}"])
+    run_cli(
+        evaluate,
+        [
+            f"--target={chat_target}",
+            f"--drafter={workdir / 'export'}",
+            f"--prompts={prompts_file}",
+            f"--out_dir={out_dir}",
+            f"--num_prompts={SETTINGS['num_prompts']}",
+            f"--max_new_tokens={SETTINGS['max_new_tokens']}",
+        ],
+    )
     assert "speedup" in capsys.readouterr().out
     exported = json.loads((out_dir / "eval.json").read_text())["sets"]["prompts"]
     assert (out_dir / "eval.png").stat().st_size > 0

@@ -12,7 +12,6 @@ import pytest
 from absl import flags
 
 from dflash_jax import regenerate
-from support.chat_data import chat, write_jsonl
 from dflash_jax.decoding.backends import HttpBackend, JaxBackend, Regenerated
 from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder
@@ -20,6 +19,7 @@ from dflash_jax.decoding.http_client import ChatCompletionsClient
 from dflash_jax.decoding.regeneration import Regeneration
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.models.hf import load_target
+from support.chat_data import chat, write_jsonl
 
 ROWS = [
     chat("one", "old answer"),
@@ -71,8 +71,15 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         message = {"role": "assistant", "content": f"reply to {last} #{turns}"}
         if body["chat_template_kwargs"]["enable_thinking"]:
             message["reasoning_content"] = "thinking..."
-        self._send(200, {"id": "c", "object": "chat.completion", "model": body["model"],
-                         "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+        self._send(
+            200,
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            },
+        )
 
 
 @pytest.fixture
@@ -106,15 +113,30 @@ def http_backend(url, **kw):
 def test_http_backend_rewrites_every_assistant_turn_and_records_failures(server, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", ROWS)
     output = tmp_path / "out.jsonl"
-    run_cli([f"--input={source}", f"--output={output}", "--backend=http", f"--server_url={server}",
-             "--concurrency=3", "--max_new_tokens=64"])
+    run_cli(
+        [
+            f"--input={source}",
+            f"--output={output}",
+            "--backend=http",
+            f"--server_url={server}",
+            "--concurrency=3",
+            "--max_new_tokens=64",
+        ]
+    )
     rows = {r["regenerated"]["line"]: r for r in read_jsonl(output)}
     assert set(rows) == GOOD_LINES
-    assert rows[1]["messages"] == [{"role": "user", "content": "one"},
-                                   {"role": "assistant", "content": "reply to one #0"}]
+    assert rows[1]["messages"] == [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "reply to one #0"},
+    ]
     # The second turn is asked with the first turn already regenerated.
     assert [m["content"] for m in rows[2]["messages"]] == [
-        "be brief", "two", "reply to two #0", "two again", "reply to two again #1"]
+        "be brief",
+        "two",
+        "reply to two #0",
+        "two again",
+        "reply to two again #1",
+    ]
     assert rows[3]["messages"][-1] == {"role": "assistant", "content": "reply to three #0"}
     assert rows[4]["id"] == "x" and "conversations" not in rows[4]
     assert rows[4]["messages"][0] == {"role": "user", "content": "four"}
@@ -132,8 +154,7 @@ def test_reasoning_is_kept_apart_in_thinking_mode(server, tmp_path):
     output = tmp_path / "out.jsonl"
     Regeneration(str(source), str(output)).run(http_backend(server, enable_thinking=True))
     message = read_jsonl(output)[0]["messages"][-1]
-    assert message == {"role": "assistant", "content": "reply to think about it #0",
-                       "reasoning_content": "thinking..."}
+    assert message == {"role": "assistant", "content": "reply to think about it #0", "reasoning_content": "thinking..."}
 
 
 class InterruptedBackend:
@@ -176,8 +197,11 @@ def test_output_that_is_not_a_regeneration_is_refused(tmp_path):
 
 
 def test_jax_backend_writes_the_targets_greedy_responses(chat_target, tmp_path):
-    rows = [chat("What is the capital of France?", "Paris."), chat("hi", "hello", "and then?", "bye"),
-            chat("Tell me a joke about cats.")]
+    rows = [
+        chat("What is the capital of France?", "Paris."),
+        chat("hi", "hello", "and then?", "bye"),
+        chat("Tell me a joke about cats."),
+    ]
     source, output = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     target = load_target(chat_target, param_dtype=jnp.float32, compute_dtype=jnp.float32)
     tokenizer = ChatTokenizer(chat_target)
@@ -191,8 +215,9 @@ def test_jax_backend_writes_the_targets_greedy_responses(chat_target, tmp_path):
             if message["role"] != "assistant":
                 continue
             prompt = tokenizer.prompt_ids(messages[:turn])
-            expected = TargetDecoder(target, max_prompt_len=64, max_new_tokens=6,
-                                     stop_tokens=tokenizer.stop_tokens).generate([prompt])[0]
+            expected = TargetDecoder(
+                target, max_prompt_len=64, max_new_tokens=6, stop_tokens=tokenizer.stop_tokens
+            ).generate([prompt])[0]
             assert message["content"] == tokenizer.response_text(expected.tokens), (line, turn)
     assert [m["role"] for m in out[2]] == ["user", "assistant", "user", "assistant"]
     assert np.all([m["content"] != "bye" for m in out[2]])

@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.decoding_models import make_drafter, make_target
 from flax import nnx
 from scipy import stats
 
 from dflash_jax.decoding.acceptance import acceptance_stats
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, verify_block, warp_probs
 from dflash_jax.decoding.speculative import SpeculativeDecoder
+from support.decoding_models import make_drafter, make_target
 
 SMALL_VOCAB = 16
 
@@ -72,7 +72,7 @@ def exact_distribution(target, prompt, cfg, length=3):
     @jax.jit
     def step_probs(state, seqs):
         logits, _ = nnx.merge(graphdef, state)(seqs, jnp.ones_like(seqs), jnp.arange(seqs.shape[1])[None])
-        return warp_probs(logits[:, len(prompt) - 1:], cfg)
+        return warp_probs(logits[:, len(prompt) - 1 :], cfg)
 
     probs = np.asarray(step_probs(state, jnp.asarray(seqs)), np.float64)  # [prefixes, length, V]
     joint = np.ones([v] * length)
@@ -115,8 +115,9 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models
     prompt = np.array([3, 1, 4, 1, 5], np.int32)
     # 4 tokens: the prefill's, then one block of 2 drafts + bonus covers every verification path.
     batch, rounds, length = 2048, 4, 4
-    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=8, max_new_tokens=length,
-                                 batch_size=batch, sampling=cfg)
+    decoder = SpeculativeDecoder(
+        target, drafter, max_prompt_len=8, max_new_tokens=length, batch_size=batch, sampling=cfg
+    )
     generations = []
     for seed in range(rounds):
         generations += decoder.generate([prompt] * batch, seed=seed)

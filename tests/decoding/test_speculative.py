@@ -7,15 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support.decoding_models import (
-    BLOCK, MASK_ID, OracleDrafter, make_drafter, make_successor_target, make_target, random_prompts,
-)
 
 from dflash_jax.decoding import generate as generate_lib
 from dflash_jax.decoding import speculative
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.attention import block_context_mask
+from support.decoding_models import (
+    BLOCK,
+    MASK_ID,
+    OracleDrafter,
+    make_drafter,
+    make_successor_target,
+    make_target,
+    random_prompts,
+)
 
 # Lengths straddle the 16-token prompt bucket; 5 prompts with batch 2 leave a short last batch.
 PROMPT_LENGTHS = (3, 16, 17, 9, 30)
@@ -38,7 +44,7 @@ def naive_greedy(target, prompt, max_new):
     seq[: len(prompt)] = prompt
     for length in range(len(prompt), width):
         seq[length] = next_token(state, seq, length)
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +72,14 @@ def test_target_decoder_matches_uncached_greedy(random_target):
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
-@pytest.mark.parametrize("name, tau_range", [
-    ("untrained", (1.0, 1.3)),
-    ("copies_target", (BLOCK - 0.5, BLOCK)),
-    ("partial", (1.5, BLOCK - 0.5)),
-])
+@pytest.mark.parametrize(
+    "name, tau_range",
+    [
+        ("untrained", (1.0, 1.3)),
+        ("copies_target", (BLOCK - 0.5, BLOCK)),
+        ("partial", (1.5, BLOCK - 0.5)),
+    ],
+)
 def test_greedy_is_lossless(cases, name, tau_range, batch_size):
     target, drafter = cases[name]
     prompts = random_prompts(10, PROMPT_LENGTHS)
@@ -89,8 +98,7 @@ def test_greedy_is_lossless_across_stop_tokens(cases, name):
     free, _ = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=2)
     # Stop at tokens that occur mid-output, so stops land inside accepted blocks too.
     stop_tokens = {int(g.tokens[k]) for g, k in zip(free, (4, 7, 10, 13, 18))}
-    ref, spec = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=2,
-                            stop_tokens=stop_tokens)
+    ref, spec = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=2, stop_tokens=stop_tokens)
     stopped = 0
     for r, s in zip(ref, spec):
         np.testing.assert_array_equal(s.tokens, r.tokens)
@@ -114,8 +122,9 @@ def test_first_token_stop_ends_without_a_step(cases):
     target, drafter = cases["partial"]
     prompts = random_prompts(40, (6,))
     first = SpeculativeDecoder(target, drafter, max_prompt_len=8, max_new_tokens=1).generate(prompts)[0]
-    out = SpeculativeDecoder(target, drafter, max_prompt_len=8, max_new_tokens=MAX_NEW,
-                             stop_tokens=[int(first.tokens[0])]).generate(prompts)[0]
+    out = SpeculativeDecoder(
+        target, drafter, max_prompt_len=8, max_new_tokens=MAX_NEW, stop_tokens=[int(first.tokens[0])]
+    ).generate(prompts)[0]
     np.testing.assert_array_equal(out.tokens, first.tokens)
     assert len(out.step_lengths) == 0
 
@@ -126,8 +135,7 @@ def test_step_bookkeeping(cases, name):
     target, drafter = cases[name]
     prompts = random_prompts(50, (5, 13, 20))
     lengths = np.array([len(p) for p in prompts])
-    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW,
-                                 batch_size=3)
+    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW, batch_size=3)
     st = decoder._prefill(*generate_lib.pad_batch(prompts, 3, MAX_PROMPT), jax.random.key(0))
     total = np.ones(3, int)
     while not np.all(np.asarray(st.outputs.done)):
@@ -142,8 +150,9 @@ def test_step_bookkeeping(cases, name):
         cache_len = np.asarray(st.target_cache.lengths)
         np.testing.assert_array_equal(cache_len[still], (lengths + total - 1)[still])
         np.testing.assert_array_equal(np.asarray(st.context.lengths)[still], cache_len[still])
-        np.testing.assert_array_equal(np.asarray(st.anchor)[still],
-                                      np.asarray(st.outputs.tokens)[still, total[still] - 1])
+        np.testing.assert_array_equal(
+            np.asarray(st.anchor)[still], np.asarray(st.outputs.tokens)[still, total[still] - 1]
+        )
     assert np.all(total == MAX_NEW)
 
 
@@ -158,8 +167,9 @@ def test_steps_compile_once_per_decoder_shape():
     decoder.generate(random_prompts(61, (2, 14, 7, 12, 1)))
     decoder.generate(random_prompts(62, (9,)), seed=3)
     # Another decoder of the same shapes (as measure_acceptance builds per call) shares them.
-    SpeculativeDecoder(target, drafter, max_prompt_len=40, max_new_tokens=9, batch_size=2,
-                       stop_tokens=[5]).generate(random_prompts(64, (4,)))
+    SpeculativeDecoder(target, drafter, max_prompt_len=40, max_new_tokens=9, batch_size=2, stop_tokens=[5]).generate(
+        random_prompts(64, (4,))
+    )
     assert (decoder.step_fn._cache_size(), decoder.prefill_fn._cache_size()) == (steps, prefills)
     decoder.generate(random_prompts(63, (33, 20)))  # a new prompt bucket: one more prefill only
     assert (decoder.step_fn._cache_size(), decoder.prefill_fn._cache_size()) == (steps, prefills + 1)
@@ -190,8 +200,7 @@ def test_served_drafts_equal_the_training_forward(random_target, untrained_draft
     def served_logits(state, st):
         t, d = nnx.merge(graphs[0], state)
         positions = st.target_cache.lengths[:, None] + jnp.arange(BLOCK)[None, :]
-        return speculative.draft_block(t, d, st.anchor, positions, st.context, decoder.sampling,
-                                       jax.random.key(0))[1]
+        return speculative.draft_block(t, d, st.anchor, positions, st.context, decoder.sampling, jax.random.key(0))[1]
 
     st = decoder._prefill(*generate_lib.pad_batch(prompt, 1, 16), jax.random.key(0))
     anchors, served = [], []
@@ -207,8 +216,13 @@ def test_served_drafts_equal_the_training_forward(random_target, untrained_draft
         segment_ids, positions = jnp.ones_like(seq), jnp.arange(seq.shape[1])[None]
         features = t.features(seq, segment_ids, positions, d.cfg.target_layer_ids)
         blocks = jnp.full((1, anchor_index.shape[1], BLOCK), MASK_ID).at[..., 0].set(seq[0, anchor_index[0]])
-        hidden = d(t.embed(blocks), anchor_index[..., None] + jnp.arange(BLOCK), d.context(features),
-                   positions, block_context_mask(segment_ids, anchor_index))
+        hidden = d(
+            t.embed(blocks),
+            anchor_index[..., None] + jnp.arange(BLOCK),
+            d.context(features),
+            positions,
+            block_context_mask(segment_ids, anchor_index),
+        )
         return t.unembed(hidden[0, :, 1:])
 
     seq = jnp.asarray(np.concatenate([prompt[0], out]))[None]

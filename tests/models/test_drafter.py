@@ -34,7 +34,10 @@ def target(qwen3_checkpoint):
 
 def make_drafter(target, seed=0, num_layers=2):
     cfg = DrafterConfig.for_target(
-        target.cfg, num_layers=num_layers, mask_token_id=MASK_ID, block_size=BLOCK,
+        target.cfg,
+        num_layers=num_layers,
+        mask_token_id=MASK_ID,
+        block_size=BLOCK,
         target_layer_ids=LAYER_IDS,
     )
     drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
@@ -66,15 +69,13 @@ def draft_hidden(target, drafter, tokens, features=None, blocks_per_chunk=2):
             features = target.features(jnp.asarray(tokens)[None], seg, pos, LAYER_IDS)
         embeds, block_pos = block_inputs(target, tokens)
         mask = block_context_mask(seg, jnp.asarray(ANCHORS)[None])
-        return drafter(embeds, block_pos, drafter.context(features), pos, mask,
-                       blocks_per_chunk=blocks_per_chunk)
+        return drafter(embeds, block_pos, drafter.context(features), pos, mask, blocks_per_chunk=blocks_per_chunk)
 
 
 @pytest.fixture(scope="module")
 def row(target):
     tokens = np.random.default_rng(0).integers(0, 120, len(SEG))
-    features = target.features(jnp.asarray(tokens)[None], jnp.asarray(SEG)[None],
-                               jnp.asarray(POS)[None], LAYER_IDS)
+    features = target.features(jnp.asarray(tokens)[None], jnp.asarray(SEG)[None], jnp.asarray(POS)[None], LAYER_IDS)
     return tokens, features
 
 
@@ -87,12 +88,12 @@ def test_default_target_layer_ids_follow_design():
 @pytest.mark.parametrize(
     "position, block, changes",
     [
-        (4, 0, True),    # strictly before the anchor, same document: visible
-        (5, 0, False),   # the anchor's own position: never context (the classic leak)
-        (7, 0, False),   # after the anchor
+        (4, 0, True),  # strictly before the anchor, same document: visible
+        (5, 0, False),  # the anchor's own position: never context (the classic leak)
+        (7, 0, False),  # after the anchor
         (9, 1, True),
         (10, 1, False),
-        (3, 2, False),   # another document
+        (3, 2, False),  # another document
         (15, 2, True),
         (16, 2, False),
     ],
@@ -132,8 +133,7 @@ def test_token_perturbations(target, drafter, row):
 def test_chunked_attention_equals_dense_reference_with_gradients():
     rng = np.random.default_rng(0)
     b, n, bk, kvh, g, d, s = 2, 5, BLOCK, 2, 2, 8, 24
-    q, k_blk, v_blk = (jnp.asarray(rng.normal(size=(b, n, bk, h, d)), jnp.float32)
-                       for h in (kvh * g, kvh, kvh))
+    q, k_blk, v_blk = (jnp.asarray(rng.normal(size=(b, n, bk, h, d)), jnp.float32) for h in (kvh * g, kvh, kvh))
     k_ctx, v_ctx = (jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.float32) for _ in range(2))
     anchors = jnp.asarray(rng.integers(0, s, (b, n)))
     mask = block_context_mask(jnp.asarray(np.repeat([[1] * 12 + [2] * 12], b, 0)), anchors)
@@ -141,8 +141,11 @@ def test_chunked_attention_equals_dense_reference_with_gradients():
     args = (q, k_ctx, v_ctx, k_blk, v_blk)
 
     def loss(args, chunk):
-        out = (block_attention_dense(*args, mask) if chunk is None
-               else block_attention(*args, mask, blocks_per_chunk=chunk))
+        out = (
+            block_attention_dense(*args, mask)
+            if chunk is None
+            else block_attention(*args, mask, blocks_per_chunk=chunk)
+        )
         return jnp.sum(jnp.sin(out)), out
 
     with jax.default_matmul_precision("highest"):
@@ -159,8 +162,9 @@ def test_drafter_output_does_not_depend_on_the_attention_chunk_size(target, draf
     tokens, features = row
     whole = draft_hidden(target, drafter, tokens, features, blocks_per_chunk=len(ANCHORS))
     for chunk in (1, 2):
-        np.testing.assert_allclose(draft_hidden(target, drafter, tokens, features, blocks_per_chunk=chunk),
-                                   whole, atol=1e-5)
+        np.testing.assert_allclose(
+            draft_hidden(target, drafter, tokens, features, blocks_per_chunk=chunk), whole, atol=1e-5
+        )
 
 
 def test_decode_matches_training_forward(target, drafter, row):
@@ -208,15 +212,26 @@ def test_export_format_and_exact_round_trip(drafter, tmp_path):
     assert config["block_size"] == BLOCK
     assert config["num_target_layers"] == 4
     assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": list(LAYER_IDS)}
-    for key, value in dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=128,
-                           max_position_embeddings=256).items():
+    for key, value in dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=128,
+        max_position_embeddings=256,
+    ).items():
         assert config[key] == value, key
 
     tensors = load_file(out / "model.safetensors")
-    expected = {"fc.weight": (cfg.hidden_size, 2 * cfg.hidden_size),
-                "hidden_norm.weight": (cfg.hidden_size,), "norm.weight": (cfg.hidden_size,)}
+    expected = {
+        "fc.weight": (cfg.hidden_size, 2 * cfg.hidden_size),
+        "hidden_norm.weight": (cfg.hidden_size,),
+        "norm.weight": (cfg.hidden_size,),
+    }
     for i in range(cfg.num_layers):
         expected.update({f"layers.{i}.{k}": f(cfg) for k, f in EXPECTED_LAYER_TENSORS.items()})
     assert {k: tuple(v.shape) for k, v in tensors.items()} == expected
@@ -234,6 +249,7 @@ def test_import_rejects_non_drafter_and_ignores_extra_tensors(drafter, qwen3_che
     tensors = load_file(out / "model.safetensors")
     tensors["embed_tokens.weight"] = np.zeros((128, 64), np.float32)  # shipped but unused
     from safetensors.numpy import save_file
+
     save_file(tensors, out / "model.safetensors")
     loaded = load_drafter(out)
     np.testing.assert_array_equal(loaded.fc.kernel[...], drafter.fc.kernel[...])
@@ -252,14 +268,17 @@ def _torch_reference_block(export_dir, ctx_features, ctx_positions, block_embeds
     def rope(x, pos):  # x [T, h, d]
         inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
         ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)[:, None]
-        rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
         return x * ang.cos() + rot * ang.sin()
 
     ctx = rms(ctx_features @ w["fc.weight"].T, w["hidden_norm.weight"])
     x = block_embeds
     t = x.shape[0]
     for i in range(cfg["num_hidden_layers"]):
-        p = lambda n: w[f"layers.{i}.{n}"]
+
+        def p(name, i=i):
+            return w[f"layers.{i}.{name}"]
+
         h = rms(x, p("input_layernorm.weight"))
         q = rms((h @ p("self_attn.q_proj.weight").T).view(t, heads, hd), p("self_attn.q_norm.weight"))
         q = rope(q, block_positions)
@@ -286,7 +305,10 @@ def test_export_reproduced_by_independent_torch_implementation(target, drafter, 
         cache = drafter.extend_context(cache, features[:, :10], pos[:, :10], jnp.array([10]))
         ours = drafter.decode(embeds[:, 1], block_pos[:, 1], cache)
     ref = _torch_reference_block(
-        out_dir, torch.tensor(np.asarray(features[0, :10])), torch.arange(10).float(),
-        torch.tensor(np.asarray(embeds[0, 1])), torch.tensor(np.asarray(block_pos[0, 1])).float(),
+        out_dir,
+        torch.tensor(np.asarray(features[0, :10])),
+        torch.arange(10).float(),
+        torch.tensor(np.asarray(embeds[0, 1])),
+        torch.tensor(np.asarray(block_pos[0, 1])).float(),
     )
     np.testing.assert_allclose(np.asarray(ours[0]), ref.numpy(), atol=1e-4)

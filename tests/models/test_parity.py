@@ -27,7 +27,8 @@ def _ours(path, tokens, compute_dtype=jnp.float32):
     b, s = tokens.shape
     with jax.default_matmul_precision("highest"):
         logits, hidden = model(
-            jnp.asarray(tokens), jnp.ones((b, s), jnp.int32),
+            jnp.asarray(tokens),
+            jnp.ones((b, s), jnp.int32),
             jnp.broadcast_to(jnp.arange(s), (b, s)),
             hidden_layers=tuple(range(model.cfg.num_layers)),
         )

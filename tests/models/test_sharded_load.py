@@ -37,8 +37,6 @@ SCRIPT = textwrap.dedent(
 def test_load_onto_mesh_shards_parameters(tmp_path, make_hf_checkpoint):
     path = make_hf_checkpoint(tmp_path / "ckpt", vocab_size=2048)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, path], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([sys.executable, "-c", SCRIPT, path], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout

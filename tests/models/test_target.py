@@ -21,8 +21,7 @@ def target(qwen3_checkpoint):
 
 def _run(model, tokens, segment_ids, positions, **kw):
     with jax.default_matmul_precision("highest"):
-        return model(jnp.asarray(tokens)[None], jnp.asarray(segment_ids)[None],
-                     jnp.asarray(positions)[None], **kw)
+        return model(jnp.asarray(tokens)[None], jnp.asarray(segment_ids)[None], jnp.asarray(positions)[None], **kw)
 
 
 def test_packed_document_equals_document_alone(target):
@@ -48,16 +47,15 @@ def test_packed_document_equals_document_alone(target):
 def test_features_stop_after_last_requested_layer(target):
     tokens = np.arange(12) % 128
     full_logits, hidden = _run(target, tokens, np.ones(12, int), np.arange(12), hidden_layers=(0, 2))
-    features = target.features(jnp.asarray(tokens)[None], jnp.ones((1, 12), jnp.int32),
-                               jnp.arange(12)[None], (0, 2))
+    features = target.features(jnp.asarray(tokens)[None], jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None], (0, 2))
     np.testing.assert_allclose(features, jnp.concatenate(hidden, -1), atol=1e-6)
     # Stopping early means layer 3 never runs: its weights cannot influence the features.
-    jaxpr = jax.make_jaxpr(
-        lambda t: target.features(t, jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None], (0, 2))
-    )(jnp.asarray(tokens)[None])
-    full = jax.make_jaxpr(
-        lambda t: target(t, jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None])[0]
-    )(jnp.asarray(tokens)[None])
+    jaxpr = jax.make_jaxpr(lambda t: target.features(t, jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None], (0, 2)))(
+        jnp.asarray(tokens)[None]
+    )
+    full = jax.make_jaxpr(lambda t: target(t, jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None])[0])(
+        jnp.asarray(tokens)[None]
+    )
     assert len(jaxpr.eqns) < 0.8 * len(full.eqns)
 
 
@@ -73,8 +71,7 @@ def test_prefill_and_cached_steps_match_full_forward(target):
         logits_b, feats_b, cache = target.decode(jnp.asarray(tokens[11:16])[None], cache, feature_layers=(1, 3))
         logits_c, _, cache = target.decode(jnp.asarray(tokens[16:])[None], cache)
     np.testing.assert_allclose(jnp.concatenate([logits_a, logits_b, logits_c], 1), full, atol=1e-4)
-    np.testing.assert_allclose(jnp.concatenate([feats_a, feats_b], 1),
-                               jnp.concatenate(hidden, -1)[:, :16], atol=1e-4)
+    np.testing.assert_allclose(jnp.concatenate([feats_a, feats_b], 1), jnp.concatenate(hidden, -1)[:, :16], atol=1e-4)
     assert int(cache.lengths[0]) == 20
 
 

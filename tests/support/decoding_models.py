@@ -27,8 +27,15 @@ CHAT_VOCAB = 512  # `chat_target`: the test tokenizer uses ~400 ids, the rows ab
 
 def target_config(vocab: int = VOCAB) -> TransformerConfig:
     return TransformerConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, rope=RopeConfig(theta=10000.0), max_position_embeddings=512,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=512,
     )
 
 
@@ -98,4 +105,3 @@ class OracleDrafter(nnx.Module):
 def random_prompts(seed: int, lengths, vocab: int = VOCAB - 1) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
-

@@ -15,9 +15,16 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: str = "qwen3", seed
     import transformers
 
     common = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
     common.update(overrides)
     torch.manual_seed(seed)
@@ -27,8 +34,11 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: str = "qwen3", seed
     elif arch == "llama":
         config = transformers.LlamaConfig(
             rope_parameters={
-                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
             **common,

@@ -32,6 +32,6 @@ def packed_batch(
                 batch["tokens"][r, doc] = rng.integers(0, vocab_size, n)
             batch["segment_ids"][r, doc] = segment
             batch["positions"][r, doc] = np.arange(n)
-            batch["loss_mask"][r, start + n // 3: start + n] = 1
+            batch["loss_mask"][r, start + n // 3 : start + n] = 1
             start, segment = start + n, segment + 1
     return batch

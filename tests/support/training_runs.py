@@ -26,8 +26,15 @@ def write_tiny_run(root: Path) -> types.SimpleNamespace:
 
     target = write_tiny_target(root / "target")
     write_hf_checkpoint(
-        target, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        target,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
     )
     rng = random.Random(0)
     pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(96)]
@@ -86,8 +93,12 @@ def start_training(fields: dict, env: dict, log_path: Path) -> subprocess.Popen:
     args = [f"--config.{k}={v}" for k, v in fields.items()]
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, str(REPO / "train.py"), *args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 
@@ -102,7 +113,7 @@ def finish(proc: subprocess.Popen, log_path: Path, timeout: float = 240) -> str:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill(proc)
-        raise AssertionError(f"training did not finish in {timeout}s:\n{log_path.read_text()[-4000:]}")
+        raise AssertionError(f"training did not finish in {timeout}s:\n{log_path.read_text()[-4000:]}") from None
     return log_path.read_text()
 
 

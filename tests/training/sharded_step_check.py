@@ -16,13 +16,24 @@ from support.synthetic import packed_batch
 
 # Big enough that the FSDP rule really splits matrices (>= 2**16 elements).
 TARGET = TransformerConfig(
-    vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=32, rope=RopeConfig(10000.0),
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope=RopeConfig(10000.0),
 )
 DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=255, block_size=8)
 OBJECTIVE = objective.ObjectiveConfig(
-    block_size=8, mask_token_id=255, num_anchors=12, loss_decay_gamma=4.0,
-    target_layer_ids=DRAFTER.target_layer_ids, attention_chunk_blocks=4, lm_head_chunk_blocks=4,
+    block_size=8,
+    mask_token_id=255,
+    num_anchors=12,
+    loss_decay_gamma=4.0,
+    target_layer_ids=DRAFTER.target_layer_ids,
+    attention_chunk_blocks=4,
+    lm_head_chunk_blocks=4,
 )
 STEPS, ACCUM = 2, 2
 TX = step.make_optimizer(step.OptimizerConfig(learning_rate=1e-3, warmup_fraction=0.0), 10)
@@ -38,8 +49,13 @@ def run(mesh):
     state = step.init_train_state(DRAFTER, TX, seed=0, compute_dtype=jnp.float32, mesh=mesh)
     opt_specs = [x.sharding.spec for x in jax.tree.leaves(state.opt_state)]
     train_step = step.make_train_step(
-        drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32), target_graphdef=graphdef,
-        target_params=target_params, tx=TX, cfg=OBJECTIVE, grad_accum_steps=ACCUM, mesh=mesh,
+        drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32),
+        target_graphdef=graphdef,
+        target_params=target_params,
+        tx=TX,
+        cfg=OBJECTIVE,
+        grad_accum_steps=ACCUM,
+        mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),
     )
     metrics = []
@@ -59,12 +75,18 @@ def main():
     for name, (params, metrics, _) in {"data=8": data_parallel, "data=2,fsdp=4": fsdp}.items():
         for step_index, (got, want) in enumerate(zip(metrics, single[1])):
             for key in want:
-                np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=1e-5, err_msg=f"{name} step {step_index} {key}")
+                np.testing.assert_allclose(
+                    got[key], want[key], rtol=2e-5, atol=1e-5, err_msg=f"{name} step {step_index} {key}"
+                )
         diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params, single[0]))
         print(f"{name}: max |param difference| vs 1 device = {max(diffs):.3g}")
         # Adam turns the last-bit differences of tiny gradients into differences of a few
         # percent of the learning rate (1e-3); a wrong gradient would move weights by ~1e-3.
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name), params, single[0])
+        jax.tree.map(
+            lambda a, b, name=name: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name),
+            params,
+            single[0],
+        )
     print("OK")
 
 

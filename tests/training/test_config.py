@@ -41,14 +41,22 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
     "fields, num_devices, message",
     [
         ({"drafter.block_size": 128}, 1, "drafter.block_size=128 must be at least 2 and below data.seq_len=128"),
-        ({"drafter.target_layer_ids": (0, 2)}, 1, r"drafter.target_layer_ids \[0, 2\]: \[2\] out of range, the target has 2 layers"),
+        (
+            {"drafter.target_layer_ids": (0, 2)},
+            1,
+            r"drafter.target_layer_ids \[0, 2\]: \[2\] out of range, the target has 2 layers",
+        ),
         ({"mesh.data": 2}, 1, "mesh: mesh shape data=2 x fsdp=1 = 2 devices, but 1 are available"),
         ({"mesh.fsdp": 3}, 4, "mesh: mesh fsdp=3 does not divide the 4 available devices"),
         ({"data.global_batch_rows": 6}, 4, r"data.global_batch_rows=6 must be divisible by devices \(4\)"),
         ({"train.grad_accum_steps": 8}, 1, r"train.grad_accum_steps \(8\) = 8"),
         ({"target.path": "/nonexistent/model"}, 1, "target.path='/nonexistent/model' does not exist"),
         ({"target.path": ""}, 1, "target.path is empty"),
-        ({"data.train": "/nonexistent/train.jsonl"}, 1, "data.train: data source '/nonexistent/train.jsonl' does not exist"),
+        (
+            {"data.train": "/nonexistent/train.jsonl"},
+            1,
+            "data.train: data source '/nonexistent/train.jsonl' does not exist",
+        ),
         ({"data.train": ""}, 1, "data.train is empty"),
         ({"workdir": ""}, 1, "workdir is empty"),
         ({"eval.prompts": "/nonexistent/prompts.jsonl"}, 1, "eval.prompts='/nonexistent/prompts.jsonl' does not exist"),
@@ -104,7 +112,10 @@ def test_train_py_reports_config_errors_before_compiling(tiny_run, tmp_path):
     fields = testing.overrides(tiny_run, tmp_path / "run", **{"drafter.mask_token_id": 4096})
     result = subprocess.run(
         [sys.executable, str(testing.REPO / "train.py"), *[f"--config.{k}={v}" for k, v in fields.items()]],
-        capture_output=True, text=True, timeout=120, cwd=testing.REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=testing.REPO,
     )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr

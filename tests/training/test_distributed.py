@@ -23,11 +23,17 @@ def test_two_processes_train_together(tiny_run, compilation_cache, tmp_path):
     procs = []
     try:
         for process_id in range(2):
-            fields = testing.overrides(tiny_run, workdir, **{
-                "train.num_epochs": 1, "checkpoint.every_steps": 6,
-                "distributed.coordinator_address": coordinator, "distributed.num_processes": 2,
-                "distributed.process_id": process_id,
-            })
+            fields = testing.overrides(
+                tiny_run,
+                workdir,
+                **{
+                    "train.num_epochs": 1,
+                    "checkpoint.every_steps": 6,
+                    "distributed.coordinator_address": coordinator,
+                    "distributed.num_processes": 2,
+                    "distributed.process_id": process_id,
+                },
+            )
             procs.append(testing.start_training(fields, env, tmp_path / f"process{process_id}.log"))
         outputs = [testing.finish(p, tmp_path / f"process{i}.log", timeout=300) for i, p in enumerate(procs)]
     finally:
@@ -37,8 +43,11 @@ def test_two_processes_train_together(tiny_run, compilation_cache, tmp_path):
     for p, output in zip(procs, outputs):
         assert p.returncode == 0, output[-3000:]
     assert "4 devices" in outputs[0] and "2 processes" in outputs[0]
-    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (workdir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert steps == list(range(1, STEPS + 1))  # written once, by process 0
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["12", "6"]
     assert (workdir / "export" / "model.safetensors").is_file()

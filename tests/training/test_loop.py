@@ -17,10 +17,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.models.hf import load_drafter
-from support import training_runs as testing
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import restore_params
 from dflash_jax.training.workdir import Workdir
+from support import training_runs as testing
 
 EPOCHS = 4  # 12 steps each: long enough to interrupt a run reliably
 TOTAL_STEPS = 4 * 12
@@ -55,9 +55,18 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     # Uninterrupted reference, which also measures acceptance with speculative decoding.
     reference = tmp_path / "reference"
     proc = testing.start_training(
-        run_fields(tiny_run, reference, **{"eval.prompts": tiny_run.prompts, "eval.every_steps": 24,
-                                           "eval.num_prompts": 2, "eval.max_new_tokens": 8}),
-        env, tmp_path / "reference.log",
+        run_fields(
+            tiny_run,
+            reference,
+            **{
+                "eval.prompts": tiny_run.prompts,
+                "eval.every_steps": 24,
+                "eval.num_prompts": 2,
+                "eval.max_new_tokens": 8,
+            },
+        ),
+        env,
+        tmp_path / "reference.log",
     )
     testing.finish(proc, tmp_path / "reference.log")
     assert proc.returncode == 0
@@ -104,7 +113,10 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     out = tmp_path / "exported"
     subprocess.run(
         [sys.executable, "-m", "dflash_jax.export", f"--workdir={reference}", f"--out={out}"],
-        env=env, check=True, capture_output=True, timeout=120,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     exported, trained = load_file(out / "model.safetensors"), load_file(reference / "export" / "model.safetensors")
     assert exported.keys() == trained.keys() and "fc.weight" in exported
@@ -123,13 +135,16 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
 
     workdir = tmp_path / "run"
-    fields = run_fields(tiny_run, workdir, **{"target.path": target, "train.max_nonfinite_streak": 3,
-                                              "checkpoint.every_steps": 2})
+    fields = run_fields(
+        tiny_run, workdir, **{"target.path": target, "train.max_nonfinite_streak": 3, "checkpoint.every_steps": 2}
+    )
     proc = testing.start_training(fields, testing.subprocess_env(compilation_cache), tmp_path / "log")
     output = testing.finish(proc, tmp_path / "log")
     assert proc.returncode != 0
-    assert output.strip().splitlines()[-1].startswith(
-        "training stopped: 3 consecutive steps (up to step 3) had a non-finite loss or gradient"
+    assert (
+        output.strip()
+        .splitlines()[-1]
+        .startswith("training stopped: 3 consecutive steps (up to step 3) had a non-finite loss or gradient")
     )
     assert latest_checkpoint(workdir) == 2
     _, params = restore_params(Workdir.at(str(workdir)))

@@ -20,15 +20,26 @@ VOCAB, MASK = 64, 63
 # These tests check values, not speed: compile without LLVM optimization (twice as fast).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 TARGET = TransformerConfig(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-    num_kv_heads=2, head_dim=8, rope=RopeConfig(10000.0),
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope=RopeConfig(10000.0),
 )
 
 
 def _cfg(**overrides):
     kw = dict(
-        block_size=4, mask_token_id=MASK, num_anchors=6, loss_decay_gamma=4.0,
-        target_layer_ids=(0, 2), attention_chunk_blocks=4, lm_head_chunk_blocks=4,
+        block_size=4,
+        mask_token_id=MASK,
+        num_anchors=6,
+        loss_decay_gamma=4.0,
+        target_layer_ids=(0, 2),
+        attention_chunk_blocks=4,
+        lm_head_chunk_blocks=4,
     )
     return objective.ObjectiveConfig(**{**kw, **overrides})
 
@@ -40,8 +51,10 @@ def _row(tokens, segment_ids, loss_mask):
         where = segment_ids[0] == s
         positions[0, where] = np.arange(where.sum())
     return {
-        "tokens": jnp.asarray([tokens], jnp.int32), "segment_ids": jnp.asarray(segment_ids),
-        "positions": jnp.asarray(positions), "loss_mask": jnp.asarray([loss_mask], jnp.int32),
+        "tokens": jnp.asarray([tokens], jnp.int32),
+        "segment_ids": jnp.asarray(segment_ids),
+        "positions": jnp.asarray(positions),
+        "loss_mask": jnp.asarray([loss_mask], jnp.int32),
     }
 
 
@@ -69,9 +82,7 @@ def test_anchors_are_distinct_candidates_and_uniform():
 
 
 def test_rows_with_few_candidates_get_invalid_anchors():
-    index, valid = objective.sample_anchors(
-        jax.random.key(0), ROW["segment_ids"], ROW["loss_mask"], num_anchors=8
-    )
+    index, valid = objective.sample_anchors(jax.random.key(0), ROW["segment_ids"], ROW["loss_mask"], num_anchors=8)
     assert int(valid.sum()) == len(CANDIDATES)
     assert set(np.asarray(index[0])[np.asarray(valid[0])]) == CANDIDATES
 
@@ -80,7 +91,9 @@ def test_blocks_inputs_labels_weights_and_strict_context():
     anchors = jnp.asarray([[3, 8, 0]], jnp.int32)
     valid = jnp.asarray([[True, True, False]])
     blocks = objective.make_blocks(ROW, anchors, valid, _cfg())
-    np.testing.assert_array_equal(blocks.tokens[0], [[13, MASK, MASK, MASK], [22, MASK, MASK, MASK], [10, MASK, MASK, MASK]])
+    np.testing.assert_array_equal(
+        blocks.tokens[0], [[13, MASK, MASK, MASK], [22, MASK, MASK, MASK], [10, MASK, MASK, MASK]]
+    )
     np.testing.assert_array_equal(blocks.positions[0, :2], [[3, 4, 5, 6], [2, 3, 4, 5]])
     np.testing.assert_array_equal(blocks.labels[0, 0], [14, 15, 20])
     # Anchor 3: slots 1, 2 in the document; slot 3 crosses into doc 2. Anchor 8: slot 1 only,
@@ -129,7 +142,9 @@ def _build(make):
 
 
 def _drafter_config(num_layers):
-    return DrafterConfig.for_target(TARGET, num_layers=num_layers, mask_token_id=MASK, block_size=4, target_layer_ids=(0, 2))
+    return DrafterConfig.for_target(
+        TARGET, num_layers=num_layers, mask_token_id=MASK, block_size=4, target_layer_ids=(0, 2)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +155,7 @@ def models():
 
 def _fast_jit(fn):
     """Compiles `fn(*args)` where some args are NNX modules (split outside, merged inside)."""
+
     def call(*args):
         parts = [nnx.split(a) if isinstance(a, nnx.Module) else (None, a) for a in args]
 
@@ -147,6 +163,7 @@ def _fast_jit(fn):
             return fn(*(s if g is None else nnx.merge(g, s) for (g, _), s in zip(parts, states)))
 
         return jax.jit(inner, compiler_options=FAST_COMPILE)([s for _, s in parts])
+
     return call
 
 
@@ -163,7 +180,14 @@ def test_loss_is_weighted_mean_of_slot_cross_entropies(models):
     def run(target, drafter, batch):
         features, embeds, blocks = objective.frozen_inputs(target, batch, jax.random.key(0), cfg)
         loss, sums = objective.drafter_loss(drafter, target.unembed, features, embeds, batch["positions"], blocks, cfg)
-        hidden = drafter(embeds, blocks.positions, drafter.context(features), batch["positions"], blocks.ctx_mask, blocks_per_chunk=cfg.num_anchors)
+        hidden = drafter(
+            embeds,
+            blocks.positions,
+            drafter.context(features),
+            batch["positions"],
+            blocks.ctx_mask,
+            blocks_per_chunk=cfg.num_anchors,
+        )
         return loss, sums, blocks, target.unembed(hidden[:, :, 1:])
 
     with jax.default_matmul_precision("highest"):
@@ -210,8 +234,13 @@ def test_drafter_never_sees_the_anchor_or_later_context(models):
 def test_tau_train_counts_leading_hits_of_valid_blocks():
     label_mask = jnp.asarray([[[1, 1, 1], [1, 1, 1], [1, 0, 1], [1, 1, 1]]], bool)
     blocks = objective.Blocks(
-        tokens=None, positions=None, labels=None, label_mask=label_mask, weights=None,
-        valid=jnp.asarray([[True, True, True, False]]), ctx_mask=None,
+        tokens=None,
+        positions=None,
+        labels=None,
+        label_mask=label_mask,
+        weights=None,
+        valid=jnp.asarray([[True, True, True, False]]),
+        ctx_mask=None,
     )
     correct = jnp.asarray([[[1, 1, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]], bool)
     sums = objective.metric_sums(jnp.float32(2.0), correct, blocks)

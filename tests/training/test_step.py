@@ -24,13 +24,24 @@ HERE = Path(__file__).resolve().parent
 # A learnable toy: every document counts upwards (mod 15), so slot k must predict anchor + k.
 VOCAB = 16
 TARGET = TransformerConfig(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, rope=RopeConfig(10000.0),
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope=RopeConfig(10000.0),
 )
 DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=VOCAB - 1, block_size=4)
 OBJECTIVE = objective.ObjectiveConfig(
-    block_size=4, mask_token_id=VOCAB - 1, num_anchors=16, loss_decay_gamma=4.0,
-    target_layer_ids=DRAFTER.target_layer_ids, attention_chunk_blocks=8, lm_head_chunk_blocks=8,
+    block_size=4,
+    mask_token_id=VOCAB - 1,
+    num_anchors=16,
+    loss_decay_gamma=4.0,
+    target_layer_ids=DRAFTER.target_layer_ids,
+    attention_chunk_blocks=8,
+    lm_head_chunk_blocks=8,
 )
 STEPS = 40
 
@@ -38,13 +49,17 @@ STEPS = 40
 def test_sharded_steps_match_one_device():
     """data=8 and data=2 x fsdp=4 (sharded optimizer state) give the 1-device step."""
     env = {
-        **os.environ, "JAX_PLATFORMS": "cpu",
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
         # Compiling without LLVM optimization halves the time; these tiny steps do not care.
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
     }
     result = subprocess.run(
-        [sys.executable, str(HERE / "sharded_step_check.py")], env=env, capture_output=True,
-        text=True, timeout=300,
+        [sys.executable, str(HERE / "sharded_step_check.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -62,8 +77,13 @@ def trainer():
         return step.init_train_state(DRAFTER, tx, seed=0, compute_dtype=jnp.float32, mesh=mesh)
 
     train_step = step.make_train_step(
-        drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32), target_graphdef=graphdef,
-        target_params=target_params, tx=tx, cfg=OBJECTIVE, grad_accum_steps=1, mesh=mesh,
+        drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32),
+        target_graphdef=graphdef,
+        target_params=target_params,
+        tx=tx,
+        cfg=OBJECTIVE,
+        grad_accum_steps=1,
+        mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, new_state()),
     )
 
