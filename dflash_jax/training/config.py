@@ -28,7 +28,7 @@ from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.mesh import mesh_shape
-from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
+from dflash_jax.training.objective import ANCHOR_SCHEMES, PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
 from dflash_jax.training.step import OptimizerConfig
 from dflash_jax.training.workdir import Workdir
 
@@ -42,6 +42,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.target = ml_collections.ConfigDict()
     c.target.path = ""  # Hugging Face model directory (config.json, safetensors, tokenizer)
     c.target.dtype = "bfloat16"  # weights and compute of the frozen target
+    # A config.json for `python -m dflash_jax.plan` when target.path is empty (configs/targets/);
+    # training always reads target.path's own.
+    c.target.plan_config = ""
 
     c.drafter = ml_collections.ConfigDict()
     c.drafter.num_layers = 5
@@ -57,6 +60,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.max_steps = 0  # 0 = every step of num_epochs; > 0: stop (and end the LR schedule) there
     c.train.grad_accum_steps = 1
     c.train.num_anchors = 512  # blocks per row
+    # docs/design.md §3.1: 'document' (response-token anchors, every document its share),
+    # 'response' (response-token anchors, uniform over the row) or 'row' (the original scheme).
+    c.train.anchor_scheme = "document"
+    c.train.anchors_per_document = 0  # 'document': cap on one document's anchors; 0 = no cap
     c.train.loss_decay_gamma = 0.0  # 0 = the paper's value for the block size
     c.train.learning_rate = 6e-4
     c.train.warmup_fraction = 0.04
@@ -71,8 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.max_nonfinite_streak = 20  # stop after this many consecutive skipped updates
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # -1 = every device fsdp leaves over
-    c.mesh.fsdp = 1
+    c.mesh.data = -1  # -1 = every device fsdp x tensor leave over
+    c.mesh.fsdp = 1  # > 1: the frozen target's weights split over this many devices
+    c.mesh.tensor = 1  # > 1: the target's heads, kv heads and MLP split over this many devices
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 1000
@@ -169,7 +177,7 @@ class TrainSetup:
     objective: ObjectiveConfig
     optimizer: OptimizerConfig
     data: DataConfig
-    mesh_shape: tuple[int, int]
+    mesh_shape: tuple[int, int, int]  # (data, fsdp, tensor)
     run: RunSettings
     checkpoint: CheckpointSettings
     log: LogSettings
@@ -248,6 +256,14 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         1 <= train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}"
     )
     _require(
+        train.anchor_scheme in ANCHOR_SCHEMES,
+        f"train.anchor_scheme={train.anchor_scheme!r} is not one of {', '.join(ANCHOR_SCHEMES)}",
+    )
+    _require(
+        train.anchors_per_document >= 0,
+        f"train.anchors_per_document={train.anchors_per_document} must be >= 0 (0 = no cap)",
+    )
+    _require(
         train.loss_decay_gamma >= 0, f"train.loss_decay_gamma={train.loss_decay_gamma} must be >= 0 (0 = the paper's)"
     )
     _require(
@@ -273,14 +289,25 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     _require(config.seed >= 0, f"seed={config.seed} must be >= 0")
 
     try:
-        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices)
+        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices, config.mesh.tensor)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
+    tensor = shape[2]
+    for name, size in (
+        ("num_attention_heads", target.num_heads),
+        ("num_key_value_heads", target.num_kv_heads),
+        ("intermediate_size", target.intermediate_size),
+    ):
+        _require(
+            size % tensor == 0,
+            f"mesh.tensor={tensor} must divide the target's {name}={size} (heads and MLP are split over it)",
+        )
     rows, accum = data.global_batch_rows, train.grad_accum_steps
+    row_groups = shape[0] * shape[1]  # batch rows are split over data x fsdp, not tensor
     _require(
-        rows % (num_devices * accum) == 0,
-        f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
-        f"train.grad_accum_steps ({accum}) = {num_devices * accum}",
+        rows % (row_groups * accum) == 0,
+        f"data.global_batch_rows={rows} must be divisible by mesh data x fsdp ({row_groups}) x "
+        f"train.grad_accum_steps ({accum}) = {row_groups * accum}",
     )
 
     for field in ("checkpoint.every_steps", "checkpoint.keep", "log.every_steps", "eval.max_new_tokens"):
@@ -315,6 +342,8 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             block_size=block_size,
             mask_token_id=mask_token_id,
             num_anchors=train.num_anchors,
+            anchor_scheme=train.anchor_scheme,
+            anchors_per_document=train.anchors_per_document,
             loss_decay_gamma=float(train.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA[block_size]),
             target_layer_ids=drafter.target_layer_ids,
             attention_chunk_blocks=train.attention_chunk_blocks,
@@ -368,6 +397,24 @@ def _data(config: ml_collections.ConfigDict, check_files: bool) -> DataConfig:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tuple[TransformerConfig, str]:
+    """(target architecture, where it was read) for the memory plan, from a config.json alone:
+    `override`, else `target.plan_config`, else `target.path`/config.json."""
+    path = override or config.target.plan_config or config.target.path
+    field = "--target_config" if override else "target.plan_config" if config.target.plan_config else "target.path"
+    _require(
+        bool(path),
+        "no target to plan for: set --target_config=configs/targets/Qwen3-8B.json (or another config.json) "
+        "or --config.target.path=/path/to/hf_model_dir",
+    )
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            return TransformerConfig.from_hf(json.load(f)), config_file
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{field}={path!r}: {e}") from None
 
 
 def _target_dir(path: str) -> None:

@@ -32,6 +32,11 @@ BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 # docs/design.md §3.3: the paper's loss decay γ per block size; other sizes need an explicit γ.
 PAPER_LOSS_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
+# docs/design.md §3.1: how anchors are drawn. 'document': response-token anchors shared out per
+# document; 'response': response-token anchors uniform over the row; 'row': the original scheme
+# (uniform over the row, the last prompt token allowed), kept for comparison.
+ANCHOR_SCHEMES = ("document", "response", "row")
+
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
@@ -40,6 +45,8 @@ class ObjectiveConfig:
     num_anchors: int
     loss_decay_gamma: float
     target_layer_ids: tuple[int, ...]
+    anchor_scheme: str = "document"  # one of ANCHOR_SCHEMES (docs/design.md §3.1)
+    anchors_per_document: int = 0  # 'document' scheme: cap on a document's share; 0 = no cap
     attention_chunk_blocks: int = 32
     lm_head_chunk_blocks: int = 32
     remat: bool = False  # recompute each drafter layer in the backward pass
@@ -58,21 +65,64 @@ class Blocks:
     ctx_mask: jax.Array  # [R, N, S] context positions each block may attend to
 
 
-def sample_anchors(
-    key: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array, num_anchors: int
-) -> tuple[jax.Array, jax.Array]:
-    """Uniform sampling without replacement of `num_anchors` anchors per row.
+def anchor_candidates(segment_ids: jax.Array, loss_mask: jax.Array, scheme: str) -> jax.Array:
+    """[R, S] bool: positions p that may anchor a block (docs/design.md §3.1).
 
-    Candidates are positions p whose next token is a response token of the same document.
-    Gumbel top-k over the candidates draws a uniform random subset; rows with fewer candidates
-    than `num_anchors` get invalid (masked) anchors. Returns (anchor_index [R, N] int32,
-    anchor_valid [R, N] bool).
+    Every scheme needs p + 1 to be a response token of p's document. 'response' and 'document'
+    also need p itself to be a response token, as at inference, where the anchor is always a
+    token the target generated; 'row' (the original scheme) also accepts the last prompt token.
     """
     same_doc_next = (segment_ids[:, :-1] != 0) & (segment_ids[:, 1:] == segment_ids[:, :-1])
     candidate = same_doc_next & (loss_mask[:, 1:] == 1)
-    candidate = jnp.pad(candidate, ((0, 0), (0, 1)))  # the last position has no next token
-    scores = jnp.where(candidate, jax.random.gumbel(key, candidate.shape), -jnp.inf)
-    top, index = jax.lax.top_k(scores, num_anchors)
+    if scheme != "row":
+        candidate &= loss_mask[:, :-1] == 1
+    return jnp.pad(candidate, ((0, 0), (0, 1)))  # the last position has no next token
+
+
+def rank_within_documents(segment_ids: jax.Array, candidate: jax.Array, noise: jax.Array) -> jax.Array:
+    """[R, S] int32: each candidate's rank by `noise` among its document's candidates (0 = lowest
+    noise); non-candidates get S. With uniform noise, the candidates of rank < c are a uniform
+    random subset of c of the document's candidates."""
+    s = segment_ids.shape[1]
+    order = jnp.lexsort((noise, ~candidate, segment_ids), axis=-1)  # by document, candidates first
+    sorted_segments = jnp.take_along_axis(segment_ids, order, axis=1)
+    position = jnp.broadcast_to(jnp.arange(s), segment_ids.shape)
+    new_document = jnp.concatenate(
+        [jnp.ones_like(sorted_segments[:, :1], bool), sorted_segments[:, 1:] != sorted_segments[:, :-1]], axis=1
+    )
+    document_start = jax.lax.cummax(jnp.where(new_document, position, 0), axis=1)
+    rank = jnp.take_along_axis(position - document_start, jnp.argsort(order, axis=1), axis=1)
+    return jnp.where(candidate, rank, s).astype(jnp.int32)
+
+
+def sample_anchors(
+    row_keys: jax.Array,
+    segment_ids: jax.Array,
+    loss_mask: jax.Array,
+    num_anchors: int,
+    scheme: str,
+    anchors_per_document: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """`num_anchors` anchors per row, drawn uniformly without replacement (docs/design.md §3.1).
+
+    row_keys [R] (one PRNG key per row: a row's anchors depend on the row, not on how the batch
+    is split into micro-batches or over devices). 'row' and 'response' draw among all the row's
+    candidates; 'document' gives every document its share: candidates are taken in rounds (the
+    first round takes one random candidate of each document, the next round a second one, ...),
+    so a long document cannot crowd out the beginnings of the short ones, and
+    `anchors_per_document` > 0 caps a document's share. Rows with fewer candidates than
+    `num_anchors` get invalid (masked) anchors. Returns (anchor_index [R, N] int32, valid [R, N]).
+    """
+    candidate = anchor_candidates(segment_ids, loss_mask, scheme)
+    shape = (segment_ids.shape[1],)
+    noise = jax.vmap(lambda key: jax.random.uniform(key, shape))(row_keys)
+    if scheme == "document":
+        rank = rank_within_documents(segment_ids, candidate, noise)
+        if anchors_per_document:
+            candidate &= rank < anchors_per_document
+        tie_break = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), shape))(row_keys)
+        noise = rank + tie_break  # round r of the documents before round r + 1, in random order
+    top, index = jax.lax.top_k(jnp.where(candidate, -noise, -jnp.inf), num_anchors)
     valid = jnp.isfinite(top)
     return jnp.where(valid, index, 0).astype(jnp.int32), valid
 
@@ -111,14 +161,28 @@ def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, 
 
 
 def frozen_inputs(
-    target: Transformer, batch: Batch, key: jax.Array, cfg: ObjectiveConfig
+    target: Transformer, batch: Batch, row_keys: jax.Array, cfg: ObjectiveConfig
 ) -> tuple[jax.Array, jax.Array, Blocks]:
-    """Everything that does not depend on the drafter: (features, block embeddings, blocks)."""
-    anchor_index, anchor_valid = sample_anchors(key, batch["segment_ids"], batch["loss_mask"], cfg.num_anchors)
+    """Everything that does not depend on the drafter: (features, block embeddings, blocks).
+
+    row_keys [R]: one anchor-sampling key per row (see `row_keys`)."""
+    anchor_index, anchor_valid = sample_anchors(
+        row_keys,
+        batch["segment_ids"],
+        batch["loss_mask"],
+        cfg.num_anchors,
+        cfg.anchor_scheme,
+        cfg.anchors_per_document,
+    )
     blocks = make_blocks(batch, anchor_index, anchor_valid, cfg)
     features = target.features(batch["tokens"], batch["segment_ids"], batch["positions"], cfg.target_layer_ids)
     block_embeds = target.embed(blocks.tokens)
     return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), blocks
+
+
+def row_keys(step_key: jax.Array, row_ids: jax.Array) -> jax.Array:
+    """The anchor keys of the global batch rows `row_ids` [R] at the step of `step_key`."""
+    return jax.vmap(lambda r: jax.random.fold_in(step_key, r))(row_ids)
 
 
 def lm_head_cross_entropy(
@@ -151,7 +215,12 @@ def drafter_loss(
     blocks: Blocks,
     cfg: ObjectiveConfig,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Decay-weighted CE normalized by Σw (0 when nothing is scored), and metric sums."""
+    """(Σ w·CE over these rows, metric sums) — not yet divided by Σw.
+
+    docs/design.md §3.3: the loss is Σw·CE / Σw over the whole global batch, so the caller
+    divides the accumulated sum (and its gradient) by the batch's total Σw, once. Gradient
+    accumulation then gives the update of one big batch.
+    """
     hidden = drafter(
         block_embeds,
         blocks.positions,
@@ -162,18 +231,17 @@ def drafter_loss(
         remat=cfg.remat,
     )
     ce, correct = lm_head_cross_entropy(unembed, hidden[:, :, 1:], blocks.labels, chunk_blocks=cfg.lm_head_chunk_blocks)
-    weight_sum = blocks.weights.sum()
-    loss = (blocks.weights * ce).sum() / jnp.maximum(weight_sum, 1e-9)
-    return loss, metric_sums(loss, correct, blocks)
+    weighted_ce = (blocks.weights * ce).sum()
+    return weighted_ce, metric_sums(weighted_ce, correct, blocks)
 
 
-def metric_sums(loss: jax.Array, correct: jax.Array, blocks: Blocks) -> dict[str, jax.Array]:
+def metric_sums(weighted_ce: jax.Array, correct: jax.Array, blocks: Blocks) -> dict[str, jax.Array]:
     """Additive statistics (sum them over micro-batches and steps, then `summarize`)."""
     hit = correct & blocks.label_mask
     leading_hits = jnp.cumprod(hit, axis=-1).sum(-1)  # accepted draft tokens per block
     return {
-        "loss_sum": loss.astype(jnp.float32),
-        "loss_batches": jnp.float32(1),
+        "weighted_ce": weighted_ce.astype(jnp.float32),
+        "weight": blocks.weights.sum().astype(jnp.float32),
         "slot_hits": hit.sum((0, 1)).astype(jnp.float32),
         "slot_scored": blocks.label_mask.sum((0, 1)).astype(jnp.float32),
         "tau_sum": jnp.where(blocks.valid, 1 + leading_hits, 0).sum().astype(jnp.float32),
@@ -185,7 +253,7 @@ def summarize(sums: dict) -> dict[str, float]:
     """Metric sums (host values) -> loss, accuracy, per-slot accuracy, tau_train."""
     slot_acc = np.asarray(sums["slot_hits"]) / np.maximum(np.asarray(sums["slot_scored"]), 1)
     out = {
-        "loss": float(sums["loss_sum"] / max(float(sums["loss_batches"]), 1)),
+        "loss": float(sums["weighted_ce"] / max(float(sums["weight"]), 1e-9)),
         "accuracy": float(sums["slot_hits"].sum() / max(float(sums["slot_scored"].sum()), 1)),
         "tau_train": float(sums["tau_sum"] / max(float(sums["blocks"]), 1)),
     }

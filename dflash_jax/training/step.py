@@ -1,9 +1,10 @@
 """The jitted train step: frozen target forward, drafter forward/backward, AdamW update.
 
 The drafter is split once into a static graph and a `TrainState` of plain arrays; the step is
-one pure function jitted over the mesh with explicit shardings (batch rows over every device,
-weights and optimizer state FSDP-split over `fsdp`). Master weights are fp32; the modules
-compute in their compute dtype (bf16 by default).
+one pure function jitted over the mesh with explicit shardings (batch rows over (data, fsdp);
+master weights and optimizer state split ZeRO-style over every device; the frozen target and
+the main activations placed by the logical-axis rules of `models/sharding.py`). Master weights
+are fp32; the modules compute in their compute dtype (bf16 by default).
 
 A step whose loss, gradient norm or new weights are not finite is skipped: the weights and
 optimizer state stay as they were, `skipped_updates` and `nonfinite_streak` count it. The
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.sharding import state_shardings
+from dflash_jax.models.sharding import activation_sharding, train_state_shardings
 from dflash_jax.training import objective
 from dflash_jax.training.mesh import BATCH_AXES, batch_sharding
 
@@ -101,7 +102,7 @@ def abstract_train_state(
 ) -> TrainState:
     """ShapeDtypeStructs carrying their shardings: what a checkpoint is restored onto."""
     abstract = jax.eval_shape(_state_initializer(cfg, tx, seed, compute_dtype))
-    shardings = state_shardings(mesh, abstract)
+    shardings = train_state_shardings(mesh, abstract)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
@@ -119,8 +120,9 @@ def init_train_state(
     return jax.jit(_state_initializer(cfg, tx, seed, compute_dtype), out_shardings=shardings)()
 
 
-def _split_micro_batches(batch: objective.Batch, num_micro: int, mesh: Mesh) -> objective.Batch:
-    """[R, S] -> [num_micro, R/num_micro, S], each micro-batch spread over every device.
+def _split_micro_batches(batch: objective.Batch, num_micro: int, mesh: Mesh) -> tuple[objective.Batch, jax.Array]:
+    """[R, S] -> ([num_micro, R/num_micro, S] each micro-batch spread over every device, the
+    global row index of each micro-batch row [num_micro, R/num_micro]).
 
     Micro-batch m takes rows m, m + num_micro, …, so the rows each device holds split evenly.
     """
@@ -130,7 +132,8 @@ def _split_micro_batches(batch: objective.Batch, num_micro: int, mesh: Mesh) -> 
         x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(x, spec)
 
-    return {k: split(batch[k]) for k in objective.BATCH_KEYS}
+    rows = batch["tokens"].shape[0]
+    return {k: split(batch[k]) for k in objective.BATCH_KEYS}, split(jnp.arange(rows))
 
 
 def _all_finite(tree) -> jax.Array:
@@ -151,7 +154,9 @@ def make_train_step(
     """Returns jitted `step(state, target_params, batch) -> (state, additive metrics)`.
 
     `batch` is a dict of global int32 [rows, seq_len] arrays sharded with `batch_sharding`.
-    Each micro-batch's loss is normalized by its own Σw and the gradients are averaged.
+    Micro-batches accumulate Σ w·CE, its gradient and Σw; both are divided by the global Σw once
+    (docs/design.md §3.3), and each row's anchors come from the row's own key, so 1 x 16 rows
+    and 4 x 4 rows give the same update.
     """
 
     def loss_fn(params, target, features, block_embeds, positions, blocks):
@@ -165,23 +170,24 @@ def make_train_step(
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
         def accumulate(grads, xs):
-            micro, index = xs
+            micro, row_ids = xs
             features, block_embeds, blocks = objective.frozen_inputs(
-                target, micro, jax.random.fold_in(step_key, index), cfg
+                target, micro, objective.row_keys(step_key, row_ids), cfg
             )
             (_, sums), micro_grads = grad_fn(state.params, target, features, block_embeds, micro["positions"], blocks)
             return jax.tree.map(jnp.add, grads, micro_grads), sums
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        micro_batches = _split_micro_batches(batch, grad_accum_steps, mesh)
-        grads, micro_sums = jax.lax.scan(accumulate, zeros, (micro_batches, jnp.arange(grad_accum_steps)))
-        grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+        micro_batches, micro_row_ids = _split_micro_batches(batch, grad_accum_steps, mesh)
+        grads, micro_sums = jax.lax.scan(accumulate, zeros, (micro_batches, micro_row_ids))
         sums = jax.tree.map(lambda x: x.sum(0), micro_sums)
+        # Σw does not depend on the weights: d(Σ w·CE / Σw) = d(Σ w·CE) / Σw. Nothing scored: 0.
+        grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm) & _all_finite(params)
+        ok = jnp.isfinite(sums["weighted_ce"]) & jnp.isfinite(grad_norm) & _all_finite(params)
 
         def keep_if_ok(new, old):
             return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -207,9 +213,13 @@ def make_train_step(
         }
         return new_state, metrics
 
+    def sharded_step(state: TrainState, target_params: nnx.State, batch: objective.Batch):
+        with activation_sharding(mesh):  # activations placed by logical names while tracing
+            return step(state, target_params, batch)
+
     target_sharding = jax.tree.map(lambda x: x.sharding, target_params)
     return jax.jit(
-        step,
+        sharded_step,
         in_shardings=(state_sharding, target_sharding, batch_sharding(mesh)),
         out_shardings=(state_sharding, None),
         donate_argnums=0,

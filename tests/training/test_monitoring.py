@@ -14,8 +14,8 @@ from dflash_jax.training.workdir import Workdir
 
 def step_metrics(real_tokens: float, applied: bool = True) -> dict:
     return {
-        "loss_sum": np.float32(2.0 if applied else 0.0),
-        "loss_batches": np.float32(applied),
+        "weighted_ce": np.float32(6.0 if applied else 0.0),
+        "weight": np.float32(3.0 if applied else 0.0),
         "slot_hits": np.asarray([1.0, 0.0], np.float32),
         "slot_scored": np.asarray([2.0, 2.0], np.float32),
         "tau_sum": np.float32(3.0),

@@ -64,27 +64,86 @@ ROW = _row(
     segment_ids=[1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0],
     loss_mask=[0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0],
 )
-CANDIDATES = {2, 3, 4, 7, 8}  # next token is a response token of the same document
+# Anchors whose next token is a response token of the same document ('row', the original scheme).
+CANDIDATES = {2, 3, 4, 7, 8}
+# ... that are response tokens themselves, as at inference ('response' and 'document').
+RESPONSE_CANDIDATES = {3, 4, 8}
 
 
-def test_anchors_are_distinct_candidates_and_uniform():
+def _sample(seed, num_anchors, scheme, row=ROW, anchors_per_document=0):
+    keys = objective.row_keys(jax.random.key(seed), jnp.arange(row["tokens"].shape[0]))
+    index, valid = objective.sample_anchors(
+        keys, row["segment_ids"], row["loss_mask"], num_anchors, scheme, anchors_per_document
+    )
+    return np.asarray(index[0])[np.asarray(valid[0])]
+
+
+@pytest.mark.parametrize("scheme, candidates", [("row", CANDIDATES), ("response", RESPONSE_CANDIDATES)])
+def test_anchors_are_distinct_candidates_and_uniform(scheme, candidates):
     counts = np.zeros(12)
     for seed in range(600):
-        index, valid = objective.sample_anchors(
-            jax.random.key(seed), ROW["segment_ids"], ROW["loss_mask"], num_anchors=3
-        )
-        chosen = np.asarray(index[0])[np.asarray(valid[0])]
-        assert len(chosen) == 3 and len(set(chosen)) == 3
-        assert set(chosen) <= CANDIDATES
+        chosen = _sample(seed, 2, scheme)
+        assert len(chosen) == 2 and len(set(chosen)) == 2
+        assert set(chosen) <= candidates
         counts[chosen] += 1
-    # Uniform: each of the 5 candidates is picked with probability 3/5.
-    np.testing.assert_allclose(counts[sorted(CANDIDATES)] / 600, 0.6, atol=0.08)
+    # Uniform: each candidate is picked with probability 2 / len(candidates).
+    np.testing.assert_allclose(counts[sorted(candidates)] / 600, 2 / len(candidates), atol=0.08)
 
 
-def test_rows_with_few_candidates_get_invalid_anchors():
-    index, valid = objective.sample_anchors(jax.random.key(0), ROW["segment_ids"], ROW["loss_mask"], num_anchors=8)
-    assert int(valid.sum()) == len(CANDIDATES)
-    assert set(np.asarray(index[0])[np.asarray(valid[0])]) == CANDIDATES
+@pytest.mark.parametrize(
+    "scheme, candidates", [("row", CANDIDATES), ("response", RESPONSE_CANDIDATES), ("document", RESPONSE_CANDIDATES)]
+)
+def test_rows_with_few_candidates_get_invalid_anchors(scheme, candidates):
+    assert set(_sample(0, 8, scheme)) == candidates
+
+
+# A long document (positions 0..29, response from 2) and a short one (30..35, response from 32).
+TWO_DOCS = _row(
+    tokens=list(range(36)),
+    segment_ids=[1] * 30 + [2] * 6,
+    loss_mask=[0, 0] + [1] * 28 + [0, 0] + [1] * 4,
+)
+SHORT_DOC_CANDIDATES = {32, 33, 34}
+
+
+def test_document_scheme_gives_every_document_its_share_uniformly():
+    counts = np.zeros(36)
+    short_doc_share = {"row": 0, "document": 0}
+    for seed in range(400):
+        for scheme in short_doc_share:
+            chosen = _sample(seed, 4, scheme, TWO_DOCS)
+            assert len(chosen) == 4 and len(set(chosen)) == 4
+            short_doc_share[scheme] += len(set(chosen) & SHORT_DOC_CANDIDATES)
+            if scheme == "document":
+                # Two rounds over two documents: exactly 2 anchors each.
+                assert len(set(chosen) & SHORT_DOC_CANDIDATES) == 2
+                counts[chosen] += 1
+    # Uniform inside each document: 2 of the short document's 3, 2 of the long one's 27.
+    np.testing.assert_allclose(counts[sorted(SHORT_DOC_CANDIDATES)] / 400, 2 / 3, atol=0.08)
+    np.testing.assert_allclose(counts[2:29] / 400, 2 / 27, atol=0.05)
+    # Uniform over the row, the short document gets ~4 * 3/30 anchors per row, not 2.
+    assert short_doc_share["row"] / 400 < 0.6
+
+
+def test_document_cap_limits_a_documents_share():
+    chosen = _sample(0, 10, "document", TWO_DOCS, anchors_per_document=3)
+    assert len(chosen) == 6  # 3 per document, the other 4 slots invalid
+    assert len(set(chosen) & SHORT_DOC_CANDIDATES) == 3
+
+
+def test_a_rows_anchors_do_not_depend_on_the_rest_of_the_batch():
+    row = {k: jnp.pad(v, ((0, 0), (0, 24))) for k, v in ROW.items()}  # padded to TWO_DOCS' length
+    batch = {k: jnp.concatenate([TWO_DOCS[k], row[k], TWO_DOCS[k]], 0) for k in ROW}
+    step_key = jax.random.key(7)
+    index, valid = objective.sample_anchors(
+        objective.row_keys(step_key, jnp.arange(3)), batch["segment_ids"], batch["loss_mask"], 4, "document"
+    )
+    alone, alone_valid = objective.sample_anchors(
+        objective.row_keys(step_key, jnp.asarray([1])), row["segment_ids"], row["loss_mask"], 4, "document"
+    )
+    np.testing.assert_array_equal(index[1], alone[0])
+    np.testing.assert_array_equal(valid[1], alone_valid[0])
+    assert not np.array_equal(index[0], index[2])  # same row content, another row: other anchors
 
 
 def test_blocks_inputs_labels_weights_and_strict_context():
@@ -135,6 +194,10 @@ def test_chunked_cross_entropy_matches_dense_values_and_gradients():
     np.testing.assert_allclose(g, g_dense, rtol=1e-5, atol=1e-5)
 
 
+def _keys(batch, seed):
+    return objective.row_keys(jax.random.key(seed), jnp.arange(batch["tokens"].shape[0]))
+
+
 def _build(make):
     """Initializes a module in one compiled program (eager init runs op by op, slowly)."""
     graphdef, _ = nnx.split(nnx.eval_shape(make))
@@ -178,7 +241,7 @@ def test_loss_is_weighted_mean_of_slot_cross_entropies(models):
 
     @_fast_jit
     def run(target, drafter, batch):
-        features, embeds, blocks = objective.frozen_inputs(target, batch, jax.random.key(0), cfg)
+        features, embeds, blocks = objective.frozen_inputs(target, batch, _keys(batch, 0), cfg)
         loss, sums = objective.drafter_loss(drafter, target.unembed, features, embeds, batch["positions"], blocks, cfg)
         hidden = drafter(
             embeds,
@@ -197,7 +260,9 @@ def test_loss_is_weighted_mean_of_slot_cross_entropies(models):
     lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     ce = lse - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
     assert w.sum() > 0
-    np.testing.assert_allclose(float(loss), (w * ce).sum() / w.sum(), rtol=1e-4)
+    # drafter_loss returns Σ w·CE; the step divides by the global Σw (also in the sums).
+    np.testing.assert_allclose(float(loss), (w * ce).sum(), rtol=1e-4)
+    np.testing.assert_allclose(float(sums["weight"]), w.sum(), rtol=1e-6)
     hits = (logits.argmax(-1) == labels) & np.asarray(blocks.label_mask)
     np.testing.assert_array_equal(sums["slot_hits"], hits.sum((0, 1)))
     np.testing.assert_array_equal(sums["slot_scored"], np.asarray(blocks.label_mask).sum((0, 1)))
@@ -211,7 +276,7 @@ def test_drafter_never_sees_the_anchor_or_later_context(models):
 
     @_fast_jit
     def influence(target, drafter, batch):
-        features, embeds, blocks = objective.frozen_inputs(target, batch, jax.random.key(3), cfg)
+        features, embeds, blocks = objective.frozen_inputs(target, batch, _keys(batch, 3), cfg)
 
         def per_block(f):
             ctx = drafter.context(f)
@@ -222,7 +287,9 @@ def test_drafter_never_sees_the_anchor_or_later_context(models):
         return jnp.abs(jacobian[:, 0]).sum(-1) > 0, blocks
 
     seen, blocks = influence(target, drafter, batch)
-    anchors, valid = objective.sample_anchors(jax.random.key(3), batch["segment_ids"], batch["loss_mask"], 4)
+    anchors, valid = objective.sample_anchors(
+        _keys(batch, 3), batch["segment_ids"], batch["loss_mask"], 4, cfg.anchor_scheme
+    )
     anchors, valid, segment = np.asarray(anchors[0]), np.asarray(valid[0]), np.asarray(batch["segment_ids"][0])
     assert valid.sum() >= 2
     for j in np.flatnonzero(valid):
@@ -238,7 +305,7 @@ def test_tau_train_counts_leading_hits_of_valid_blocks():
         positions=None,
         labels=None,
         label_mask=label_mask,
-        weights=None,
+        weights=label_mask * 0.5,
         valid=jnp.asarray([[True, True, True, False]]),
         ctx_mask=None,
     )
@@ -249,6 +316,7 @@ def test_tau_train_counts_leading_hits_of_valid_blocks():
     summary = objective.summarize(jax.device_get(sums))
     assert summary["tau_train"] == pytest.approx(6 / 3)
     assert summary["acc_slot_1"] == pytest.approx(3 / 4)
+    assert summary["loss"] == pytest.approx(2.0 / (0.5 * 11))  # Σw·CE / Σw
 
 
 def test_rematerialized_layers_give_the_same_gradients(models):
@@ -259,7 +327,7 @@ def test_rematerialized_layers_give_the_same_gradients(models):
         obj = _cfg(remat=remat)
 
         def run(target, drafter, batch):
-            features, embeds, blocks = objective.frozen_inputs(target, batch, jax.random.key(0), obj)
+            features, embeds, blocks = objective.frozen_inputs(target, batch, _keys(batch, 0), obj)
             graphdef, params = nnx.split(drafter)
 
             def loss(p):
