@@ -11,6 +11,7 @@ Anything else that escapes is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from collections.abc import Callable
 from absl import app
 
 from dflash_jax.errors import UserError
+
+# A full disk, a quota, a read-only filesystem: reported in one line, like a user error.
+STORAGE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 EXIT_ERROR = 1
 EXIT_STOPPED = 75
@@ -35,6 +39,10 @@ def run(main: Callable[[list[str]], int | None]) -> None:
             return main(argv)
         except UserError as e:
             print(f"{e.label}: {e}", file=sys.stderr)
+        except OSError as e:
+            if e.errno not in STORAGE_ERRORS:
+                raise
+            print(f"error: {e}", file=sys.stderr)  # the machine's storage, not a bug
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED

@@ -78,7 +78,7 @@ def prefill(target: Transformer, tokens, lengths, cache: KVCache, key, sampling,
 class TargetState:
     """The last output token is not in the cache yet: the next step feeds it."""
 
-    cache: KVCache
+    target_cache: KVCache
     last: jax.Array
     outputs: outputs_lib.Outputs
     key: jax.Array
@@ -107,27 +107,42 @@ def target_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step_fn(state, st: TargetState, max_new_tokens, stop_ids):
         target = nnx.merge(graphdef, state)
-        logits, _, cache = target.decode(st.last[:, None], st.cache)
+        logits, _, cache = target.decode(st.last[:, None], st.target_cache)
         key, step_key = jax.random.split(st.key)
         token = choose(logits[:, 0], sampling, step_key)
         out, emitted = outputs_lib.append(
             st.outputs, token[:, None], jnp.ones_like(token), stop_ids=stop_ids, max_new_tokens=max_new_tokens
         )
         # Finished rows keep their cache length, so their (ignored) writes never run off the end.
-        cache = cache.replace(lengths=jnp.where(out.done, st.cache.lengths, cache.lengths))
+        cache = cache.replace(lengths=jnp.where(out.done, st.target_cache.lengths, cache.lengths))
         return TargetState(cache, token, out, key), emitted
 
     return prefill_fn, step_fn
 
 
-def run_loop(step: Callable, st, max_steps: int | None = None) -> tuple[object, np.ndarray | None]:
+class CacheOverflowError(RuntimeError):
+    """A decoding step would write past the end of a KV cache (a bug: `Decoder` sizes its caches
+    so that this cannot happen; a write past the end would be dropped silently)."""
+
+
+def run_loop(step: Callable, st, *, block_size: int, max_steps: int | None = None) -> tuple[object, np.ndarray | None]:
     """Call `step(st) -> (st, emitted [B])` until every row is done (or max_steps).
 
     Returns (final state, emitted per step [steps, B]). Every running row emits >= 1 token per
-    step, so this ends after at most max_new_tokens steps.
+    step, so this ends after at most max_new_tokens steps. Before each step, checks that every
+    running row's cache has room for the `block_size` tokens the step writes.
     """
     emitted_steps = []
-    while not bool(np.all(np.asarray(st.outputs.done))) and len(emitted_steps) != max_steps:
+    while len(emitted_steps) != max_steps:
+        done, lengths = jax.device_get((st.outputs.done, st.target_cache.lengths))
+        if done.all():
+            break
+        room = st.target_cache.max_len - lengths[~done]
+        if room.min() < block_size:
+            raise CacheOverflowError(
+                f"the next step writes {block_size} tokens but a row's KV cache of {st.target_cache.max_len} "
+                f"slots has only {room.min()} left"
+            )
         st, emitted = step(st)
         emitted_steps.append(emitted)
     emitted = np.stack([np.asarray(e) for e in emitted_steps]) if emitted_steps else None
@@ -206,7 +221,7 @@ class Decoder:
 
     def _decode_batch(self, batch, key, max_steps: int | None = None) -> list[Generation]:
         st = self._prefill(*pad_batch(batch, self.batch_size, self.max_prompt_len), key)
-        st, emitted = run_loop(self._step, st, max_steps)
+        st, emitted = run_loop(self._step, st, block_size=self.block_size, max_steps=max_steps)
         return collect(st.outputs, emitted, len(batch))
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:

@@ -6,19 +6,43 @@ the drafter's export config and the resolved run config) and `data` (the data it
 position). Orbax writes a step into a temporary directory and renames it only once complete,
 so an interrupted or failed save never shows up as a step; `latest_step` only sees finished ones.
 
+A save that fails (a full disk, a storage error) stops the run with one `CheckpointSaveError`
+line saying what, where and how much space the checkpoint needs; the partial directory is
+removed and the last good checkpoints stay (docs/design.md §7.3). Asynchronous saves are checked
+after every step, so a failure is noticed as soon as it happens.
+
 A second manager keeps the drafter weights with the best acceptance length (tau) measured
 during training.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import threading
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as save_policies
 
 from dflash_jax.data.pipeline import DataIterator, DataIteratorRestore, DataIteratorSave
+from dflash_jax.errors import UserError
 from dflash_jax.training.step import TrainState
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB"
+
+
+class CheckpointSaveError(UserError):
+    """A checkpoint could not be written; the run stops, its last good checkpoints stay."""
+
+    label = "training stopped"
 
 
 class RunCheckpoints:
@@ -37,6 +61,7 @@ class RunCheckpoints:
                 cleanup_tmp_directories=True,  # leftovers of saves that never finished
             ),
         )
+        self._saving: tuple[int, int] | None = None  # (step, bytes) of the latest save started
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -50,16 +75,28 @@ class RunCheckpoints:
         *,
         force: bool = False,
     ) -> bool:
-        """Saves if `step` is on the save interval (or `force`); returns whether it did."""
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(meta),
-                data=DataIteratorSave(iterator),
-            ),
-            force=force,
-        )
+        """Saves if `step` is on the save interval (or `force`); returns whether it did.
+
+        Raises CheckpointSaveError if this save, or an earlier asynchronous one, failed.
+        """
+        if not force and not self.manager.should_save(step):
+            return False
+        self._saving = (step, sum(x.nbytes for x in jax.tree.leaves(state)))
+        with self._reporting_failures():
+            return self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    meta=ocp.args.JsonSave(meta),
+                    data=DataIteratorSave(iterator),
+                ),
+                force=force,
+            )
+
+    def check_for_errors(self) -> None:
+        """Raises CheckpointSaveError if an asynchronous save has failed (cheap: call every step)."""
+        with self._reporting_failures():
+            self.manager.check_for_errors()
 
     def restore(
         self, step: int, abstract_state: TrainState, iterator: DataIterator
@@ -84,8 +121,39 @@ class RunCheckpoints:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
     def wait(self) -> None:
-        """Blocks until pending asynchronous saves are on disk (and raises if one failed)."""
-        self.manager.wait_until_finished()
+        """Blocks until pending asynchronous saves are on disk; raises CheckpointSaveError if one
+        failed."""
+        with self._reporting_failures():
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _reporting_failures(self):
+        try:
+            yield
+        except CheckpointSaveError:
+            raise
+        except Exception as e:  # Orbax and the storage below it raise many kinds of errors
+            raise self._save_failed(e) from e
+
+    def _save_failed(self, error: Exception) -> CheckpointSaveError:
+        step, needed = self._saving or (None, 0)
+        # The failed save's other writers run on in Orbax's threads: let them end before removing
+        # what they wrote (and before the interpreter exits under them, with tracebacks).
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join(timeout=60)
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
+            if step is not None and name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)  # the partial save
+        free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
+        kept = self.manager.all_steps(read=True)
+        kept_text = f"the last good checkpoint is step {max(kept)}" if kept else "no checkpoint was saved before"
+        return CheckpointSaveError(
+            f"saving the checkpoint of step {step} to {self.directory} failed "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}); "
+            f"a checkpoint needs about {_size(needed)}, {_size(free)} are free there; "
+            f"{kept_text}: free some space (or change checkpoint.keep) and rerun the same command to resume"
+        )
 
     def close(self) -> None:
         self.manager.close()
@@ -94,13 +162,20 @@ class RunCheckpoints:
 class BestCheckpoint:
     """The drafter weights of the best acceptance length (tau) seen so far."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, resumed_step: int | None = None):
         self.manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
         )
+        # A resumed run redoes the steps after its checkpoint: a best kept from those steps
+        # belongs to the lost future (the rerun measures it again, bitwise the same).
+        for step in self.manager.all_steps():
+            if resumed_step is not None and step > resumed_step:
+                self.manager.delete(step)
 
     def save(self, step: int, params, tau: float) -> None:
+        if step in self.manager.all_steps():
+            self.manager.delete(step)
         self.manager.save(
             step,
             args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave({"tau": tau})),

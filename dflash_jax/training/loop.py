@@ -152,7 +152,7 @@ class TrainingRun:
             state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
         )
         self.evaluate = AcceptanceEval.for_setup(setup) if setup.eval.during_training else None
-        self.best = BestCheckpoint(workdir.best_checkpoint) if self.evaluate else None
+        self.best = BestCheckpoint(workdir.best_checkpoint, resumed_step=self.last_saved) if self.evaluate else None
         self.monitor = Monitor(
             workdir,
             setup.log,
@@ -175,6 +175,7 @@ class TrainingRun:
                 self.state, metrics = self.step_fn(self.state, self.target_params, next(self.iterator))
                 self.step += 1
                 self.monitor.record(metrics)
+                self.checkpoints.check_for_errors()  # a failed asynchronous save stops the run now
                 stopping = False
                 if self.step % sync_every == 0 or self.step == self.total_steps:
                     self._check_finite()  # also waits for the step: see MAX_STEPS_WITHOUT_SYNC

@@ -38,6 +38,7 @@ class Monitor:
         if not self.active:
             return
         os.makedirs(workdir.root, exist_ok=True)
+        _drop_lines_after(workdir.metrics, start_step)  # a resumed run logs those steps again
         self._jsonl = open(workdir.metrics, "a", buffering=1)
         if log_settings.progress_bars:
             self._overall = tqdm.tqdm(
@@ -51,18 +52,21 @@ class Monitor:
         if log_settings.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tensorboard = SummaryWriter(workdir.tensorboard)
+            # purge_step: TensorBoard drops the events of the steps a resumed run redoes.
+            self._tensorboard = SummaryWriter(workdir.tensorboard, purge_step=start_step + 1 if start_step else None)
         if log_settings.wandb:
             self._wandb = _start_wandb(log_settings.wandb_project, workdir, run_config)
 
     def start_epoch(
         self, epoch: int, *, step: int, steps_in_epoch: int, step_in_epoch: int, stats: dict[str, Any]
     ) -> None:
-        """A new epoch bar, and the epoch's packing and data statistics, once (at global `step`)."""
+        """A new epoch bar; the epoch's packing and data statistics are logged once, when the
+        epoch really starts (not again when a run resumes inside it)."""
         if not self.active:
             return
-        log.info("epoch %d: %d steps; %s", epoch, steps_in_epoch, _format(stats))
-        self.write(stats, step=step, epoch=epoch, kind="epoch")
+        if step_in_epoch == 0:
+            log.info("epoch %d: %d steps; %s", epoch, steps_in_epoch, _format(stats))
+            self.write(stats, step=step, epoch=epoch, kind="epoch")
         if self._overall is not None:
             if self._epoch_bar is not None:
                 self._epoch_bar.close()
@@ -150,9 +154,29 @@ def _start_wandb(project: str, workdir: Workdir, run_config: dict):
     except ImportError:
         log.warning("log.wandb is on but wandb is not installed (pip install wandb); not logging to W&B")
         return None
-    # The run id is tied to the workdir, so a resumed run continues the same W&B run.
-    run_id = os.path.basename(workdir.root)
-    return wandb.init(project=project, dir=workdir.root, config=run_config, id=run_id, resume="allow")
+    # The run id is kept in the workdir: a resumed run continues its W&B run, another workdir
+    # (even one with the same name elsewhere) never does.
+    return wandb.init(project=project, dir=workdir.root, config=run_config, id=workdir.wandb_run_id(), resume="allow")
+
+
+def _drop_lines_after(path: str, step: int) -> None:
+    """Keep only the log lines of steps up to `step` (the checkpoint a run resumes from)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _step_of(line) <= step]
+    if len(kept) < len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a line cut by a crash
 
 
 def _format(values: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@
       metrics.jsonl       one JSON line per log step, epoch start and evaluation
       tensorboard/        the same scalars for TensorBoard
       eval/               the closing evaluation (eval.json, eval.png)
+      wandb_run_id        the Weights & Biases run this workdir logs to (log.wandb)
       .train.lock         held by the running training process (one run per workdir)
 
 Nothing else in the package spells these names (docs/design.md §7.1).
@@ -21,6 +22,8 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
+import uuid
 
 import jax
 
@@ -74,6 +77,16 @@ class Workdir:
     def _finished_file(self) -> str:
         return self._path("finished.json")
 
+    def wandb_run_id(self) -> str:
+        """A random id made once per workdir: a resumed run continues its own W&B run only."""
+        path = self._path("wandb_run_id")
+        if not os.path.isfile(path):
+            with open(path + ".tmp", "w") as f:
+                f.write(uuid.uuid4().hex[:16])
+            os.replace(path + ".tmp", path)
+        with open(path) as f:
+            return f.read().strip()
+
     def has_checkpoints(self) -> bool:
         return os.path.isdir(self.checkpoints)
 
@@ -105,11 +118,13 @@ class Workdir:
 
         A second run in the same directory would interleave its checkpoints and metrics with the
         first one's. The OS releases the lock when the process dies, so a crashed run never
-        blocks the next one.
+        blocks the next one. A run that fails before writing anything (bad data, a target that
+        does not load) leaves no workdir behind if it created it.
         """
         if jax.process_index() != 0:
             yield
             return
+        created = not os.path.exists(self.root)
         os.makedirs(self.root, exist_ok=True)
         with open(self._path(".train.lock"), "a+") as handle:
             try:
@@ -127,5 +142,16 @@ class Workdir:
             handle.flush()
             try:
                 yield
+            except BaseException:
+                if created and self._holds_only_the_lock():
+                    shutil.rmtree(self.root, ignore_errors=True)
+                raise
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _holds_only_the_lock(self) -> bool:
+        """Nothing but the lock file and empty directories."""
+        for _, _, files in os.walk(self.root):
+            if any(name != ".train.lock" for name in files):
+                return False
+        return True

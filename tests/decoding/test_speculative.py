@@ -229,3 +229,12 @@ def test_served_drafts_equal_the_training_forward(random_target, untrained_draft
     trained = np.asarray(training_logits(graphs[1], seq, jnp.asarray(anchors)[None]))
     assert len(anchors) > 3
     np.testing.assert_allclose(np.stack(served), trained, atol=2e-4, rtol=2e-4)
+
+
+def test_a_cache_too_small_for_the_next_step_fails_loudly(random_target, untrained_drafter):
+    """A write past the end of a KV cache would be dropped silently; the decoder refuses first."""
+    decoder = SpeculativeDecoder(random_target, untrained_drafter, max_prompt_len=16, max_new_tokens=40)
+    assert decoder.generate(random_prompts(0, (16,)))[0].tokens.size == 40  # sized to fit: fine
+    decoder.cache_len = 16 + 2 * BLOCK  # as if mis-sized: room for two blocks after the prompt
+    with pytest.raises(generate_lib.CacheOverflowError, match=f"writes {BLOCK} tokens but a row's KV cache"):
+        decoder.generate(random_prompts(0, (16,)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.models.hf import load_drafter
-from dflash_jax.training.checkpoint import RunCheckpoints
+from dflash_jax.training.checkpoint import CheckpointSaveError, RunCheckpoints
 from dflash_jax.training.drafters import restore_params
 from dflash_jax.training.workdir import Workdir
 from support import training_runs as testing
@@ -31,8 +32,10 @@ def run_fields(tiny_run, workdir, **fields):
 
 
 def train_metrics(workdir: Path) -> dict[int, dict]:
-    """Per step, the last logged train metrics (a resumed run logs replayed steps again)."""
+    """Per step, the logged train metrics; each step appears once, even after resumes."""
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {sorted(steps)}"
     return {r["step"]: r for r in rows if r["kind"] == "train"}
 
 
@@ -92,6 +95,9 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     output = testing.finish(proc, tmp_path / "run2.log")
     assert proc.returncode == 75, output[-3000:]  # stopped on request after saving: rerun to resume
     stopped_at = int(output.split("stopping at step ")[1].split()[0])
+    assert output.strip().splitlines()[-1] == (
+        f"stopped at step {stopped_at} of {TOTAL_STEPS} after saving a checkpoint; run the same command again to resume"
+    )
     assert 20 <= stopped_at < TOTAL_STEPS
     assert latest_checkpoint(interrupted) == stopped_at
     assert not (interrupted / "export").exists()
@@ -124,6 +130,22 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
         np.testing.assert_array_equal(exported[name], trained[name], err_msg=name)
     assert load_drafter(reference / "export").cfg.mask_token_id == testing.MASK_TOKEN_ID
 
+    # Rerunning a finished run says so; raising its epochs trains on and exports again.
+    eval_fields = {
+        "eval.prompts": tiny_run.prompts,
+        "eval.every_steps": 24,
+        "eval.num_prompts": 2,
+        "eval.max_new_tokens": 8,
+    }
+    proc = testing.start_training(run_fields(tiny_run, reference, **eval_fields), env, tmp_path / "again.log")
+    assert "dflash_jax: this run had already finished" in testing.finish(proc, tmp_path / "again.log")
+    extended = run_fields(tiny_run, reference, **{**eval_fields, "train.num_epochs": EPOCHS + 1})
+    proc = testing.start_training(extended, env, tmp_path / "extended.log")
+    output = testing.finish(proc, tmp_path / "extended.log")
+    assert proc.returncode == 0 and "dflash_jax: training finished" in output, output[-3000:]
+    assert Workdir.at(str(reference)).finished_step() == TOTAL_STEPS + 12
+    assert sorted(train_metrics(reference)) == list(range(1, TOTAL_STEPS + 13))
+
 
 def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_run, compilation_cache, tmp_path):
     target = tmp_path / "nan_target"
@@ -151,6 +173,47 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
 
 
+def test_failed_save_stops_the_run_at_once_and_keeps_the_last_good_checkpoint(tiny_run, compilation_cache, tmp_path):
+    workdir = tmp_path / "run"
+    fields = run_fields(tiny_run, workdir, **{"checkpoint.every_steps": 4})
+    env = {**testing.subprocess_env(compilation_cache), "FAIL_SAVE_AT_STEP": "8"}
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(testing.REPO / "tests" / "support" / "failing_save.py"),
+                *[f"--config.{k}={v}" for k, v in fields.items()],
+            ],
+            cwd=testing.REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    output = testing.finish(proc, log)
+    assert proc.returncode == 1, output[-3000:]
+    assert "Traceback" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(
+        f"training stopped: saving the checkpoint of step 8 to {workdir / 'checkpoints'} failed "
+        "(OSError: [Errno 28] No space left on device"
+    ), last
+    assert re.search(
+        r"a checkpoint needs about [0-9.]+ [KMG]iB, [0-9.]+ [KMG]iB are free there; the last good "
+        r"checkpoint is step 4: free some space",
+        last,
+    ), last
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["4"]  # the partial save is gone
+    assert latest_checkpoint(workdir) == 4
+    assert logged_steps(workdir) == 8  # stopped at the failed save, not steps later
+    # The next run resumes from the last good checkpoint and finishes.
+    proc = testing.start_training(fields, testing.subprocess_env(compilation_cache), tmp_path / "log2")
+    testing.finish(proc, tmp_path / "log2")
+    assert proc.returncode == 0
+    assert sorted(train_metrics(workdir)) == list(range(1, TOTAL_STEPS + 1))
+
+
 class _Iterator:
     def get_state(self):
         return {"epoch": 0, "step": 1}
@@ -167,7 +230,9 @@ def test_failed_save_never_becomes_latest(tmp_path):
     checkpoints = RunCheckpoints(tmp_path, every_steps=1, keep=3, async_save=True)
     checkpoints.save(1, {"w": jnp.arange(4.0)}, {"epoch": 0}, _Iterator())
     checkpoints.wait()
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(
+        CheckpointSaveError, match=r"step 2 .* failed \(OSError: disk full\).* last good checkpoint is step 1"
+    ):
         checkpoints.save(2, {"w": jnp.arange(4.0) + 1}, {"epoch": 0}, _BrokenIterator())
         checkpoints.wait()
     assert checkpoints.latest_step() == 1
