@@ -150,3 +150,43 @@ def test_qwen3_variants_pick_size_block_and_mesh(tmp_path):
 def test_loss_decay_gamma_is_the_papers_for_its_block_size(tiny_run, tmp_path, block_size, gamma):
     setup = resolve(tiny_config(tiny_run, tmp_path, **{"drafter.block_size": block_size}), num_devices=1)
     assert setup.objective.loss_decay_gamma == gamma
+
+
+def test_a_failed_start_is_one_line_and_leaves_no_workdir(tiny_run, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}\n')
+    fields = testing.overrides(
+        tiny_run,
+        tmp_path / "run",
+        **{"data.train": str(bad), "data.cache_dir": str(tmp_path / "cache"), "data.on_bad_sample": "error"},
+    )
+    result = subprocess.run(
+        [sys.executable, str(testing.REPO / "train.py"), *[f"--config.{k}={v}" for k, v in fields.items()]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=testing.REPO,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:1: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_prepare_reports_config_errors_in_one_line(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_jax.prepare",
+            f"--config={config_file('default')}",
+            f"--config.data.train={tmp_path / 'missing.jsonl'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=testing.REPO,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("config error: data.train: ")

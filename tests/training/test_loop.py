@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.models.hf import load_drafter
-from dflash_jax.training.checkpoint import CheckpointSaveError, RunCheckpoints
+from dflash_jax.training.checkpoint import BestCheckpoint, CheckpointSaveError, RunCheckpoints
 from dflash_jax.training.drafters import restore_params
 from dflash_jax.training.workdir import Workdir
 from support import training_runs as testing
@@ -212,6 +212,20 @@ def test_failed_save_stops_the_run_at_once_and_keeps_the_last_good_checkpoint(ti
     testing.finish(proc, tmp_path / "log2")
     assert proc.returncode == 0
     assert sorted(train_metrics(workdir)) == list(range(1, TOTAL_STEPS + 1))
+
+
+def test_best_checkpoint_of_a_redone_step_never_collides(tmp_path):
+    params = {"w": jnp.arange(4.0)}
+    best = BestCheckpoint(str(tmp_path))
+    best.save(8, params, 1.5)
+    best.save(8, params, 1.5)  # the same step again (a rerun evaluates it again): no error
+    best.close()
+    # A run resumed from step 4 redoes step 8: the best of the lost future goes, the rerun saves it.
+    best = BestCheckpoint(str(tmp_path), resumed_step=4)
+    assert best.manager.all_steps() == []
+    best.save(8, params, 1.5)
+    assert best.manager.all_steps() == [8]
+    best.close()
 
 
 class _Iterator:

@@ -58,3 +58,12 @@ def test_finished_only_with_an_export_of_the_last_step(tmp_path):
     assert workdir.is_finished(10)
     assert not workdir.is_finished(12)  # the config now asks for more steps (e.g. more epochs)
     assert workdir.root == str(tmp_path / "run") and workdir.export == str(tmp_path / "run" / "export")
+
+
+def test_wandb_run_id_is_kept_per_workdir(tmp_path):
+    (tmp_path / "a" / "run").mkdir(parents=True)
+    (tmp_path / "b" / "run").mkdir(parents=True)
+    first = Workdir.at(str(tmp_path / "a" / "run"))
+    same_name = Workdir.at(str(tmp_path / "b" / "run"))
+    assert first.wandb_run_id() == first.wandb_run_id()  # a resumed run continues its W&B run
+    assert first.wandb_run_id() != same_name.wandb_run_id()  # another run of the same name does not
