@@ -121,10 +121,11 @@ class DFlashDrafter(nnx.Module):
 
         if remat:
             run_layer = nnx.remat(run_layer)
-        x = block_embeds.astype(self.compute_dtype)
-        for layer in self.layers:
-            x = run_layer(layer, x)
-        return self.norm(x)
+        with jax.named_scope("drafter"):  # names the collectives in `python -m dflash_jax.plan`
+            x = block_embeds.astype(self.compute_dtype)
+            for layer in self.layers:
+                x = run_layer(layer, x)
+            return self.norm(x)
 
     def new_cache(self, batch: int, max_len: int) -> ContextCache:
         cfg = self.cfg

@@ -6,8 +6,8 @@ become `weight`, Linear kernels are transposed ([in, out] here, [out, in] in tor
 names carry the `model.` prefix except `lm_head`.
 
 Loading builds the model abstractly, then reads one tensor at a time, converts it to the
-parameter dtype and places it (optionally with a NamedSharding on a mesh), so host memory never
-holds more than one tensor of an 8B model.
+parameter dtype and places it (optionally on a mesh, where `models/sharding.py` puts that
+parameter by name), so host memory never holds more than one tensor of an 8B model.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _fill(abstract_model, prefix: str, reader: SafetensorsReader, mesh: Mesh | N
                 f"{tuple(leaf.shape)}{' (after transposing)' if transposed else ''}"
             )
         host = np.ascontiguousarray(tensor.astype(_NUMPY_DTYPES[jnp.dtype(leaf.dtype)]))
-        sharding = param_sharding(mesh, leaf.shape) if mesh is not None else None
+        sharding = param_sharding(mesh, path, leaf.shape) if mesh is not None else None
         loaded[path] = jax.device_put(host, sharding)
         del tensor, host
     pure = nnx.to_pure_dict(state)

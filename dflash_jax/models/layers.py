@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.config import RopeConfig
+from dflash_jax.models.sharding import BATCH, EMBED, HEADS, KV_HEADS, MLP, constrain
 
 
 class RMSNorm(nnx.Module):
@@ -108,6 +109,7 @@ class AttentionProjections(nnx.Module):
     def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [..., T, H] -> q [..., T, heads, head_dim], normalized and rotated."""
         q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        q = constrain(q, (BATCH, ..., HEADS, None))
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q, positions, rope_inv_freq(self.rope, self.head_dim))
@@ -115,15 +117,17 @@ class AttentionProjections(nnx.Module):
     def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [..., T, H] -> (k, v) [..., T, kv_heads, head_dim]; k normalized and rotated."""
         shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        k = self.k_proj(x).reshape(shape)
+        k = constrain(self.k_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
         if self.k_norm is not None:
             k = self.k_norm(k)
         inv_freq = rope_inv_freq(self.rope, self.head_dim)
-        return apply_rope(k, positions, inv_freq), self.v_proj(x).reshape(shape)
+        v = constrain(self.v_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
+        return apply_rope(k, positions, inv_freq), v
 
     def output(self, attn: jax.Array) -> jax.Array:
         """attn [..., T, heads, head_dim] -> [..., T, H]."""
-        return self.o_proj(attn.reshape(*attn.shape[:-2], self.num_heads * self.head_dim))
+        out = self.o_proj(attn.reshape(*attn.shape[:-2], self.num_heads * self.head_dim))
+        return constrain(out, (BATCH, ..., EMBED))
 
 
 class SwiGLU(nnx.Module):
@@ -134,4 +138,5 @@ class SwiGLU(nnx.Module):
         self.down_proj = linear(intermediate_size, hidden_size, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), (BATCH, ..., MLP))
+        return constrain(self.down_proj(hidden), (BATCH, ..., EMBED))

@@ -163,15 +163,16 @@ class Transformer(nnx.Module):
         """Packed forward of [B, S] rows -> (logits [B, S, V] or None, outputs [B, S, D] of
         `hidden_layers` in that order). With return_logits=False the forward stops after
         max(hidden_layers)."""
-        mask = attention.packed_causal_mask(segment_ids)
-        last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
-        x = self.embed(tokens)
-        outputs = []
-        for layer in self.layers[: last + 1]:
-            x = layer(x, positions, mask)
-            outputs.append(x)
-        logits = self.unembed(self.norm(x)) if return_logits else None
-        return logits, tuple(outputs[i] for i in hidden_layers)
+        with jax.named_scope("target"):  # names the collectives in `python -m dflash_jax.plan`
+            mask = attention.packed_causal_mask(segment_ids)
+            last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
+            x = self.embed(tokens)
+            outputs = []
+            for layer in self.layers[: last + 1]:
+                x = layer(x, positions, mask)
+                outputs.append(x)
+            logits = self.unembed(self.norm(x)) if return_logits else None
+            return logits, tuple(outputs[i] for i in hidden_layers)
 
     def features(self, tokens, segment_ids, positions, layer_ids: Sequence[int]) -> jax.Array:
         """DFlash context features (docs/design.md §2): the chosen layers' outputs concatenated,

@@ -1,41 +1,240 @@
-"""Parameter sharding rules, as data: which axis of each weight is split over the mesh.
+"""Sharding by name (docs/design.md §8): logical axes for every parameter, one rules table per layout.
 
-Weights are FSDP-sharded: the largest axis divisible by the `fsdp` mesh size is split over it,
-everything else is replicated. Small tensors (norm weights) stay replicated.
+Every parameter names its axes with logical names (`PARAM_AXES`, matched on its path), and so do
+the main activations (`constrain`). A rules table maps logical names to mesh axes; there is one
+table per layout, and the layout follows from the mesh shape (`layout_of`):
+
+    data    data=N              the frozen target whole on every device
+    fsdp    data x fsdp         the target split over `fsdp` (embed; the LM head and embedding by vocab)
+    tensor  data x fsdp x tensor  the target's heads, kv heads and MLP split over `tensor` (Megatron
+                                style), vocab over (fsdp, tensor), embed over fsdp
+
+Batch rows are split over (data, fsdp) in every layout, never over `tensor`. The trained state
+(the drafter's fp32 master weights and the AdamW moments) is split ZeRO-style over every device
+in every layout (`ZERO_RULES`): the step all-gathers a weight where it is used and
+reduce-scatters its gradient, so no device holds a whole copy of the optimizer state.
+
+Resolving a logical spec (`logical_to_spec`) walks the rules in order: each rule gives its
+mesh axes to every array axis of that logical name, skipping mesh axes of size 1 and those an
+earlier rule already gave to another axis of the same array (a mesh axis splits an array once).
+The order is the priority: in `fsdp` and `tensor`, vocab comes before batch, so the logits of a
+chunk are split over vocab and their rows over `data` only (the vocab-parallel cross-entropy of
+`training/objective.py`). An axis that the mesh axes do not divide drops trailing mesh axes until
+they do, or stays whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-FSDP_AXIS = "fsdp"
-MIN_SHARDED_SIZE = 2**16  # below this, replication costs less than the collectives
+# Mesh axes.
+DATA_AXIS = "data"  # pure data parallelism
+FSDP_AXIS = "fsdp"  # data parallelism whose members also split the frozen target's weights
+TENSOR_AXIS = "tensor"  # model parallelism: the target's heads and MLP
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
+BATCH_MESH_AXES = (DATA_AXIS, FSDP_AXIS)  # batch rows are split over these
+
+# Logical axes.
+BATCH = "batch"  # rows of a batch
+LENGTH = "length"  # tokens of a row (or blocks of a row, slots of a block)
+EMBED = "embed"  # the model dimension
+HEADS = "heads"  # query heads (x head_dim when flattened in a kernel)
+KV_HEADS = "kv_heads"  # key/value heads (x head_dim)
+MLP = "mlp"  # the SwiGLU intermediate dimension
+VOCAB = "vocab"
+FEATURES = "features"  # the drafter's input: k target layers' hidden states, concatenated
+NORM = "norm"  # RMSNorm scales: never split (tiny, and used everywhere)
+
+# Every parameter of the target and the drafter, by the end of its path (`layers.3.mlp.up_proj.kernel`).
+PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"embed_tokens\.embedding", (VOCAB, EMBED)),
+    (r"lm_head\.kernel", (EMBED, VOCAB)),
+    (r"q_proj\.kernel", (EMBED, HEADS)),
+    (r"[kv]_proj\.kernel", (EMBED, KV_HEADS)),
+    (r"o_proj\.kernel", (HEADS, EMBED)),
+    (r"(gate|up)_proj\.kernel", (EMBED, MLP)),
+    (r"down_proj\.kernel", (MLP, EMBED)),
+    (r"fc\.kernel", (FEATURES, EMBED)),
+    (r"\w*norm\.weight", (NORM,)),  # norm, hidden_norm, q_norm, k_norm, *_layernorm
+)
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+# One table per layout: (logical axis, mesh axes), in priority order.
+RULES: dict[str, Rules] = {
+    "data": ((BATCH, BATCH_MESH_AXES),),
+    "fsdp": (
+        (VOCAB, (FSDP_AXIS,)),
+        (BATCH, BATCH_MESH_AXES),
+        (EMBED, (FSDP_AXIS,)),
+    ),
+    "tensor": (
+        (VOCAB, (FSDP_AXIS, TENSOR_AXIS)),
+        (HEADS, (TENSOR_AXIS,)),
+        (KV_HEADS, (TENSOR_AXIS,)),
+        (MLP, (TENSOR_AXIS,)),
+        (BATCH, BATCH_MESH_AXES),
+        (EMBED, (FSDP_AXIS,)),
+    ),
+}
+
+# The trained state (master weights, optimizer moments), every layout: split over all devices,
+# along the first of these axes the device count divides.
+ZERO_RULES: Rules = tuple((name, MESH_AXES) for name in (EMBED, MLP, HEADS, KV_HEADS, FEATURES, VOCAB))
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
-    if fsdp_size <= 1 or len(shape) < 2 or _size(shape) < MIN_SHARDED_SIZE:
+def layout_of(mesh: Mesh | Mapping[str, int]) -> str:
+    """The rules table a mesh uses: 'tensor' if it has a tensor axis, else 'fsdp' if it has an
+    fsdp axis, else 'data'."""
+    shape = _mesh_shape(mesh)
+    if shape.get(TENSOR_AXIS, 1) > 1:
+        return "tensor"
+    if shape.get(FSDP_AXIS, 1) > 1:
+        return "fsdp"
+    return "data"
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh | Mapping[str, int], rules: Rules
+) -> PartitionSpec:
+    """A PartitionSpec for an array of `shape` whose axes have these logical names (see the module
+    docstring for how the rules are applied)."""
+    sizes = _mesh_shape(mesh)
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    assigned: list[str | tuple[str, ...] | None] = [None] * len(shape)
+    used: set[str] = set()
+    for logical, mesh_axes in rules:
+        for i, name in enumerate(logical_axes):
+            if name != logical or assigned[i] is not None:
+                continue
+            chosen = [a for a in mesh_axes if sizes.get(a, 1) > 1 and a not in used]
+            while chosen and shape[i] % math.prod(sizes[a] for a in chosen):
+                chosen.pop()
+            if chosen:
+                assigned[i] = chosen[0] if len(chosen) == 1 else tuple(chosen)
+                used.update(chosen)
+    return PartitionSpec(*assigned)
+
+
+def param_axes(path: str | Sequence) -> tuple[str, ...]:
+    """The logical axes of the parameter at `path` ('layers.0.self_attn.q_proj.kernel' or keys)."""
+    name = path if isinstance(path, str) else _dotted(path)
+    for pattern, axes in PARAM_AXES:
+        if re.search(rf"(^|\.){pattern}$", name):
+            return axes
+    raise KeyError(f"parameter {name!r} has no logical axes: add its name to PARAM_AXES in {__name__}")
+
+
+def param_spec(mesh: Mesh | Mapping[str, int], path, shape: Sequence[int]) -> PartitionSpec:
+    """Where a model's (frozen or inference) parameter lives under the mesh's layout."""
+    return logical_to_spec(param_axes(path), shape, mesh, RULES[layout_of(mesh)])
+
+
+def param_sharding(mesh: Mesh, path, shape: Sequence[int]) -> NamedSharding:
+    return NamedSharding(mesh, param_spec(mesh, path, shape))
+
+
+def param_shardings(mesh: Mesh, params):
+    """NamedShardings for a (abstract) parameter pytree of a model (e.g. the frozen target)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: param_sharding(mesh, path, x.shape), params)
+
+
+target_shardings = param_shardings
+state_shardings = param_shardings  # the name bench/ scripts use
+
+
+def zero_spec(mesh: Mesh | Mapping[str, int], path, shape: Sequence[int]) -> PartitionSpec:
+    """Where a leaf of the trained state lives: split over every device (ZeRO); scalars, RNG keys
+    and norm scales replicated."""
+    if len(shape) == 0:
         return PartitionSpec()
-    for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
-        if shape[axis] % fsdp_size == 0:
-            spec = [None] * len(shape)
-            spec[axis] = FSDP_AXIS
-            return PartitionSpec(*spec)
-    return PartitionSpec()
+    name = path if isinstance(path, str) else _dotted(path)
+    if re.search(r"(^|\.)rng$", name):
+        return PartitionSpec()
+    return logical_to_spec(param_axes(name), shape, mesh, ZERO_RULES)
 
 
-def param_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    fsdp_size = mesh.shape.get(FSDP_AXIS, 1)
-    return NamedSharding(mesh, fsdp_spec(tuple(shape), fsdp_size))
+def train_state_shardings(mesh: Mesh, state):
+    """NamedShardings for a trained state pytree (params, optimizer moments, counters)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, zero_spec(mesh, path, x.shape)), state)
 
 
-def state_shardings(mesh: Mesh, abstract_state):
-    """A pytree of NamedShardings matching an (abstract) parameter/optimizer state."""
-    return jax.tree.map(lambda x: param_sharding(mesh, x.shape), abstract_state)
+# ---------------------------------------------------------------------------------------------
+# Activations: `constrain(x, (BATCH, ..., HEADS, None))` inside `activation_sharding(mesh)`.
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("dflash_sharding", default=None)
 
 
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules | None = None) -> Iterator[None]:
+    """While tracing inside this context, `constrain` places activations on `mesh` by `rules`
+    (default: the mesh's layout)."""
+    token = _ACTIVE.set((mesh, RULES[layout_of(mesh)] if rules is None else rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing `activation_sharding`; None outside it."""
+    active = _ACTIVE.get()
+    return None if active is None else active[0]
+
+
+def activation_spec(x_shape: Sequence[int], logical_axes: Sequence) -> PartitionSpec | None:
+    """The spec `constrain` would give; None outside `activation_sharding`. `...` in the logical
+    axes stands for as many unnamed axes as the rank needs."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    return logical_to_spec(_expand(logical_axes, len(x_shape)), x_shape, mesh, rules)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence) -> jax.Array:
+    """`with_sharding_constraint` by logical names; the identity outside `activation_sharding`."""
+    spec = activation_spec(x.shape, logical_axes)
+    if spec is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(_ACTIVE.get()[0], spec))
+
+
+def constrain_spec(x: jax.Array, spec: PartitionSpec | None) -> jax.Array:
+    if spec is None or _ACTIVE.get() is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(_ACTIVE.get()[0], spec))
+
+
+def _expand(logical_axes: Sequence, rank: int) -> tuple:
+    axes = tuple(logical_axes)
+    if Ellipsis in axes:
+        i = axes.index(Ellipsis)
+        axes = axes[:i] + (None,) * (rank - len(axes) + 1) + axes[i + 1 :]
+    return axes
+
+
+def _mesh_shape(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
+    return dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+
+
+def _dotted(path: Sequence) -> str:
+    """A pytree key path (or tuple of names) as 'layers.0.mlp.up_proj.kernel', without `.value`."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                key = getattr(key, attr)
+                break
+        parts.append(str(key))
+    if parts and parts[-1] == "value":
+        parts.pop()
+    return ".".join(parts)

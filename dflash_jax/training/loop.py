@@ -107,7 +107,7 @@ class TrainingRun:
         self.workdir = workdir = setup.workdir
         mesh = make_mesh(*setup.mesh_shape)
         log.info(
-            "mesh data=%d x fsdp=%d: %d devices in %d processes",
+            "mesh data=%d x fsdp=%d x tensor=%d: %d devices in %d processes",
             *setup.mesh_shape,
             jax.device_count(),
             jax.process_count(),

@@ -1,8 +1,10 @@
 """The device mesh and the shardings of a training batch.
 
-Two axes: `data` (pure data parallelism) and `fsdp` (data parallelism whose members also split
-the weights and the optimizer state, see `dflash_jax.models.sharding`). Batch rows are split
-over both, so every device sees `rows / (data·fsdp)` rows.
+Three axes (docs/design.md §8): `data` (pure data parallelism), `fsdp` (data parallelism whose
+members also split the frozen target's weights) and `tensor` (model parallelism: the target's
+heads, kv heads and MLP). Batch rows are split over (data, fsdp), so every device sees
+`rows / (data·fsdp)` rows; the members of a tensor group see the same rows. Which weight lands
+where is decided by name in `dflash_jax.models.sharding`.
 """
 
 from __future__ import annotations
@@ -12,43 +14,64 @@ import os
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax.models.sharding import FSDP_AXIS
+from dflash_jax.models.sharding import BATCH_MESH_AXES, DATA_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
 
-DATA_AXIS = "data"
-BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+__all__ = [
+    "BATCH_AXES",
+    "DATA_AXIS",
+    "FSDP_AXIS",
+    "TENSOR_AXIS",
+    "batch_sharding",
+    "initialize_distributed",
+    "make_mesh",
+    "mesh_axes_description",
+    "mesh_shape",
+    "replicated",
+]
+
+BATCH_AXES = BATCH_MESH_AXES
 
 
-def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
-    """Resolve `data=-1` ("all devices fsdp leaves over"); raise if the shape does not fit."""
-    if fsdp < 1 or data == 0 or data < -1:
-        raise ValueError(f"mesh shape data={data}, fsdp={fsdp} is invalid (use data=-1 or >= 1, fsdp >= 1)")
-    if data == -1:
-        if num_devices % fsdp:
-            raise ValueError(f"mesh fsdp={fsdp} does not divide the {num_devices} available devices")
-        data = num_devices // fsdp
-    if data * fsdp != num_devices:
+def mesh_shape(data: int, fsdp: int, num_devices: int, tensor: int = 1) -> tuple[int, int, int]:
+    """(data, fsdp, tensor), resolving `data=-1` ("all devices fsdp x tensor leave over"); raises
+    ValueError if the shape does not fit the devices."""
+    if fsdp < 1 or tensor < 1 or data == 0 or data < -1:
         raise ValueError(
-            f"mesh shape data={data} x fsdp={fsdp} = {data * fsdp} devices, but {num_devices} "
-            "are available; set mesh.data=-1 to use them all"
+            f"mesh shape data={data}, fsdp={fsdp}, tensor={tensor} is invalid (use data=-1 or >= 1, fsdp >= 1, "
+            "tensor >= 1)"
         )
-    return data, fsdp
+    if data == -1:
+        if num_devices % (fsdp * tensor):
+            raise ValueError(f"mesh fsdp={fsdp} x tensor={tensor} does not divide the {num_devices} available devices")
+        data = num_devices // (fsdp * tensor)
+    if data * fsdp * tensor != num_devices:
+        raise ValueError(
+            f"mesh shape data={data} x fsdp={fsdp} x tensor={tensor} = {data * fsdp * tensor} devices, but "
+            f"{num_devices} are available; set mesh.data=-1 to use them all"
+        )
+    return data, fsdp, tensor
 
 
-def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
-    """A data x fsdp mesh over `devices` (default: every device of every process)."""
+def make_mesh(data: int, fsdp: int, tensor: int = 1, *, devices=None) -> Mesh:
+    """A data x fsdp x tensor mesh over `devices` (default: every device of every process)."""
     devices = jax.devices() if devices is None else devices
-    data, fsdp = mesh_shape(data, fsdp, len(devices))
+    shape = mesh_shape(data, fsdp, len(devices), tensor)
     # Auto axes: the compiler propagates shardings through the models' plain einsums.
-    return jax.make_mesh((data, fsdp), BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows of a [rows, seq_len] batch split over every device."""
+    """Rows of a [rows, seq_len] batch split over (data, fsdp), the same on every tensor member."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def mesh_axes_description(mesh: Mesh) -> str:
+    """'data=2 x fsdp=4 x tensor=1'."""
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:

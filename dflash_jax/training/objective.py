@@ -20,11 +20,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from dflash_jax.models.attention import block_context_mask
 from dflash_jax.models.chunking import map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, constrain_spec
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -194,14 +196,30 @@ def lm_head_cross_entropy(
 ) -> tuple[jax.Array, jax.Array]:
     """hidden [R, N, K, D], labels [R, N, K] -> (cross-entropy fp32, argmax == label), [R, N, K].
 
-    Works on `chunk_blocks` blocks of every row at a time (rows stay split over devices), and
-    recomputes each chunk's logits in the backward pass instead of storing them.
+    Works on `chunk_blocks` blocks of every row at a time, and recomputes each chunk's logits in
+    the backward pass instead of storing them.
+
+    Vocab-parallel (docs/design.md §8): where the layout splits the LM head over vocab, a chunk's
+    logits stay split over vocab too. The chunk's hidden states are gathered over the vocab's
+    mesh axes instead of the LM head; logsumexp reduces across the vocab shards, and the label's
+    logit and the argmax are masked reductions over the vocab axis (an all-reduce of one value
+    per slot), never an index into the split axis.
     """
 
     def chunk(h, y):
-        logits = unembed(h).astype(jnp.float32)
-        label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        return jax.nn.logsumexp(logits, axis=-1) - label_logit, jnp.argmax(logits, axis=-1) == y
+        with jax.named_scope("lm_head"):
+            logits_shape = jax.eval_shape(unembed, h).shape
+            logits_spec = activation_spec(logits_shape, (BATCH, ..., VOCAB))
+            if logits_spec is not None:  # rows over what vocab leaves, the model dim whole
+                h = constrain_spec(h, PartitionSpec(*logits_spec[:-1], None))
+            logits = constrain_spec(unembed(h).astype(jnp.float32), logits_spec)
+            vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+            top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+            log_z = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1)) + top[..., 0]
+            label_logit = jnp.sum(jnp.where(vocab_ids == y[..., None], logits, 0.0), axis=-1)
+            # argmax as a min-reduction: the first vocab id holding the maximum.
+            first_max = jnp.min(jnp.where(logits == top, vocab_ids, logits.shape[-1]), axis=-1)
+            return log_z - label_logit, first_max == y
 
     return map_block_chunks(chunk, (hidden, labels), chunk_blocks)
 

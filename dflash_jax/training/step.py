@@ -1,9 +1,10 @@
 """The jitted train step: frozen target forward, drafter forward/backward, AdamW update.
 
 The drafter is split once into a static graph and a `TrainState` of plain arrays; the step is
-one pure function jitted over the mesh with explicit shardings (batch rows over every device,
-weights and optimizer state FSDP-split over `fsdp`). Master weights are fp32; the modules
-compute in their compute dtype (bf16 by default).
+one pure function jitted over the mesh with explicit shardings (batch rows over (data, fsdp);
+master weights and optimizer state split ZeRO-style over every device; the frozen target and
+the main activations placed by the logical-axis rules of `models/sharding.py`). Master weights
+are fp32; the modules compute in their compute dtype (bf16 by default).
 
 A step whose loss, gradient norm or new weights are not finite is skipped: the weights and
 optimizer state stay as they were, `skipped_updates` and `nonfinite_streak` count it. The
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.sharding import state_shardings
+from dflash_jax.models.sharding import activation_sharding, train_state_shardings
 from dflash_jax.training import objective
 from dflash_jax.training.mesh import BATCH_AXES, batch_sharding
 
@@ -101,7 +102,7 @@ def abstract_train_state(
 ) -> TrainState:
     """ShapeDtypeStructs carrying their shardings: what a checkpoint is restored onto."""
     abstract = jax.eval_shape(_state_initializer(cfg, tx, seed, compute_dtype))
-    shardings = state_shardings(mesh, abstract)
+    shardings = train_state_shardings(mesh, abstract)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
@@ -212,9 +213,13 @@ def make_train_step(
         }
         return new_state, metrics
 
+    def sharded_step(state: TrainState, target_params: nnx.State, batch: objective.Batch):
+        with activation_sharding(mesh):  # activations placed by logical names while tracing
+            return step(state, target_params, batch)
+
     target_sharding = jax.tree.map(lambda x: x.sharding, target_params)
     return jax.jit(
-        step,
+        sharded_step,
         in_shardings=(state_sharding, target_sharding, batch_sharding(mesh)),
         out_shardings=(state_sharding, None),
         donate_argnums=0,

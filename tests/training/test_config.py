@@ -46,9 +46,16 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
             1,
             r"drafter.target_layer_ids \[0, 2\]: \[2\] out of range, the target has 2 layers",
         ),
-        ({"mesh.data": 2}, 1, "mesh: mesh shape data=2 x fsdp=1 = 2 devices, but 1 are available"),
-        ({"mesh.fsdp": 3}, 4, "mesh: mesh fsdp=3 does not divide the 4 available devices"),
-        ({"data.global_batch_rows": 6}, 4, r"data.global_batch_rows=6 must be divisible by devices \(4\)"),
+        ({"mesh.data": 2}, 1, "mesh: mesh shape data=2 x fsdp=1 x tensor=1 = 2 devices, but 1 are available"),
+        ({"mesh.fsdp": 3}, 4, "mesh: mesh fsdp=3 x tensor=1 does not divide the 4 available devices"),
+        ({"mesh.tensor": 0}, 1, "mesh: mesh shape data=-1, fsdp=1, tensor=0 is invalid"),
+        ({"mesh.tensor": 4}, 4, "mesh.tensor=4 must divide the target's num_key_value_heads=2"),
+        ({"data.global_batch_rows": 6}, 4, r"data.global_batch_rows=6 must be divisible by mesh data x fsdp \(4\)"),
+        (
+            {"mesh.tensor": 2, "data.global_batch_rows": 2},
+            8,
+            r"data.global_batch_rows=2 must be divisible by mesh data x fsdp \(4\) x train.grad_accum_steps",
+        ),
         ({"train.grad_accum_steps": 8}, 1, r"train.grad_accum_steps \(8\) = 8"),
         ({"target.path": "/nonexistent/model"}, 1, "target.path='/nonexistent/model' does not exist"),
         ({"target.path": ""}, 1, "target.path is empty"),
@@ -101,6 +108,11 @@ def test_mask_token_is_looked_up_in_the_tokenizer(tiny_run, tmp_path):
     config = tiny_config(tiny_run, tmp_path, **{"drafter.mask_token_id": -1, "target.path": str(target)})
     with pytest.raises(ConfigError, match=r"looks up <\|MASK\|> in .*tokenizer.json, which has no such token"):
         resolve(config, num_devices=1)
+
+
+def test_tensor_axis_splits_rows_over_data_and_fsdp_only(tiny_run, tmp_path):
+    setup = resolve(tiny_config(tiny_run, tmp_path, **{"mesh.tensor": 2, "data.global_batch_rows": 2}), num_devices=4)
+    assert setup.mesh_shape == (2, 1, 2)
 
 
 def test_explicit_gamma_allows_other_block_sizes(tiny_run, tmp_path):

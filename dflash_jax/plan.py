@@ -1,0 +1,108 @@
+"""Will this run fit? Compile the exact train step on shapes only, before renting the devices.
+
+    python -m dflash_jax.plan --config=configs/qwen3.py:8b           # 8 devices, 80 GiB each
+    python -m dflash_jax.plan --config=configs/qwen3.py:8b,fsdp --hbm_gb=141
+    python -m dflash_jax.plan --config=configs/default.py --num_devices=2 --config.data.global_batch_rows=4
+
+Reads only the target's config.json: `--target_config`, else the config's `target.plan_config`
+(configs/qwen3.py names the public Qwen3 configs checked in under configs/targets/), else the
+one in `target.path`. No weights, no data. Lowers and compiles the train step a real run would
+jit, on `--num_devices` devices (when this machine has fewer, the command reruns itself on as
+many simulated CPU devices), and prints per device: target, drafter, optimizer and batch bytes,
+temporaries and the total against `--hbm_gb` with a verdict, the model FLOPs and tokens of a
+step, and the collectives of the compiled program with their bytes per step
+(docs/design.md §8). Exit status 0 when the step fits, 1 when it does not.
+
+The figures are the compiler's for the platform it compiled for: with simulated CPU devices they
+are XLA:CPU's plan (with its memory-minimizing scheduler), which tracks but does not equal what
+XLA:GPU allocates; in particular XLA:CPU computes bf16 matmuls in fp32, so converted fp32 copies
+of weights and activations inflate its temporaries.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from dflash_jax import cli
+from dflash_jax.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Training config file, optionally with variants: file.py:variant,variant.", lock_config=True
+)
+_NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).")
+_HBM_GB = flags.DEFINE_float("hbm_gb", 80.0, "Memory per device, GiB (H100 80, H200 141).")
+_TARGET_CONFIG = flags.DEFINE_string(
+    "target_config", "", "The target's config.json (or its directory); '' = target.plan_config, else target.path."
+)
+_HLO_OUT = flags.DEFINE_string("hlo_out", "", "Also write the compiled program's HLO text to this file.")
+
+_SIMULATED = "DFLASH_PLAN_SIMULATED_DEVICES"
+# XLA:CPU's default scheduler orders for concurrency and ignores memory; a GPU's scheduler keeps
+# memory in mind. The memory-minimizing one gives the closer plan (about half the temporaries).
+_CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+
+
+def _rerun_on_simulated_devices(n: int) -> None:
+    """Execute this command again on n simulated CPU devices (XLA reads its flags at start-up)."""
+    if os.environ.get(_SIMULATED):
+        raise UserError(f"could not simulate {n} CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+    xla_flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    xla_flags += [f for f in _CPU_FLAGS if f.split("=")[0] not in " ".join(xla_flags)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{_SIMULATED: str(n)})
+    env["XLA_FLAGS"] = " ".join([*xla_flags, f"--xla_force_host_platform_device_count={n}"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "dflash_jax.plan", *sys.argv[1:]], env)
+
+
+def main(argv) -> int:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {argv[1:]}")
+    n = _NUM_DEVICES.value
+    if n < 1:
+        raise UserError(f"--num_devices={n} must be at least 1")
+    if _HBM_GB.value <= 0:
+        raise UserError(f"--hbm_gb={_HBM_GB.value} must be > 0")
+
+    import jax
+
+    on_cpu = jax.default_backend() == "cpu"
+    if jax.device_count() < n or (on_cpu and not os.environ.get(_SIMULATED)):
+        _rerun_on_simulated_devices(n)
+
+    from dflash_jax.training.config import resolve, target_for_plan
+    from dflash_jax.training.planning import GIB, format_plan, plan_train_step
+
+    config = _CONFIG.value
+    target, source = target_for_plan(config, _TARGET_CONFIG.value)
+    if config.drafter.mask_token_id == -1 and not config.target.path:
+        config.drafter.mask_token_id = target.vocab_size - 1  # no tokenizer to look it up in; any id will do
+    setup = resolve(config, num_devices=n, target=target, check_files=False)
+    name = _config_argument()
+    print(f"compiling the train step of {name} for {source} on {n} devices ...", flush=True)
+    plan = plan_train_step(setup, devices=jax.devices()[:n], hlo_path=_HLO_OUT.value)
+    _, fsdp, tensor = setup.mesh_shape
+    hbm = _HBM_GB.value * GIB
+    print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, remat=setup.objective.remat))
+    return 0 if plan.fits(hbm) else cli.EXIT_ERROR
+
+
+def _config_argument() -> str:
+    """The --config value as the user typed it (file and variants)."""
+    for i, arg in enumerate(sys.argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+    return "config"
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    cli.run(main)

@@ -1,0 +1,59 @@
+"""Model FLOPs of one train step, counted analytically (shared by `bench/` and the plan).
+
+The count is the model's matmul FLOPs as the implementation computes them: the frozen target's
+forward through its last feature layer (causal attention computed densely), the drafter's
+forward, twice that again for its backward (dX and dW), and dX through the frozen LM head.
+Rematerialized recomputation is not counted (the compiler's own count in the plan includes it).
+"""
+
+from __future__ import annotations
+
+from dflash_jax.training.config import TrainSetup
+
+
+def model_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
+    """Matmul FLOPs of one train step as the implementation computes them (dense masks)."""
+    return sum(_parts(setup, rows, seq_len)[:2])
+
+
+def remat_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
+    """Matmul FLOPs recomputed in the backward pass: every LM-head chunk's logits, and the
+    drafter layers' forward with `train.remat` (else the attention chunks only)."""
+    _, _, lm_head, layers, attention = _parts(setup, rows, seq_len)
+    return lm_head + (layers if setup.objective.remat else attention)
+
+
+def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, float, float, float]:
+    """(target forward, drafter forward + backward, LM-head forward, drafter layers' forward,
+    drafter attention forward)."""
+    t, d, obj = setup.target, setup.drafter, setup.objective
+    h, hd = t.hidden_size, t.head_dim
+
+    def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
+        return hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
+
+    # Target: forward through the last feature layer, causal attention computed densely.
+    target_layers = max(obj.target_layer_ids) + 1
+    target = (
+        2
+        * rows
+        * target_layers
+        * (
+            seq_len * layer_weights(h, t.intermediate_size, t.num_heads, t.num_kv_heads)
+            + 2 * seq_len * seq_len * t.num_heads * hd
+        )
+    )
+    # Drafter: fc on context features; per layer, context k/v and the block tokens' layer, each
+    # block query attending to S context keys and its Bk block keys.
+    tokens = rows * obj.num_anchors * obj.block_size
+    fc = 2 * rows * seq_len * len(obj.target_layer_ids) * h * h
+    ctx_kv = 2 * rows * seq_len * h * 2 * d.num_kv_heads * hd
+    blocks = 2 * tokens * layer_weights(h, d.intermediate_size, d.num_heads, d.num_kv_heads)
+    attention = 2 * 2 * tokens * (seq_len + obj.block_size) * d.num_heads * hd
+    drafter_forward = fc + d.num_layers * (ctx_kv + blocks + attention)
+    lm_head = 2 * rows * obj.num_anchors * (obj.block_size - 1) * h * t.vocab_size
+    # Backward: dX and dW for trained matmuls (fc needs no dX: its input is frozen), dX only
+    # through the frozen LM head.
+    drafter_total = 3 * drafter_forward - fc + 2 * lm_head
+    layers = d.num_layers * (ctx_kv + blocks + attention)
+    return float(target), float(drafter_total), float(lm_head), float(layers), float(d.num_layers * attention)

@@ -1,0 +1,401 @@
+"""The memory plan of a run: the exact train step, compiled ahead of time on shapes only.
+
+`plan_train_step(setup, devices)` builds the frozen target, the drafter state and a batch as
+`jax.ShapeDtypeStruct`s carrying the shardings a real run gives them, lowers and compiles the
+real jitted step (`jit(step).lower(...).compile()`), and reads back what the compiler planned
+per device: argument bytes by category (computed from the shardings), temporaries, the total
+against an HBM budget, the compiler's FLOP count, and the collectives of the compiled program
+with their bytes per step. No weights, no data, no device memory: only the target's config.
+
+`format_plan` prints it; `python -m dflash_jax.plan` is the command line (docs/design.md §8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from dflash_jax.models import sharding
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.training import step as step_lib
+from dflash_jax.training.config import TrainSetup
+from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
+from dflash_jax.training.mesh import batch_sharding, make_mesh, mesh_axes_description
+from dflash_jax.training.objective import BATCH_KEYS
+
+GIB = 2**30
+# Of the HBM, what a step may plan to use: the runtime, the compiler's scratch and
+# fragmentation need the rest.
+USABLE_FRACTION = 0.9
+COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # one of COLLECTIVE_KINDS
+    region: str  # the named scope it came from: target, drafter, lm_head, or other
+    group_size: int  # devices taking part in each group (0 = unknown, e.g. collective-permute)
+    bytes: int  # per device and occurrence: the full buffer (gathered, reduced or sent)
+    count: int  # occurrences per step (trip counts of the loops around it multiplied in)
+    in_unknown_loop: bool  # inside a loop whose trip count could not be read: count is per iteration
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    mesh: str  # "data=8 x fsdp=1 x tensor=1"
+    layout: str  # the sharding rules table used
+    platform: str  # the compiler's platform (cpu when devices are simulated)
+    num_devices: int
+    rows: int  # global batch rows
+    seq_len: int
+    grad_accum_steps: int
+    bytes_per_device: dict[str, int]  # target, drafter, optimizer, batch (from the shardings)
+    arguments: int  # per device, as the compiler counts them
+    outputs: int
+    aliased: int  # outputs written in place of donated arguments
+    temporaries: int
+    peak: int  # per device: what the step needs at its peak
+    model_flops: float  # per global step, analytic
+    remat_flops: float  # per global step, analytic: recomputed in the backward pass
+    tokens: int  # packed token slots per step (rows x seq_len)
+    block_tokens: int  # drafter tokens per step (rows x anchors x block size)
+    collectives: tuple[Collective, ...]
+    compile_seconds: float
+
+    def fits(self, hbm_bytes: float) -> bool:
+        return self.peak <= USABLE_FRACTION * hbm_bytes
+
+
+def abstract_target(setup: TrainSetup, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """The target's graph and its parameters as ShapeDtypeStructs placed as a run loads them."""
+    graphdef, params = nnx.split(
+        nnx.eval_shape(
+            lambda: Transformer(
+                setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
+            )
+        )
+    )
+    shardings = sharding.param_shardings(mesh, params)
+    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+
+
+def abstract_batch(setup: TrainSetup, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = (setup.data.global_batch_rows, setup.data.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the most loaded device)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def lower_train_step(setup: TrainSetup, mesh: Mesh):
+    """(jit-lowered train step, abstract state, abstract target, abstract batch) of a real run."""
+    tx = step_lib.make_optimizer(setup.optimizer, total_steps=1000)  # the schedule does not matter
+    state = step_lib.abstract_train_state(
+        setup.drafter, tx, seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh
+    )
+    graphdef, target = abstract_target(setup, mesh)
+    batch = abstract_batch(setup, mesh)
+    train_step = step_lib.make_train_step(
+        drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
+        target_graphdef=graphdef,
+        target_params=target,
+        tx=tx,
+        cfg=setup.objective,
+        grad_accum_steps=setup.run.grad_accum_steps,
+        mesh=mesh,
+        state_sharding=jax.tree.map(lambda x: x.sharding, state),
+    )
+    return train_step.lower(state, target, batch), state, target, batch
+
+
+def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> Plan:
+    """Compile the step of `setup` on `devices` (default: all) and read back its plan; with
+    `hlo_path`, also write the compiled program's HLO text there."""
+    mesh = make_mesh(*setup.mesh_shape, devices=devices)
+    lowered, state, target, batch = lower_train_step(setup, mesh)
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    compile_seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    if hlo_path:
+        with open(hlo_path, "w", encoding="utf-8") as f:
+            f.write(hlo)
+    num_devices = mesh.devices.size
+    peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
+    derived = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    derived += memory.temp_size_in_bytes
+    rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
+    return Plan(
+        mesh=mesh_axes_description(mesh),
+        layout=sharding.layout_of(mesh),
+        platform=jax.devices()[0].platform if devices is None else devices[0].platform,
+        num_devices=num_devices,
+        rows=rows,
+        seq_len=seq_len,
+        grad_accum_steps=setup.run.grad_accum_steps,
+        bytes_per_device={
+            "target": bytes_per_device(target),
+            "drafter": bytes_per_device(state.params),
+            "optimizer": bytes_per_device(state.opt_state),
+            "batch": bytes_per_device(batch),
+        },
+        arguments=memory.argument_size_in_bytes,
+        outputs=memory.output_size_in_bytes,
+        aliased=memory.alias_size_in_bytes,
+        temporaries=memory.temp_size_in_bytes,
+        peak=max(peak, derived),
+        model_flops=model_flops_per_step(setup, rows, seq_len),
+        remat_flops=remat_flops_per_step(setup, rows, seq_len),
+        tokens=rows * seq_len,
+        block_tokens=rows * setup.objective.num_anchors * setup.objective.block_size,
+        collectives=tuple(collectives(hlo)),
+        compile_seconds=compile_seconds,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives of a compiled (optimized, SPMD-partitioned) HLO module.
+
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
+_CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+REGIONS = ("lm_head", "drafter", "target")  # named scopes of the step, innermost first
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is None:
+            continue
+        total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _group_size(attrs: str) -> int:
+    """Devices per replica group, from any of the three ways HLO prints them."""
+    mesh = _GROUPS_MESH.search(attrs)
+    if mesh:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in sizes)
+    listed = _GROUPS_LIST.search(attrs)
+    if listed:
+        return len([d for d in listed.group(1).split(",") if d])
+    iota = _GROUPS_IOTA.search(attrs)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    return 0
+
+
+def _parse_computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and "=" not in line.split("(")[0]:
+            current = header.group(1)
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        if current is not None:
+            if line.strip() == "}":
+                current = None
+            else:
+                computations[current].append(line)
+    return computations, entry
+
+
+def _trip_count(line: str, condition: list[str]) -> int | None:
+    known = _TRIP_COUNT.search(line)
+    if known:
+        return int(known.group(1))
+    # A counted loop `i < N` with i from 0: the condition compares with one integer constant.
+    constants = re.findall(r"s32\[\]\s+constant\((\d+)\)", "\n".join(condition))
+    if len(constants) == 1 and any("direction=LT" in c for c in condition):
+        return int(constants[0])
+    return None
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every collective of a compiled HLO module, with how often one step runs it.
+
+    Bytes are per device and occurrence, the whole buffer: the gathered result of an all-gather,
+    the reduced buffer of an all-reduce or reduce-scatter, what an all-to-all or
+    collective-permute sends. Ops inside while loops are
+    multiplied by the loop's trip count when it can be read from the program.
+    """
+    computations, entry = _parse_computations(hlo)
+    # (callee, multiplier, unknown) edges from each computation.
+    calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    found: dict[str, list[tuple[str, str, int, int]]] = defaultdict(list)
+    for name, lines in computations.items():
+        for line in lines:
+            instruction = _INSTRUCTION.match(line)
+            if not instruction:
+                continue
+            rhs = instruction.group(2)
+            opcode = _OPCODE.search(" " + rhs)
+            if not opcode:
+                continue
+            op = opcode.group(1)
+            if op == "while":
+                callee = dict(_CALLED.findall(rhs))
+                body, cond = callee.get("body"), callee.get("condition")
+                trips = _trip_count(rhs, computations.get(cond, []))
+                if body:
+                    calls[name].append((body, trips or 1, trips is None))
+                if cond:
+                    calls[name].append((cond, (trips or 0) + 1, trips is None))
+                continue
+            for _, callee in _CALLED.findall(rhs):
+                calls[name].append((callee, 1, False))
+            for group in _BRANCHES.findall(rhs):
+                for callee in group.split(","):
+                    calls[name].append((callee.strip().lstrip("%"), 1, False))
+            kind = op.removesuffix("-start")
+            if kind not in COLLECTIVE_KINDS or op.endswith("-done"):
+                continue
+            result_type = rhs[: opcode.start(0)]
+            if op.endswith("-start"):  # (operands, results, ...) of an asynchronous collective
+                size = max((_shape_bytes(f"{d}[{s}]") for d, s in _SHAPE.findall(result_type)), default=0)
+            else:
+                size = _shape_bytes(result_type)
+            group = _group_size(rhs)
+            if kind == "reduce-scatter":  # the result is one device's share of the reduced buffer
+                size *= max(group, 1)
+            op_name = _OP_NAME.search(rhs)
+            scopes = op_name.group(1).split("/") if op_name else []
+            region = next((r for r in REGIONS if r in scopes), "other")
+            found[name].append((kind, region, group, size))
+
+    multiplier: dict[str, tuple[int, bool]] = {}
+
+    def visit(name: str, mult: int, unknown: bool, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        old = multiplier.get(name, (0, False))
+        multiplier[name] = (old[0] + mult, old[1] or unknown)
+        for callee, m, u in calls.get(name, []):
+            if callee in computations:
+                visit(callee, mult * m, unknown or u, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1, False)
+    merged: dict[tuple, int] = defaultdict(int)
+    for name, ops in found.items():
+        mult, unknown = multiplier.get(name, (1, True))
+        for kind, region, group, size in ops:
+            merged[(kind, region, group, size, unknown)] += mult
+    ordered = sorted(merged.items(), key=lambda kv: -kv[0][3] * kv[1])
+    return [Collective(k, r, g, s, c, u) for (k, r, g, s, u), c in ordered]
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:7.2f} GiB"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:8.2f} GB"
+
+
+def verdict(plan: Plan, hbm_bytes: float, *, fsdp: int, tensor: int, remat: bool) -> str:
+    """'fits: …' or 'DOES NOT FIT: … try …' with what would reduce the peak."""
+    usable = USABLE_FRACTION * hbm_bytes
+    if plan.fits(hbm_bytes):
+        return f"fits: {plan.peak / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable per device"
+    tips = []
+    if fsdp == 1:
+        tips.append("split the target over devices (variant :fsdp, or --config.mesh.fsdp=4)")
+    if tensor == 1 and plan.bytes_per_device["target"] > 0.4 * usable:
+        tips.append("split its heads and MLP (--config.mesh.tensor=2, 4 or 8)")
+    tips.append("fewer rows per device (--config.train.grad_accum_steps=2 keeps the global batch)")
+    if not remat:
+        tips.append("--config.train.remat=True")
+    tips.append("smaller train.lm_head_chunk_blocks / train.attention_chunk_blocks")
+    return f"DOES NOT FIT: {plan.peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable per device; try " + "; ".join(tips)
+
+
+def format_plan(plan: Plan, hbm_bytes: float, *, title: str, fsdp: int, tensor: int, remat: bool) -> str:
+    b = plan.bytes_per_device
+    usable = USABLE_FRACTION * hbm_bytes
+    lines = [
+        f"plan: {title}",
+        f"  mesh {plan.mesh} ({plan.num_devices} {plan.platform} devices), layout '{plan.layout}';"
+        f" {plan.rows} rows x {plan.seq_len}, grad_accum_steps={plan.grad_accum_steps};"
+        f" compiled in {plan.compile_seconds:.0f} s",
+        "  per device:",
+        f"    target weights (frozen)  {_gib(b['target'])}",
+        f"    drafter weights (fp32)   {_gib(b['drafter'])}",
+        f"    optimizer state          {_gib(b['optimizer'])}",
+        f"    batch                    {_gib(b['batch'])}",
+        f"    arguments in all         {_gib(plan.arguments)}",
+        f"    temporaries              {_gib(plan.temporaries)}",
+        f"    total                    {_gib(plan.peak)}  of {usable / GIB:.1f} GiB usable"
+        f" ({USABLE_FRACTION:.0%} of --hbm_gb={hbm_bytes / GIB:g})",
+        f"  {verdict(plan, hbm_bytes, fsdp=fsdp, tensor=tensor, remat=remat)}",
+        f"  model FLOPs per step {plan.model_flops / 1e12:,.1f} TFLOP"
+        f" (+ {plan.remat_flops / 1e12:,.1f} TFLOP recomputed in the backward pass)",
+        f"  tokens per step {plan.tokens:,} ({plan.rows} x {plan.seq_len}); drafter block tokens {plan.block_tokens:,}",
+    ]
+    if not plan.collectives:
+        lines.append("  collectives: none")
+        return "\n".join(lines)
+    total = sum(c.bytes * c.count for c in plan.collectives)
+    lines.append(f"  collectives per step, per device (whole buffers): {total / 1e9:,.2f} GB")
+    groups: dict[tuple[str, str, int], list[Collective]] = defaultdict(list)
+    for c in plan.collectives:
+        groups[(c.region, c.kind, c.group_size)].append(c)
+    for (region, kind, group), ops in sorted(groups.items(), key=lambda kv: -sum(c.bytes * c.count for c in kv[1])):
+        biggest = max(ops, key=lambda c: c.bytes * c.count)
+        unknown = " (count per loop iteration: trip count unknown)" if any(c.in_unknown_loop for c in ops) else ""
+        over = f"over {group}" if group else ""
+        lines.append(
+            f"    {region:<8s} {kind:<18s} {over:<7s} {_gb(sum(c.bytes * c.count for c in ops))}"
+            f" {sum(c.count for c in ops):5d} ops, largest {biggest.bytes / 1e6:,.1f} MB x {biggest.count}{unknown}"
+        )
+    return "\n".join(lines)
