@@ -42,9 +42,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.target = ml_collections.ConfigDict()
     c.target.path = ""  # Hugging Face model directory (config.json, safetensors, tokenizer)
     c.target.dtype = "bfloat16"  # weights and compute of the frozen target
-    # A config.json for `python -m dflash_jax.plan` when target.path is empty (configs/targets/);
-    # training always reads target.path's own.
-    c.target.plan_config = ""
 
     c.drafter = ml_collections.ConfigDict()
     c.drafter.num_layers = 5
@@ -78,9 +75,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.max_nonfinite_streak = 20  # stop after this many consecutive skipped updates
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # -1 = every device fsdp x tensor leave over
-    c.mesh.fsdp = 1  # > 1: the frozen target's weights split over this many devices
-    c.mesh.tensor = 1  # > 1: the target's heads, kv heads and MLP split over this many devices
+    c.mesh.data = -1  # -1 = every device fsdp leaves over
+    c.mesh.fsdp = 1
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 1000
@@ -177,7 +173,7 @@ class TrainSetup:
     objective: ObjectiveConfig
     optimizer: OptimizerConfig
     data: DataConfig
-    mesh_shape: tuple[int, int, int]  # (data, fsdp, tensor)
+    mesh_shape: tuple[int, int]
     run: RunSettings
     checkpoint: CheckpointSettings
     log: LogSettings
@@ -289,25 +285,14 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     _require(config.seed >= 0, f"seed={config.seed} must be >= 0")
 
     try:
-        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices, config.mesh.tensor)
+        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
-    tensor = shape[2]
-    for name, size in (
-        ("num_attention_heads", target.num_heads),
-        ("num_key_value_heads", target.num_kv_heads),
-        ("intermediate_size", target.intermediate_size),
-    ):
-        _require(
-            size % tensor == 0,
-            f"mesh.tensor={tensor} must divide the target's {name}={size} (heads and MLP are split over it)",
-        )
     rows, accum = data.global_batch_rows, train.grad_accum_steps
-    row_groups = shape[0] * shape[1]  # batch rows are split over data x fsdp, not tensor
     _require(
-        rows % (row_groups * accum) == 0,
-        f"data.global_batch_rows={rows} must be divisible by mesh data x fsdp ({row_groups}) x "
-        f"train.grad_accum_steps ({accum}) = {row_groups * accum}",
+        rows % (num_devices * accum) == 0,
+        f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
+        f"train.grad_accum_steps ({accum}) = {num_devices * accum}",
     )
 
     for field in ("checkpoint.every_steps", "checkpoint.keep", "log.every_steps", "eval.max_new_tokens"):
@@ -397,24 +382,6 @@ def _data(config: ml_collections.ConfigDict, check_files: bool) -> DataConfig:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tuple[TransformerConfig, str]:
-    """(target architecture, where it was read) for the memory plan, from a config.json alone:
-    `override`, else `target.plan_config`, else `target.path`/config.json."""
-    path = override or config.target.plan_config or config.target.path
-    field = "--target_config" if override else "target.plan_config" if config.target.plan_config else "target.path"
-    _require(
-        bool(path),
-        "no target to plan for: set --target_config=configs/targets/Qwen3-8B.json (or another config.json) "
-        "or --config.target.path=/path/to/hf_model_dir",
-    )
-    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            return TransformerConfig.from_hf(json.load(f)), config_file
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"{field}={path!r}: {e}") from None
 
 
 def _target_dir(path: str) -> None:
