@@ -25,6 +25,7 @@ from dflash_jax.data.config import DataConfig
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.chat import resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
+from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.mesh import mesh_shape
@@ -42,6 +43,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.target = ml_collections.ConfigDict()
     c.target.path = ""  # Hugging Face model directory (config.json, safetensors, tokenizer)
     c.target.dtype = "bfloat16"  # weights and compute of the frozen target
+    # A config.json for `python -m dflash_jax.plan` when target.path is empty (configs/targets/);
+    # training always reads target.path's own.
+    c.target.plan_config = ""
 
     c.drafter = ml_collections.ConfigDict()
     c.drafter.num_layers = 5
@@ -70,13 +74,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_clip_norm = 1.0
     c.train.compute_dtype = "bfloat16"  # drafter compute; master weights are always fp32
     c.train.remat = False  # recompute each drafter layer in the backward pass
+    # Attention code (models/attention.py): 'auto' = fused Pallas kernels on GPU, XLA elsewhere;
+    # 'xla' (the reference) or 'fused' to force one.
+    c.train.attention = "auto"
     c.train.attention_chunk_blocks = 32  # blocks per attention chunk (memory vs speed)
     c.train.lm_head_chunk_blocks = 32  # blocks per LM-head/cross-entropy chunk
     c.train.max_nonfinite_streak = 20  # stop after this many consecutive skipped updates
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # -1 = every device fsdp leaves over
-    c.mesh.fsdp = 1
+    c.mesh.data = -1  # -1 = every device fsdp x tensor leave over
+    c.mesh.fsdp = 1  # > 1: the frozen target's weights split over this many devices
+    c.mesh.tensor = 1  # > 1: the target's heads, kv heads and MLP split over this many devices
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 1000
@@ -119,6 +127,7 @@ class RunSettings:
     grad_accum_steps: int
     max_nonfinite_streak: int
     seed: int
+    attention: str = "auto"  # models.attention implementation: auto, xla or fused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +182,7 @@ class TrainSetup:
     objective: ObjectiveConfig
     optimizer: OptimizerConfig
     data: DataConfig
-    mesh_shape: tuple[int, int]
+    mesh_shape: tuple[int, int, int]  # (data, fsdp, tensor)
     run: RunSettings
     checkpoint: CheckpointSettings
     log: LogSettings
@@ -252,6 +261,10 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         1 <= train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}"
     )
     _require(
+        train.attention in ATTENTION_IMPLEMENTATIONS,
+        f"train.attention={train.attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}",
+    )
+    _require(
         train.anchor_scheme in ANCHOR_SCHEMES,
         f"train.anchor_scheme={train.anchor_scheme!r} is not one of {', '.join(ANCHOR_SCHEMES)}",
     )
@@ -285,14 +298,25 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     _require(config.seed >= 0, f"seed={config.seed} must be >= 0")
 
     try:
-        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices)
+        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices, config.mesh.tensor)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
+    tensor = shape[2]
+    for name, size in (
+        ("num_attention_heads", target.num_heads),
+        ("num_key_value_heads", target.num_kv_heads),
+        ("intermediate_size", target.intermediate_size),
+    ):
+        _require(
+            size % tensor == 0,
+            f"mesh.tensor={tensor} must divide the target's {name}={size} (heads and MLP are split over it)",
+        )
     rows, accum = data.global_batch_rows, train.grad_accum_steps
+    row_groups = shape[0] * shape[1]  # batch rows are split over data x fsdp, not tensor
     _require(
-        rows % (num_devices * accum) == 0,
-        f"data.global_batch_rows={rows} must be divisible by devices ({num_devices}) x "
-        f"train.grad_accum_steps ({accum}) = {num_devices * accum}",
+        rows % (row_groups * accum) == 0,
+        f"data.global_batch_rows={rows} must be divisible by mesh data x fsdp ({row_groups}) x "
+        f"train.grad_accum_steps ({accum}) = {row_groups * accum}",
     )
 
     for field in ("checkpoint.every_steps", "checkpoint.keep", "log.every_steps", "eval.max_new_tokens"):
@@ -345,7 +369,9 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         ),
         data=data,
         mesh_shape=shape,
-        run=RunSettings(train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, config.seed),
+        run=RunSettings(
+            train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, config.seed, train.attention
+        ),
         checkpoint=CheckpointSettings(**config.checkpoint.to_dict()),
         log=LogSettings(**config.log.to_dict()),
         eval=EvalSettings(eval_prompts, config.eval.every_steps, config.eval.num_prompts, config.eval.max_new_tokens),
@@ -382,6 +408,24 @@ def _data(config: ml_collections.ConfigDict, check_files: bool) -> DataConfig:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tuple[TransformerConfig, str]:
+    """(target architecture, where it was read) for the memory plan, from a config.json alone:
+    `override`, else `target.plan_config`, else `target.path`/config.json."""
+    path = override or config.target.plan_config or config.target.path
+    field = "--target_config" if override else "target.plan_config" if config.target.plan_config else "target.path"
+    _require(
+        bool(path),
+        "no target to plan for: set --target_config=configs/targets/Qwen3-8B.json (or another config.json) "
+        "or --config.target.path=/path/to/hf_model_dir",
+    )
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            return TransformerConfig.from_hf(json.load(f)), config_file
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{field}={path!r}: {e}") from None
 
 
 def _target_dir(path: str) -> None:
