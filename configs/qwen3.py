@@ -1,23 +1,33 @@
 """DFlash drafters for Qwen3 targets with the paper's recipe, on one host with 8 accelerators.
 
+    python -m dflash_jax.plan --config=configs/qwen3.py:8b    # will it fit? (no weights needed)
     python train.py --config=configs/qwen3.py:8b --config.target.path=/models/Qwen3-8B \
         --config.data.train=/data/train.jsonl --config.workdir=/ckpt/qwen3_8b_dflash
 
 The variant string picks the target size and options, comma-separated (big_vision style):
-  size      4b | 8b (default 8b): the drafter's depth and the context it reads (table below)
+  size      4b | 8b (default) | 32b: the drafter's depth, and the public config.json the memory
+            plan reads (configs/targets/); 32b also splits the target over mesh.tensor=4
+            (data=2 x tensor=4; with fsdp: fsdp=2 x tensor=4)
   block     b16 (default) | b10 | b8: the drafter's block size, with the paper's loss decay γ
-  fsdp      split drafter weights and optimizer state over 4 devices (mesh data=2 x fsdp=4)
-e.g. `--config=configs/qwen3.py:4b,b10,fsdp`. The target's own shape comes from its config.json.
+  fsdp      split the frozen target's weights over 4 devices (mesh data=2 x fsdp=4); the
+            drafter's weights and optimizer state are split over every device in any case
+e.g. `--config=configs/qwen3.py:4b,b10,fsdp`. A run reads the target's shape from its own
+config.json (target.path).
 """
+
+import os
 
 from dflash_jax.errors import ConfigError
 from dflash_jax.training.config import base_config
 
 # Drafter per target size. Both Qwen3-4B and -8B have 36 layers: 5 drafter layers read target
-# layers [1, 9, 17, 25, 33] (docs/design.md §2).
+# layers [1, 9, 17, 25, 33]; Qwen3-32B has 64: [1, 16, 31, 46, 61] (docs/design.md §2).
+TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
-    "4b": dict(drafter_layers=5),
-    "8b": dict(drafter_layers=5),
+    "4b": dict(drafter_layers=5, plan_config="Qwen3-4B.json"),
+    "8b": dict(drafter_layers=5, plan_config="Qwen3-8B.json"),
+    # 64 GiB of bf16 weights: heads, kv heads and MLP split over 4 devices (8 kv heads allow 8).
+    "32b": dict(drafter_layers=5, plan_config="Qwen3-32B.json", tensor=4, fsdp=2),
 }
 BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 FSDP_DEVICES = 4
@@ -37,7 +47,9 @@ def get_config(variants: str = "8b"):
         raise ConfigError(f"config variants {chosen}: give one size and one block size at most")
 
     c = base_config()  # the recipe: 6 epochs, lr 6e-4, 4% warmup, cosine, clip 1.0, 512 anchors
-    c.drafter.num_layers = SIZES[sizes[0]]["drafter_layers"]
+    size = SIZES[sizes[0]]
+    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
+    c.drafter.num_layers = size["drafter_layers"]
     c.drafter.block_size = BLOCK_SIZES[blocks[0]]
     c.drafter.mask_token_id = 151669  # <|MASK|>: an existing, unused row of the Qwen3 embedding
     c.data.seq_len = 3072
@@ -45,6 +57,7 @@ def get_config(variants: str = "8b"):
     c.data.read_threads = 4
     c.train.remat = True
     c.log.every_steps = 20
+    c.mesh.tensor = size.get("tensor", 1)
     if "fsdp" in chosen:
-        c.mesh.fsdp = FSDP_DEVICES
+        c.mesh.fsdp = size.get("fsdp", FSDP_DEVICES)
     return c

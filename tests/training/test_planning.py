@@ -1,0 +1,167 @@
+"""The memory plan: `python -m dflash_jax.plan` on the tiny config, and what it reads from HLO."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dflash_jax.errors import ConfigError
+from dflash_jax.training import planning
+from dflash_jax.training.config import load_config_file, resolve, target_for_plan
+from support import training_runs as testing
+
+HLO = textwrap.dedent(
+    """
+    HloModule jit_step, entry_computation_layout={()->()}
+
+    %add (a: f32[], b: f32[]) -> f32[] {
+      %a = f32[] parameter(0)
+      %b = f32[] parameter(1)
+      ROOT %sum = f32[] add(%a, %b)
+    }
+
+    %inner_cond (p: (s32[], f32[8,4])) -> pred[] {
+      %p = (s32[], f32[8,4]{1,0}) parameter(0)
+      %i = s32[] get-tuple-element(%p), index=0
+      %n = s32[] constant(3)
+      ROOT %lt = pred[] compare(%i, %n), direction=LT
+    }
+
+    %inner_body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+      %p = (s32[], f32[8,4]{1,0}) parameter(0)
+      %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
+      %ar = f32[8,4]{1,0} all-reduce(%x), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%add, metadata={op_name="jit(step)/lm_head/reduce_sum"}
+      ROOT %t = (s32[], f32[8,4]{1,0}) tuple(%i, %ar)
+    }
+
+    %outer_cond (p: (s32[], f32[8,4])) -> pred[] {
+      %p = (s32[], f32[8,4]{1,0}) parameter(0)
+      ROOT %lt = pred[] compare(%p, %p), direction=LT
+    }
+
+    %outer_body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+      %p = (s32[], f32[8,4]{1,0}) parameter(0)
+      %w = (s32[], f32[8,4]{1,0}) while(%p), condition=%inner_cond, body=%inner_body
+      %g = bf16[1024,64]{1,0} all-gather(%y), channel_id=3, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, metadata={op_name="jit(step)/target/dot_general"}
+      ROOT %r = (s32[], f32[8,4]{1,0}) tuple(%w)
+    }
+
+    ENTRY %main (x: f32[8,4]) -> f32[8,4] {
+      %x = f32[8,4]{1,0} parameter(0)
+      %w = (s32[], f32[8,4]{1,0}) while(%x), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"16"}}
+      %rs = f32[2,4]{1,0} reduce-scatter(%x), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+      ROOT %out = f32[8,4]{1,0} get-tuple-element(%w), index=1
+    }
+    """
+)
+
+
+def test_collectives_are_counted_through_loops():
+    found = {(c.kind, c.region): c for c in planning.collectives(HLO)}
+    # all-reduce inside a 3-iteration loop (trip count read from its condition) inside a loop the
+    # compiler annotated with 16 iterations
+    reduce = found[("all-reduce", "lm_head")]
+    assert (reduce.count, reduce.bytes, reduce.group_size, reduce.in_unknown_loop) == (48, 8 * 4 * 4, 4, False)
+    gather = found[("all-gather", "target")]
+    assert (gather.count, gather.bytes, gather.group_size) == (16, 1024 * 64 * 2, 4)
+    scatter = found[("reduce-scatter", "other")]  # the whole buffer: one device's share x 4
+    assert (scatter.count, scatter.bytes, scatter.group_size) == (1, 8 * 4 * 4, 4)
+
+
+def fake_plan(**overrides) -> planning.Plan:
+    fields = dict(
+        mesh="data=8 x fsdp=1 x tensor=1",
+        layout="data",
+        platform="cpu",
+        num_devices=8,
+        rows=16,
+        seq_len=3072,
+        grad_accum_steps=1,
+        bytes_per_device={"target": 60 * planning.GIB, "drafter": 0, "optimizer": 0, "batch": 0},
+        arguments=60 * planning.GIB,
+        outputs=0,
+        aliased=0,
+        temporaries=30 * planning.GIB,
+        peak=90 * planning.GIB,
+        model_flops=1e15,
+        remat_flops=1e14,
+        tokens=16 * 3072,
+        block_tokens=16 * 512 * 16,
+        collectives=(),
+        compile_seconds=1.0,
+    )
+    return planning.Plan(**{**fields, **overrides})
+
+
+def test_verdict_says_what_to_try():
+    plan = fake_plan()
+    assert not plan.fits(80 * planning.GIB)
+    text = planning.verdict(plan, 80 * planning.GIB, fsdp=1, tensor=1, remat=False)
+    assert text.startswith("DOES NOT FIT: 90.0 GiB > 72.0 GiB usable per device")
+    for tip in (":fsdp", "mesh.tensor", "grad_accum_steps", "remat=True"):
+        assert tip in text, tip
+    assert planning.verdict(plan, 141 * planning.GIB, fsdp=1, tensor=1, remat=True).startswith("fits: 90.0 GiB")
+
+
+@pytest.mark.parametrize(
+    "variants, mesh",
+    [("8b", (8, 1, 1)), ("4b,fsdp", (2, 4, 1)), ("32b", (2, 1, 4)), ("32b,fsdp", (1, 2, 4))],
+)
+def test_qwen3_sizes_plan_from_the_checked_in_configs(variants, mesh):
+    config = load_config_file(str(testing.REPO / "configs" / "qwen3.py"), variants)
+    target, source = target_for_plan(config)
+    assert source.endswith(f"Qwen3-{variants.split(',')[0].upper()}.json")
+    setup = resolve(config, num_devices=8, target=target, check_files=False)
+    assert setup.mesh_shape == mesh
+
+
+def test_no_target_to_plan_for_is_one_line():
+    config = load_config_file(str(testing.REPO / "configs" / "default.py"))
+    config.target.path = ""
+    with pytest.raises(ConfigError, match="no target to plan for: set --target_config="):
+        target_for_plan(config)
+
+
+def test_plan_command_on_the_tiny_config(tmp_path):
+    """Two simulated devices, fsdp=2: the verdict, the per-device lines, and no all-gather of the
+    LM head inside the cross-entropy loop (the vocab-parallel cross-entropy gathers rows)."""
+    hlo = tmp_path / "step.hlo"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_backend_optimization_level=0",  # compile faster; the plan is unchanged
+    }
+    env.pop("DFLASH_PLAN_SIMULATED_DEVICES", None)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_jax.plan",
+            f"--config={testing.REPO / 'configs' / 'default.py'}",
+            "--num_devices=2",
+            "--config.mesh.fsdp=2",
+            f"--hlo_out={hlo}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=testing.REPO,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    for line in ("mesh data=1 x fsdp=2 x tensor=1 (2 cpu devices), layout 'fsdp'", "target weights (frozen)"):
+        assert line in out, out
+    for word in ("optimizer state", "temporaries", "fits:", "model FLOPs per step", "tokens per step", "all-gather"):
+        assert word in out, out
+    # the tiny target ties its embeddings: LM head = embedding table, vocab 4096 x hidden 256
+    lm_head_bytes = 4096 * 256 * 4
+    lm_head_gathers = [
+        c for c in planning.collectives(hlo.read_text()) if c.region == "lm_head" and c.kind == "all-gather"
+    ]
+    assert lm_head_gathers, "no collectives named lm_head: the named scope is gone?"
+    assert all(c.bytes < lm_head_bytes / 4 for c in lm_head_gathers), lm_head_gathers
