@@ -5,16 +5,67 @@ L block length, K kv heads, G query heads per kv head (GQA), H head dim, M cache
 Queries arrive as [..., K*G, H] and are viewed as [..., K, G, H]. Scores and softmax run in
 fp32; masked scores get a large finite negative value, so a fully masked row yields a finite
 (uniform) average instead of NaN (docs/design.md §3.2).
+
+Training's two patterns have two implementations, chosen by `set_implementation` (the config's
+`train.attention`):
+
+* "xla": the XLA code of this module, the reference and the CPU path. Heads are moved in front
+  of the tokens once per call, so every einsum is a plain batched matmul; the packed causal
+  attention computes only the query-tile x key-tile pairs on or below the diagonal
+  (`packed_causal_pairs`); the block attention runs a chunk of blocks at a time against every
+  context position, masked, each chunk rematerialized in the backward pass.
+* "fused": Pallas kernels (`models/kernels/`) that visit only the keys the mask lets a query
+  see: the target's queries the key tiles of their document up to the diagonal, the drafter's
+  blocks the context tiles of their span and their own block. GPUs only (interpret mode, for
+  tests, elsewhere).
+* "auto" (default): "fused" on GPU, "xla" otherwise.
+
+Decoding (`attend` with a cache mask, `block_attention_cached`) always uses XLA.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.models import sharding
 from dflash_jax.models.chunking import map_block_chunks
 
 MASKED = -1e30
+
+IMPLEMENTATIONS = ("auto", "xla", "fused")
+_implementation = "auto"
+
+
+def set_implementation(name: str) -> None:
+    """Choose training's attention code for everything traced from now on (see the module
+    docstring); the config's `train.attention`."""
+    global _implementation
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    _implementation = name
+
+
+@contextlib.contextmanager
+def implementation(name: str) -> Iterator[None]:
+    """`set_implementation(name)` while tracing inside this context."""
+    previous = _implementation
+    set_implementation(name)
+    try:
+        yield
+    finally:
+        set_implementation(previous)
+
+
+def resolved_implementation() -> str:
+    """'xla' or 'fused': what the current setting means on this backend."""
+    if _implementation == "auto":
+        return "fused" if jax.default_backend() == "gpu" else "xla"
+    return _implementation
 
 
 def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -51,6 +102,59 @@ def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
     causal = jnp.tril(jnp.ones((s, s), bool))
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
     return causal[None] & same_doc & (segment_ids[:, :, None] != 0)
+
+
+def packed_causal_tiles(seq_len: int) -> tuple[tuple[int, int], ...]:
+    """The XLA packed causal attention's query tiles [lo, hi): about 8 equal tiles, none shorter
+    than 64 queries; tile [lo, hi) attends to keys [0, hi)."""
+    n = max(1, min(8, seq_len // 64))
+    bounds = [round(i * seq_len / n) for i in range(n + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def packed_causal_pairs(seq_len: int) -> int:
+    """(query, key) pairs per row and head the XLA packed causal attention computes: the tiles
+    on and below the diagonal, about S·(S + S/8)/2 instead of S² (the bench's FLOP count)."""
+    return sum((hi - lo) * hi for lo, hi in packed_causal_tiles(seq_len))
+
+
+def packed_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """The target's attention over packed rows: causal, never across documents.
+
+    q [B, S, K*G, H], k/v [B, S, K, H], segment_ids [B, S] (0 = padding) -> [B, S, K*G, H].
+    Equals `attend(q, k, v, packed_causal_mask(segment_ids))` (outputs at padding positions
+    are unspecified on the fused path).
+    """
+    if resolved_implementation() == "fused" and _fused_supported(q):
+        from dflash_jax.models.kernels import packed_causal
+
+        return _per_shard(
+            packed_causal.packed_causal_attention,
+            (q, k, v, segment_ids),
+            (_HEADS_SPEC, _KV_SPEC, _ROWS_SPEC),
+            _HEADS_SPEC,
+        )
+    return _packed_causal_xla(q, k, v, segment_ids)
+
+
+def _packed_causal_xla(q, k, v, segment_ids):
+    b, s, heads, h = q.shape
+    kv = k.shape[2]
+    g = heads // kv
+    qh = q.reshape(b, s, kv, g, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, S, H]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] != 0)
+    outs = []
+    for lo, hi in packed_causal_tiles(s):
+        t = hi - lo
+        scores = _scores(qh[:, :, :, lo:hi].reshape(b, kv, g * t, h), kh[:, :, :hi], "BKMH,BKSH->BKMS")
+        causal = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]
+        mask = same_doc[:, lo:hi, :hi] & causal
+        scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, t, hi), MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, hi)
+        outs.append(jnp.einsum("BKMS,BKSH->BKMH", probs, vh[:, :, :hi]).reshape(b, kv, g, t, h))
+    out = jnp.concatenate(outs, axis=3)  # [B, K, G, S, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
 
 
 def cached_causal_mask(lengths: jax.Array, num_new: int, cache_size: int) -> jax.Array:
@@ -95,22 +199,80 @@ def block_attention(
     L keys and the context keys `ctx_mask[:, n]` allows.
 
     q [B, N, L, K*G, H]; k_blk, v_blk [B, N, L, K, H]; k_ctx, v_ctx [B, S, K, H]; ctx_mask
-    [B, N, S] -> [B, N, L, K*G, H]. Runs `blocks_per_chunk` blocks at a time, each chunk
-    rematerialized in the backward pass, so no [N·L, S] score tensor for all blocks ever lives.
+    [B, N, S] -> [B, N, L, K*G, H]. The XLA path runs `blocks_per_chunk` blocks at a time, each
+    chunk rematerialized in the backward pass, so no [N·L, S] score tensor for all blocks ever
+    lives. The fused path reads each block's mask as one span [start, end) (what
+    `block_context_mask` gives for contiguous documents) and visits only those keys.
     """
+    if resolved_implementation() == "fused" and _fused_supported(q):
+        from dflash_jax.models.kernels import block as fused_block
 
-    def chunk(qc, kc, vc, mc):  # the same arrays, N cut to a chunk of blocks
-        qg = _grouped(qc, k_ctx.shape[-2])
-        s_ctx = _scores(qg, k_ctx, "BNLKGH,BSKH->BNKGLS")
-        s_ctx = jnp.where(mc[:, :, None, None, None, :], s_ctx, MASKED)
-        s_blk = _scores(qg, kc, "BNLKGH,BNPKH->BNKGLP")  # P: the block's own key slots
-        probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1).astype(v_ctx.dtype)
-        p_ctx, p_blk = probs[..., : k_ctx.shape[1]], probs[..., k_ctx.shape[1] :]
-        out = jnp.einsum("BNKGLS,BSKH->BNLKGH", p_ctx, v_ctx)
-        out += jnp.einsum("BNKGLP,BNPKH->BNLKGH", p_blk, vc)
-        return out.reshape(qc.shape)
+        start, end = fused_block.context_spans(ctx_mask)
+        return _per_shard(
+            fused_block.block_attention,
+            (q, k_ctx, v_ctx, k_blk, v_blk, start, end),
+            (_HEADS_SPEC, _KV_SPEC, _KV_SPEC, _KV_SPEC, _KV_SPEC, _ROWS_SPEC, _ROWS_SPEC),
+            _HEADS_SPEC,
+        )
+    return _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk)
+
+
+def _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk):
+    b, _, block_len, heads, h = q.shape
+    kv = k_ctx.shape[2]
+    g = heads // kv
+    kc, vc = k_ctx.transpose(0, 2, 1, 3), v_ctx.transpose(0, 2, 1, 3)  # [B, K, S, H]
+
+    def chunk(qc, kb, vb, mc):  # the same arrays, N cut to a chunk of c blocks
+        c = qc.shape[1]
+        qh = qc.reshape(b, c, block_len, kv, g, h).transpose(0, 3, 1, 4, 2, 5)  # [B, K, c, G, L, H]
+        kbh, vbh = kb.transpose(0, 3, 1, 2, 4), vb.transpose(0, 3, 1, 2, 4)  # [B, K, c, L, H]
+        s_ctx = _scores(qh.reshape(b, kv, c * g * block_len, h), kc, "BKMH,BKSH->BKMS")
+        s_ctx = s_ctx.reshape(b, kv, c, g, block_len, -1)
+        s_ctx = jnp.where(mc[:, None, :, None, None, :], s_ctx, MASKED).reshape(b, kv, c, g * block_len, -1)
+        s_blk = _scores(qh.reshape(b, kv, c, g * block_len, h), kbh, "BKCQH,BKCPH->BKCQP")  # P: own keys
+        p_ctx, p_blk = _joint_softmax(s_ctx, s_blk)
+        out = jnp.einsum("BKMS,BKSH->BKMH", p_ctx.astype(vc.dtype).reshape(b, kv, c * g * block_len, -1), vc)
+        out = out.reshape(b, kv, c, g * block_len, h) + jnp.einsum("BKCQP,BKCPH->BKCQH", p_blk.astype(vc.dtype), vbh)
+        return out.reshape(b, kv, c, g, block_len, h).transpose(0, 2, 4, 1, 3, 5).reshape(qc.shape)
 
     return map_block_chunks(chunk, (q, k_blk, v_blk, ctx_mask), blocks_per_chunk)
+
+
+# The fused kernels run per shard: rows split as the activations' batch axis, heads as theirs.
+_HEADS_SPEC = (sharding.BATCH, ..., sharding.HEADS, None)
+_KV_SPEC = (sharding.BATCH, ..., sharding.KV_HEADS, None)
+_ROWS_SPEC = (sharding.BATCH, ...)
+
+
+def _fused_supported(q: jax.Array) -> bool:
+    from dflash_jax.models.kernels import supported_head_dim
+
+    return supported_head_dim(q.shape[-1])
+
+
+def _per_shard(fn, args, logical_specs, out_logical_spec):
+    """fn(*args) on each device's rows (and heads) under `sharding.activation_sharding`, where
+    XLA cannot split a custom kernel call by itself; fn(*args) directly outside it."""
+    mesh = sharding.active_mesh()
+    if mesh is None or math.prod(mesh.shape.values()) == 1:
+        return fn(*args)
+    in_specs = tuple(sharding.activation_spec(x.shape, axes) for x, axes in zip(args, logical_specs))
+    out_spec = sharding.activation_spec(args[0].shape, out_logical_spec)
+    # Grouped-query heads stay together only if q and k/v heads are split the same way.
+    head_axes = {spec[-2] if len(spec) >= 2 else None for spec, x in zip(in_specs, args) if x.ndim >= 4}
+    if len(head_axes) > 1:
+        in_specs = tuple(_without_heads(spec, x) for spec, x in zip(in_specs, args))
+        out_spec = _without_heads(out_spec, args[0])
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+
+
+def _without_heads(spec, x):
+    if x.ndim < 4 or len(spec) < x.ndim - 1:
+        return spec
+    parts = list(spec) + [None] * (x.ndim - len(spec))
+    parts[-2] = None
+    return jax.sharding.PartitionSpec(*parts)
 
 
 def block_attention_cached(

@@ -30,10 +30,18 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.compute_dtype) * normed.astype(self.compute_dtype)
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear on [..., in] as one [tokens, in] x [in, out] matmul. With several leading axes
+    XLA:CPU transposes the activations (slowly) for the weight gradient; flat, it needs none."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
 def linear(in_features: int, out_features: int, *, param_dtype, compute_dtype, rngs, init_std=None):
     """A bias-free projection; kernel stored [in, out] (torch stores the transpose)."""
     init = nnx.initializers.normal(init_std) if init_std is not None else nnx.initializers.lecun_normal()
-    return nnx.Linear(
+    return Linear(
         in_features,
         out_features,
         use_bias=False,

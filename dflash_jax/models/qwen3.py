@@ -78,12 +78,12 @@ class TransformerBlock(nnx.Module):
 class DecoderLayer(TransformerBlock):
     """A target layer: causal self-attention over packed rows, or over a KV cache."""
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        """x [B, S, D], positions [B, S], mask [B, S, S] -> [B, S, D]."""
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x [B, S, D], positions [B, S], segment_ids [B, S] -> [B, S, D]."""
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
-        x = x + self.self_attn.output(attention.attend(q, k, v, mask))
+        x = x + self.self_attn.output(attention.packed_causal_attention(q, k, v, segment_ids))
         return self.mlp_residual(x)
 
     def decode(
@@ -164,12 +164,11 @@ class Transformer(nnx.Module):
         `hidden_layers` in that order). With return_logits=False the forward stops after
         max(hidden_layers)."""
         with jax.named_scope("target"):  # names the collectives in `python -m dflash_jax.plan`
-            mask = attention.packed_causal_mask(segment_ids)
             last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
             x = self.embed(tokens)
             outputs = []
             for layer in self.layers[: last + 1]:
-                x = layer(x, positions, mask)
+                x = layer(x, positions, segment_ids)
                 outputs.append(x)
             logits = self.unembed(self.norm(x)) if return_logits else None
             return logits, tuple(outputs[i] for i in hidden_layers)

@@ -1,18 +1,20 @@
 """Model FLOPs of one train step, counted analytically (shared by `bench/` and the plan).
 
 The count is the model's matmul FLOPs as the implementation computes them: the frozen target's
-forward through its last feature layer (causal attention computed densely), the drafter's
+forward through its last feature layer (causal attention by the query x key tiles on or below
+the diagonal, `models.attention.packed_causal_pairs`), the drafter's
 forward, twice that again for its backward (dX and dW), and dX through the frozen LM head.
 Rematerialized recomputation is not counted (the compiler's own count in the plan includes it).
 """
 
 from __future__ import annotations
 
+from dflash_jax.models.attention import packed_causal_pairs
 from dflash_jax.training.config import TrainSetup
 
 
 def model_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
-    """Matmul FLOPs of one train step as the implementation computes them (dense masks)."""
+    """Matmul FLOPs of one train step as the XLA implementation computes them."""
     return sum(_parts(setup, rows, seq_len)[:2])
 
 
@@ -32,7 +34,7 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
         return hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
 
-    # Target: forward through the last feature layer, causal attention computed densely.
+    # Target: forward through the last feature layer, causal attention by tiles below the diagonal.
     target_layers = max(obj.target_layer_ids) + 1
     target = (
         2
@@ -40,7 +42,7 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
         * target_layers
         * (
             seq_len * layer_weights(h, t.intermediate_size, t.num_heads, t.num_kv_heads)
-            + 2 * seq_len * seq_len * t.num_heads * hd
+            + 2 * packed_causal_pairs(seq_len) * t.num_heads * hd
         )
     )
     # Drafter: fc on context features; per layer, context k/v and the block tokens' layer, each

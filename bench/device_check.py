@@ -1,0 +1,320 @@
+"""One-device check of an accelerator for training: prints one JSON line (progress on stderr).
+
+    bash bench/device_check.sh            # Qwen3-8B-shaped, one H100/H200, under 8 minutes
+    bash bench/device_check.sh --tiny     # tiny shapes, any machine (CPU: kernels interpreted)
+
+What it measures, in this order:
+
+* parity: a small Qwen3-shaped target (head_dim 128, GQA 4) and drafter with random weights on
+  packed rows, against the fp32 XLA reference at the highest matmul precision on this device:
+  the fused kernels in fp32 and in bf16, and the XLA path in bf16 (for scale). Target: the
+  context features; drafter: its output hidden states and the gradient of a fixed projection of
+  them with respect to every drafter weight. Each error is relative: max|x - ref| / max|ref|
+  (features, hidden) or ‖g - g_ref‖ / ‖g_ref‖ (gradients).
+* train step: the real jitted train step (frozen target, drafter forward/backward, AdamW) on a
+  Qwen3-8B-shaped problem that fits one device — the 36-layer target in bf16 read up to layer
+  33, the 5-layer drafter of configs/qwen3.py:8b with remat, 2 rows x 3072 tokens (one device's
+  share of the 16-row global batch on 8 devices), 512 blocks of 16 per row — with the fused
+  attention and again with the XLA attention. tokens/s counts real (non-padding) tokens; MFU =
+  model FLOPs per step (`bench/train_step.py`: the XLA path's work, i.e. causal attention by
+  tiles below the diagonal and every block against its whole row; the same numerator for both
+  paths, so their MFUs compare) / step time / the device's dense bf16 peak (table below; None
+  for a device not in it). A measured bf16 matmul peak is reported beside it.
+* peak device memory (bytes in use at the high-water mark, as the runtime reports it) after the
+  fused step, and again after the XLA step.
+* decode: one target-alone step vs one DFlash step (draft a block of 16 + verify it) after a
+  2048-token prompt, bench/decoding_step.py's measurement: DFlash speeds decoding up by about
+  τ / cost_ratio.
+
+--tiny shrinks every shape so the script runs anywhere in a few minutes (the kernels run in
+Pallas interpret mode off GPU); its figures only show that the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import decoding_step
+import jax
+import jax.numpy as jnp
+import numpy as np
+import train_step
+from flax import nnx
+
+from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.speculative import SpeculativeDecoder
+from dflash_jax.models import attention
+from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.training.config import base_config, resolve
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
+from support.synthetic import packed_batch  # noqa: E402
+
+# Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+)
+
+QWEN3_8B = TransformerConfig(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope=RopeConfig(1_000_000.0),
+)
+TINY = TransformerConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope=RopeConfig(1_000_000.0),
+)
+# The parity model: Qwen3's head layout (head_dim 128, 4 query heads per kv head), small.
+PARITY = TransformerConfig(
+    vocab_size=4096,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=128,
+    rope=RopeConfig(1_000_000.0),
+)
+
+
+def log(message: str) -> None:
+    print(f"[device_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def peak_bf16_tflops(kind: str) -> float | None:
+    return next((peak for name, peak in PEAK_BF16_TFLOPS if name in kind), None)
+
+
+def peak_memory_gb() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else round(peak / 2**30, 2)
+
+
+def _significant(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _relative(x, ref) -> float:
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    return float(np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def _relative_norm(xs, refs) -> float:
+    num = sum(float(np.sum((np.asarray(x, np.float32) - np.asarray(r, np.float32)) ** 2)) for x, r in zip(xs, refs))
+    den = sum(float(np.sum(np.asarray(r, np.float32) ** 2)) for r in refs)
+    return float(np.sqrt(num / max(den, 1e-30)))
+
+
+def parity(cfg: TransformerConfig, *, rows: int, seq_len: int, num_blocks: int, block_size: int) -> dict:
+    """Relative errors against the fp32 XLA reference (see the module docstring)."""
+    layer_ids = (1, cfg.num_layers - 1)
+    rng = np.random.default_rng(0)
+    batch = packed_batch(rng, rows, seq_len, cfg.vocab_size - 1, doc_len=(seq_len // 8, seq_len // 2))
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    seg = np.asarray(batch["segment_ids"])
+    anchors = np.stack([np.sort(rng.choice(np.flatnonzero(s), num_blocks, replace=False)) for s in seg])
+    anchors = jnp.asarray(anchors, jnp.int32)
+    ctx_mask = attention.block_context_mask(batch["segment_ids"], anchors)
+    block_positions = jnp.take_along_axis(batch["positions"], anchors, 1)[..., None] + jnp.arange(block_size)
+    block_tokens = (
+        jnp.full((rows, num_blocks, block_size), cfg.vocab_size - 1)
+        .at[..., 0]
+        .set(jnp.take_along_axis(batch["tokens"], anchors, 1))
+    )
+    dcfg = DrafterConfig.for_target(
+        cfg, num_layers=1, mask_token_id=cfg.vocab_size - 1, block_size=block_size, target_layer_ids=layer_ids
+    )
+    projection = jax.random.normal(jax.random.key(2), (cfg.hidden_size,))
+
+    def run(impl: str, dtype) -> tuple:
+        # The same random weights (fp32 draws, cast) in every run; modules in `dtype`.
+        target_def, target_params = _in_dtype(Transformer, cfg, dtype, seed=0)
+        drafter_def, drafter_params = _in_dtype(DFlashDrafter, dcfg, dtype, seed=1)
+
+        @jax.jit
+        def forward(target_params, drafter_params):
+            target = nnx.merge(target_def, target_params)
+            features = target.features(batch["tokens"], batch["segment_ids"], batch["positions"], layer_ids)
+
+            def loss(params):
+                drafter = nnx.merge(drafter_def, params)
+                ctx = drafter.context(features)
+                embeds = target.embed(block_tokens)
+                hidden = drafter(embeds, block_positions, ctx, batch["positions"], ctx_mask, blocks_per_chunk=8)
+                return jnp.sum(hidden.astype(jnp.float32) @ projection), hidden
+
+            (_, hidden), grads = jax.value_and_grad(loss, has_aux=True)(drafter_params)
+            return features, hidden, grads
+
+        with attention.implementation(impl):
+            out = forward(target_params, drafter_params)
+        return jax.tree.map(np.asarray, out)
+
+    real = np.asarray(batch["segment_ids"]) != 0  # features at padding positions are unspecified
+    with jax.default_matmul_precision("highest"):
+        ref_features, ref_hidden, ref_grads = run("xla", jnp.float32)
+        results = {}
+        for impl, dtype in (("fused", jnp.float32), ("fused", jnp.bfloat16), ("xla", jnp.bfloat16)):
+            features, hidden, grads = run(impl, dtype)
+            results[f"{impl}_{jnp.dtype(dtype).name}"] = {
+                "target_features": _relative(features[real], ref_features[real]),
+                "drafter_hidden": _relative(hidden, ref_hidden),
+                "drafter_grads": _relative_norm(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)),
+            }
+            log(f"parity {impl} {jnp.dtype(dtype).name}: {results[f'{impl}_{jnp.dtype(dtype).name}']}")
+    return results
+
+
+def _in_dtype(module, cfg, dtype, *, seed: int):
+    """(graphdef, params) of `module(cfg)` computing in `dtype`, with weights drawn in fp32 and
+    cast, so every dtype sees the same weights."""
+    graphdef, _ = nnx.split(
+        nnx.eval_shape(lambda: module(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(0)))
+    )
+    _, params = nnx.split(module(cfg, rngs=nnx.Rngs(seed)))
+    return graphdef, jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def step_setup(target: TransformerConfig, *, rows, seq_len, num_anchors, block_size, drafter_layers, dtype):
+    c = base_config()
+    c.target.dtype = dtype
+    c.train.compute_dtype = dtype
+    c.drafter.num_layers = drafter_layers
+    c.drafter.block_size = block_size
+    c.drafter.mask_token_id = target.vocab_size - 1
+    c.data.seq_len = seq_len
+    c.data.global_batch_rows = rows
+    c.train.num_anchors = num_anchors
+    c.train.remat = True
+    c.train.attention_chunk_blocks = 32
+    c.train.lm_head_chunk_blocks = 32
+    return resolve(c, num_devices=1, target=target, check_files=False)
+
+
+def train_steps(setup, steps: int, peak_tflops: float | None) -> dict:
+    out = {}
+    for impl in ("fused", "xla"):
+        with attention.implementation(impl):
+            log(f"train step ({impl} attention): compiling and timing {steps} steps")
+            r = train_step.bench(setup, steps)
+        flops = r["flops_per_step"]
+        out[impl] = {
+            "tokens_per_s": round(r["tokens_per_s"], 1),
+            "step_s": round(1 / r["steps_per_s"], 4),
+            "compile_s": round(r["compile_s"], 1),
+            "model_tflop_per_step": _significant(flops / 1e12),
+            "achieved_tflops": _significant(r["flops_per_s"] / 1e12),
+            "mfu": None if peak_tflops is None else round(r["flops_per_s"] / (peak_tflops * 1e12), 4),
+            "peak_memory_gb": peak_memory_gb(),
+        }
+        log(f"train step ({impl}): {out[impl]}")
+    return out
+
+
+def decode_cost(target_cfg: TransformerConfig, *, dtype, drafter_layers, block_size, context, steps) -> dict:
+    dt = jnp.dtype(dtype)
+    target = Transformer(target_cfg, param_dtype=dt, compute_dtype=dt, rngs=nnx.Rngs(0))
+    prompt = np.random.default_rng(0).integers(0, target_cfg.vocab_size - 1, context).astype(np.int32)
+    kw = dict(max_prompt_len=context, max_new_tokens=steps * block_size + 8, batch_size=1)
+    log(f"decode: target alone, context {context}")
+    base = decoding_step.step_ms(TargetDecoder(target, **kw), prompt, steps)
+    dcfg = DrafterConfig.for_target(
+        target_cfg, num_layers=drafter_layers, mask_token_id=target_cfg.vocab_size - 1, block_size=block_size
+    )
+    drafter = DFlashDrafter(dcfg, param_dtype=dt, compute_dtype=dt, rngs=nnx.Rngs(1))
+    log(f"decode: DFlash block {block_size}, {drafter_layers} drafter layers")
+    dflash = decoding_step.step_ms(SpeculativeDecoder(target, drafter, **kw), prompt, steps)
+    return {
+        "context": context,
+        "block_size": block_size,
+        "target_ms": round(base, 3),
+        "dflash_ms": round(dflash, 3),
+        "cost_ratio": round(dflash / base, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, tests)")
+    parser.add_argument("--steps", type=int, default=0, help="timed train steps per attention path (default 5, tiny 2)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    device = jax.devices()[0]
+    kind = device.device_kind
+    tiny = args.tiny
+    steps = args.steps or (2 if tiny else 5)
+    dtype = "float32" if tiny and jax.default_backend() == "cpu" else "bfloat16"
+    peak = peak_bf16_tflops(kind) if dtype == "bfloat16" else None
+    log(f"{kind} ({jax.default_backend()}), {'tiny' if tiny else 'Qwen3-8B'} shapes, train step in {dtype}")
+    result = {
+        "device": kind,
+        "backend": jax.default_backend(),
+        "shapes": "tiny" if tiny else "qwen3-8b",
+        "attention_auto": attention.resolved_implementation(),
+    }
+    if tiny:
+        result["parity"] = parity(TINY, rows=2, seq_len=96, num_blocks=6, block_size=8)
+    else:
+        result["parity"] = parity(PARITY, rows=2, seq_len=1024, num_blocks=64, block_size=16)
+    result["matmul_peak_tflops"] = _significant(
+        train_step.matmul_peak(jnp.dtype(dtype), n=512 if tiny else 8192) / 1e12
+    )
+    result["peak_tflops"] = peak
+    target = TINY if tiny else QWEN3_8B
+    setup = step_setup(
+        target,
+        rows=2,
+        seq_len=128 if tiny else 3072,
+        num_anchors=16 if tiny else 512,
+        block_size=8 if tiny else 16,
+        drafter_layers=1 if tiny else 5,
+        dtype=dtype,
+    )
+    result["train_step"] = {
+        "rows": setup.data.global_batch_rows,
+        "seq_len": setup.data.seq_len,
+        "anchors": setup.objective.num_anchors,
+        "block_size": setup.objective.block_size,
+        "drafter_layers": setup.drafter.num_layers,
+        "dtype": dtype,
+        **train_steps(setup, steps, peak),
+    }
+    result["decode"] = decode_cost(
+        target,
+        dtype=dtype,
+        drafter_layers=1 if tiny else 5,
+        block_size=8 if tiny else 16,
+        context=64 if tiny else 2048,
+        steps=5 if tiny else 20,
+    )
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

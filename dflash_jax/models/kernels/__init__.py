@@ -1,0 +1,60 @@
+"""Fused attention kernels for GPUs (Pallas on Triton), one per attention pattern of training.
+
+* `packed_causal.packed_causal_attention`: the target's causal attention over packed rows,
+  forward only (the target is frozen). Each tile of queries walks the key tiles from the start
+  of its first query's document to the diagonal; tiles of earlier documents are never visited.
+* `block.block_attention`: the drafter's DFlash block attention (docs/design.md §3.2) with its
+  backward pass. Each block's queries walk only the context tiles of its span (its document's
+  keys before the anchor) and then its own block; the backward pass computes dq and the block's
+  own dk/dv per block, and the context dk/dv per context tile by visiting only the blocks whose
+  span covers that tile (blocks sorted by span end, so that set is one contiguous range).
+
+`models/attention.py` decides when these run (`implementation`); its XLA code is the reference
+they are tested against (tests/models/test_attention_kernels.py, Pallas interpret mode on CPU).
+On a machine without a GPU the kernels run in interpret mode: correct, slow, for tests only.
+
+Both kernels assume what packing guarantees (docs/design.md §6.5): a row's documents are
+contiguous runs of equal segment ids. Outputs at padding positions (segment 0) are unspecified;
+nothing reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+
+# Masked scores: large, finite, negative (docs/design.md §3.2): a fully masked tile contributes
+# exp(MASKED - m) = 0 once any visible key has been seen, and never NaN.
+MASKED = -1e30
+LOG2_E = 1.4426950408889634
+
+
+_COMPILED = contextvars.ContextVar("dflash_kernels_compiled", default=False)
+
+
+def interpret_mode() -> bool:
+    """Pallas kernels compile for GPUs only; elsewhere they run in interpret mode (tests)."""
+    return jax.default_backend() != "gpu" and not _COMPILED.get()
+
+
+@contextlib.contextmanager
+def compiled_for_gpu() -> Iterator[None]:
+    """Trace the kernels for the GPU even on another backend: lets a CPU-only test lower them
+    to Triton (`.lower(lowering_platforms=("cuda",))`) to check they compile there."""
+    token = _COMPILED.set(True)
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def supported_head_dim(head_dim: int) -> bool:
+    """Triton tiles need power-of-two sizes; Qwen3 and Llama-3 use 128 (the tiny target 64)."""
+    return head_dim >= 16 and head_dim == next_power_of_2(head_dim)

@@ -1,0 +1,103 @@
+"""The target's packed causal attention as a Pallas (Triton) kernel, forward only.
+
+One program per (query tile, row, query head). Its key/value head is `head // G` (grouped-query
+attention read in place, never repeated). It walks the key tiles from the tile holding the
+document start of its first query up to the diagonal, with an online softmax in base 2 (the
+FlashAttention-2 forward); a query sees the keys of its own document up to itself. Rows of
+several documents therefore cost about the sum of their documents' squares, not the row's.
+The target is frozen, so no backward pass is defined.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from dflash_jax.models.kernels import LOG2_E, MASKED, interpret_mode
+
+BLOCK_Q = 64
+BLOCK_K = 64
+
+
+def document_starts(segment_ids: jax.Array) -> jax.Array:
+    """[B, S] -> [B, S] int32: the index where each token's run of equal segment ids begins."""
+    s = segment_ids.shape[1]
+    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids.shape)
+    new_run = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return jax.lax.cummax(jnp.where(new_run, index, 0), axis=1)
+
+
+def _kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, start_ref, o_ref, *, scale, block_q, block_k):
+    tile = pl.program_id(0)
+    q = q_ref[...]  # [block_q, H]
+    seg_q = seg_q_ref[...]
+    q_pos = tile * block_q + jnp.arange(block_q)
+    first_key = jnp.min(start_ref[...])  # document start of the tile's first query
+
+    def body(j, carry):
+        acc, m, total = carry
+        keys = pl.ds(j * block_k, block_k)
+        k = k_ref[keys, :]
+        s = plgpu.dot(q, k.T) * (scale * LOG2_E)  # fp32 [block_q, block_k]
+        k_pos = j * block_k + jnp.arange(block_k)
+        visible = (seg_q[:, None] == seg_k_ref[keys][None, :]) & (q_pos[:, None] >= k_pos[None, :])
+        s = jnp.where(visible, s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        v = v_ref[keys, :]
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, total * correction + p.sum(axis=-1)
+
+    head_dim = q.shape[-1]
+    init = (
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    last = lax.div((tile + 1) * block_q + block_k - 1, block_k)
+    acc, _, total = lax.fori_loop(lax.div(first_key, block_k), last, body, init)
+    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+
+
+def packed_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """q [B, S, K*G, H], k/v [B, S, K, H], segment_ids [B, S] -> [B, S, K*G, H].
+
+    Same result as `attention.attend(q, k, v, attention.packed_causal_mask(segment_ids))` at
+    every non-padding position. S is padded to a multiple of the tile sizes inside.
+    """
+    b, s, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    tile = max(BLOCK_Q, BLOCK_K)
+    pad = (-s) % tile
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    padded = s + pad
+    starts = document_starts(segment_ids)
+    kernel = functools.partial(_kernel, scale=head_dim**-0.5, block_q=BLOCK_Q, block_k=BLOCK_K)
+    out = pl.pallas_call(
+        kernel,
+        grid=(padded // BLOCK_Q, b, heads),
+        in_specs=[
+            pl.BlockSpec((None, BLOCK_Q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
+            pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
+            pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
+            pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
+            pl.BlockSpec((None, padded), lambda i, r, h: (r, 0)),
+            pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
+        ],
+        out_specs=pl.BlockSpec((None, BLOCK_Q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret_mode(),
+        name="packed_causal_attention",
+    )(q, k, v, segment_ids, segment_ids, starts)
+    return out[:, :s]

@@ -1,0 +1,259 @@
+"""Training attention, every implementation against the reference (models/attention.py).
+
+The XLA paths (tiled packed causal, chunked block attention) are checked against dense masks;
+the fused Pallas kernels run in interpret mode on CPU and are checked against the XLA path, the
+block kernel's gradients included; and the kernels are lowered to Triton for a GPU (no GPU
+needed to lower) to show they compile there at Qwen3-8B's head layout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.models import attention, kernels
+from dflash_jax.models.config import RopeConfig, TransformerConfig
+from dflash_jax.models.kernels import block as fused_block
+from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.training import objective
+from support.synthetic import packed_batch
+
+
+def _normal(key, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(key), shape).astype(dtype)
+
+
+def _packed(rows, seq_len, doc_len, seed=0):
+    batch = packed_batch(np.random.default_rng(seed), rows, seq_len, 100, doc_len=doc_len)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def _qkv(rows, seq_len, heads, kv_heads, head_dim, dtype=jnp.float32):
+    return (
+        _normal(1, (rows, seq_len, heads, head_dim), dtype),
+        _normal(2, (rows, seq_len, kv_heads, head_dim), dtype),
+        _normal(3, (rows, seq_len, kv_heads, head_dim), dtype),
+    )
+
+
+def _packed_causal(impl, q, k, v, segment_ids):
+    with attention.implementation(impl), jax.default_matmul_precision("highest"):
+        return attention.packed_causal_attention(q, k, v, segment_ids)
+
+
+def _real(segment_ids):
+    return np.asarray(segment_ids != 0)[..., None, None]
+
+
+def test_auto_means_xla_on_cpu():
+    assert jax.default_backend() == "cpu"
+    with attention.implementation("auto"):
+        assert attention.resolved_implementation() == "xla"
+    with attention.implementation("fused"):
+        assert attention.resolved_implementation() == "fused"
+    with pytest.raises(ValueError, match="not one of"):
+        attention.set_implementation("flash")
+
+
+@pytest.mark.parametrize("seq_len", [40, 100, 320])
+def test_tiled_packed_causal_equals_dense_mask(seq_len):
+    batch = _packed(2, seq_len, (seq_len // 6, seq_len // 2))
+    q, k, v = _qkv(2, seq_len, 4, 2, 16)
+    with jax.default_matmul_precision("highest"):
+        dense = attention.attend(q, k, v, attention.packed_causal_mask(batch["segment_ids"]))
+    tiled = _packed_causal("xla", q, k, v, batch["segment_ids"])
+    np.testing.assert_allclose(
+        np.where(_real(batch["segment_ids"]), tiled, 0), np.where(_real(batch["segment_ids"]), dense, 0), atol=1e-5
+    )
+    tiles = attention.packed_causal_tiles(seq_len)
+    assert tiles[0][0] == 0 and tiles[-1][1] == seq_len
+    assert attention.packed_causal_pairs(seq_len) == sum((hi - lo) * hi for lo, hi in tiles) <= seq_len**2
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "heads", "kv_heads", "dtype", "atol"),
+    [(200, 4, 2, jnp.float32, 2e-5), (128, 8, 2, jnp.float32, 2e-5), (192, 4, 4, jnp.bfloat16, 3e-2)],
+)
+def test_fused_packed_causal_equals_xla(seq_len, heads, kv_heads, dtype, atol):
+    batch = _packed(2, seq_len, (10, 90))
+    seg = batch["segment_ids"].at[1, :70].set(1)  # a document spanning more than one key tile
+    q, k, v = _qkv(2, seq_len, heads, kv_heads, 32, dtype)
+    reference = _packed_causal("xla", q, k, v, seg).astype(jnp.float32)
+    fused = _packed_causal("fused", q, k, v, seg).astype(jnp.float32)
+    real = _real(seg)
+    np.testing.assert_allclose(np.where(real, fused, 0), np.where(real, reference, 0), atol=atol)
+    assert np.isfinite(np.asarray(fused)).all()
+
+
+def _blocks(rows, seq_len, num_blocks, seed=0):
+    """Segment ids and a context mask from the objective's own anchor sampling, with an invalid
+    block and a block anchored at a document start (both see no context)."""
+    batch = _packed(rows, seq_len, (12, 70), seed)
+    keys = objective.row_keys(jax.random.key(seed), jnp.arange(rows))
+    index, valid = objective.sample_anchors(keys, batch["segment_ids"], batch["loss_mask"], num_blocks, "row")
+    index, valid = index.at[0, 0].set(0), valid.at[0, 1].set(False)
+    return attention.block_context_mask(batch["segment_ids"], index, valid)
+
+
+def _block_inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, head_dim, dtype):
+    shapes = [
+        (rows, num_blocks, block_len, heads, head_dim),
+        (rows, seq_len, kv_heads, head_dim),
+        (rows, seq_len, kv_heads, head_dim),
+        (rows, num_blocks, block_len, kv_heads, head_dim),
+        (rows, num_blocks, block_len, kv_heads, head_dim),
+    ]
+    return tuple(_normal(10 + i, shape, dtype) for i, shape in enumerate(shapes))
+
+
+def _block_loss_and_grads(impl, args, mask, cotangent):
+    def loss(args):
+        out = attention.block_attention(*args, mask, blocks_per_chunk=3)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    with attention.implementation(impl), jax.default_matmul_precision("highest"):
+        (_, out), grads = jax.value_and_grad(loss, has_aux=True)(args)
+    return out.astype(jnp.float32), [g.astype(jnp.float32) for g in grads]
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "block_len", "heads", "kv_heads", "dtype", "atol"),
+    [
+        (150, 8, 4, 2, jnp.float32, 2e-5),  # S not a multiple of the key tile, G = 2
+        (128, 10, 8, 2, jnp.float32, 2e-5),  # a block length that is not a power of two, G = 4
+        (96, 16, 2, 2, jnp.bfloat16, 5e-2),
+    ],
+)
+def test_fused_block_attention_equals_xla_with_gradients(seq_len, block_len, heads, kv_heads, dtype, atol):
+    rows, num_blocks = 2, 9
+    mask = _blocks(rows, seq_len, num_blocks)
+    args = _block_inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, 32, dtype)
+    cotangent = _normal(30, args[0].shape)
+    out_xla, grads_xla = _block_loss_and_grads("xla", args, mask, cotangent)
+    out_fused, grads_fused = _block_loss_and_grads("fused", args, mask, cotangent)
+    np.testing.assert_allclose(out_fused, out_xla, atol=atol)
+    scale = 1 if dtype == jnp.float32 else 4  # bf16 gradients sum many rounded terms
+    for name, fused, xla in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads_fused, grads_xla):
+        np.testing.assert_allclose(fused, xla, atol=scale * atol, err_msg=name)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads_fused)
+
+
+def test_context_spans_are_the_mask():
+    mask = _blocks(3, 200, 16, seed=1)
+    start, end = fused_block.context_spans(mask)
+    positions = np.arange(mask.shape[-1])
+    spans = (positions >= np.asarray(start)[..., None]) & (positions < np.asarray(end)[..., None])
+    np.testing.assert_array_equal(spans, mask)
+    assert int((end == 0).sum()) >= 2  # the invalid block and the one anchored at a document start
+
+
+def _tiny_target(head_dim=32):
+    cfg = TransformerConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        rope=RopeConfig(10_000.0),
+    )
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def test_target_forward_fused_equals_xla():
+    target = _tiny_target()
+    batch = _packed(2, 96, (10, 50))
+    args = (batch["tokens"], batch["segment_ids"], batch["positions"])
+    outs = {}
+    for impl in ("xla", "fused"):
+        with attention.implementation(impl), jax.default_matmul_precision("highest"):
+            outs[impl] = target.features(*args, (0, 1))
+    real = np.asarray(batch["segment_ids"] != 0)[..., None]
+    np.testing.assert_allclose(np.where(real, outs["fused"], 0), np.where(real, outs["xla"], 0), atol=1e-4)
+
+
+def test_unsupported_head_dim_falls_back_to_xla():
+    q, k, v = _qkv(1, 64, 2, 1, 24)  # not a power of two
+    seg = jnp.ones((1, 64), jnp.int32)
+    np.testing.assert_allclose(_packed_causal("fused", q, k, v, seg), _packed_causal("xla", q, k, v, seg), atol=1e-6)
+
+
+def test_kernels_lower_to_triton_for_gpu():
+    """Qwen3-8B's head layout (32 query heads of 128 over 8 kv heads, block 16) at small lengths:
+    lowering for CUDA runs Pallas' Triton lowering, which rejects what Triton cannot compile."""
+    rows, seq_len, num_blocks, block_len = 1, 256, 8, 16
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((rows, seq_len, 32, 128), jnp.bfloat16), sds((rows, seq_len, 8, 128), jnp.bfloat16)
+    segment_ids = sds((rows, seq_len), jnp.int32)
+    q_blk, kv_blk = (
+        sds((rows, num_blocks, block_len, 32, 128), jnp.bfloat16),
+        sds((rows, num_blocks, block_len, 8, 128), jnp.bfloat16),
+    )
+    mask = sds((rows, num_blocks, seq_len), bool)
+
+    def drafter_grads(q, k_ctx, v_ctx, k_blk, v_blk, mask):
+        def loss(*args):
+            return attention.block_attention(*args, mask, blocks_per_chunk=4).astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k_ctx, v_ctx, k_blk, v_blk)
+
+    with attention.implementation("fused"), kernels.compiled_for_gpu():
+        target = jax.jit(attention.packed_causal_attention).trace(q, kv, kv, segment_ids)
+        drafter = jax.jit(drafter_grads).trace(q_blk, kv, kv, kv_blk, kv_blk, mask)
+        target_hlo = target.lower(lowering_platforms=("cuda",)).as_text()
+        drafter_hlo = drafter.lower(lowering_platforms=("cuda",)).as_text()
+    assert target_hlo.count("__gpu$xla.gpu.triton") == 1
+    assert drafter_hlo.count("__gpu$xla.gpu.triton") == 3  # forward, dq, context dk/dv
+
+
+SHARDED_CHECK = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from dflash_jax.models import attention, sharding
+    from dflash_jax.training.mesh import make_mesh
+    import test_attention_kernels as t
+
+    mesh = make_mesh(2, 1, 1)
+    mask = t._blocks(2, 96, 6)
+    args = t._block_inputs(2, 96, 6, 8, 4, 2, 32, jnp.float32)
+    cot = t._normal(30, args[0].shape)
+    out, grads = t._block_loss_and_grads("fused", args, mask, cot)
+
+    def loss(args, mask):
+        with sharding.activation_sharding(mesh):
+            o = attention.block_attention(*args, mask, blocks_per_chunk=3)
+        return jnp.sum(o * cot), o
+
+    rows = NamedSharding(mesh, P(sharding.BATCH_MESH_AXES))
+    put = lambda x: jax.device_put(x, rows)
+    with attention.implementation("fused"), jax.default_matmul_precision("highest"):
+        f = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        (_, sharded), sharded_grads = f(jax.tree.map(put, args), put(mask))
+        assert "shard_map" in str(jax.make_jaxpr(loss)(args, mask))
+    np.testing.assert_allclose(sharded, out, atol=1e-5)
+    for a, b in zip(sharded_grads, grads):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    print("ok")
+    """
+)
+
+
+def test_fused_block_attention_runs_per_shard_on_a_mesh():
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    )
+    result = subprocess.run([sys.executable, "-c", SHARDED_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

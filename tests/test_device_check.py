@@ -1,0 +1,36 @@
+"""bench/device_check.sh --tiny runs on CPU and prints one JSON line with every figure."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_device_check_tiny_prints_one_json_line():
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "device_check.sh"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    report = json.loads(lines[0])
+    assert report["shapes"] == "tiny" and report["attention_auto"] == "xla"
+    parity = report["parity"]
+    assert set(parity) == {"fused_float32", "fused_bfloat16", "xla_bfloat16"}
+    for name, errors in parity.items():
+        assert set(errors) == {"target_features", "drafter_hidden", "drafter_grads"}
+        bound = 1e-4 if name.endswith("float32") else 5e-2  # relative to the fp32 XLA reference
+        assert all(0 <= e < bound for e in errors.values()), (name, errors)
+    step = report["train_step"]
+    for impl in ("fused", "xla"):
+        assert step[impl]["tokens_per_s"] > 0 and step[impl]["model_tflop_per_step"] > 0
+        assert step[impl]["mfu"] is None  # no known peak for a CPU
+    assert report["matmul_peak_tflops"] > 0
+    assert report["decode"]["cost_ratio"] > 0
