@@ -25,6 +25,7 @@ from dflash_jax.data.config import DataConfig
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.chat import resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
+from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.mesh import mesh_shape
@@ -73,6 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_clip_norm = 1.0
     c.train.compute_dtype = "bfloat16"  # drafter compute; master weights are always fp32
     c.train.remat = False  # recompute each drafter layer in the backward pass
+    # Attention code (models/attention.py): 'auto' = fused Pallas kernels on GPU, XLA elsewhere;
+    # 'xla' (the reference) or 'fused' to force one.
+    c.train.attention = "auto"
     c.train.attention_chunk_blocks = 32  # blocks per attention chunk (memory vs speed)
     c.train.lm_head_chunk_blocks = 32  # blocks per LM-head/cross-entropy chunk
     c.train.max_nonfinite_streak = 20  # stop after this many consecutive skipped updates
@@ -123,6 +127,7 @@ class RunSettings:
     grad_accum_steps: int
     max_nonfinite_streak: int
     seed: int
+    attention: str = "auto"  # models.attention implementation: auto, xla or fused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +261,10 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         1 <= train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}"
     )
     _require(
+        train.attention in ATTENTION_IMPLEMENTATIONS,
+        f"train.attention={train.attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}",
+    )
+    _require(
         train.anchor_scheme in ANCHOR_SCHEMES,
         f"train.anchor_scheme={train.anchor_scheme!r} is not one of {', '.join(ANCHOR_SCHEMES)}",
     )
@@ -360,7 +369,9 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         ),
         data=data,
         mesh_shape=shape,
-        run=RunSettings(train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, config.seed),
+        run=RunSettings(
+            train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, config.seed, train.attention
+        ),
         checkpoint=CheckpointSettings(**config.checkpoint.to_dict()),
         log=LogSettings(**config.log.to_dict()),
         eval=EvalSettings(eval_prompts, config.eval.every_steps, config.eval.num_prompts, config.eval.max_new_tokens),
