@@ -27,7 +27,10 @@ What it measures, in this order:
   τ / cost_ratio.
 
 --tiny shrinks every shape so the script runs anywhere in a few minutes (the kernels run in
-Pallas interpret mode off GPU); its figures only show that the script works.
+Pallas interpret mode off GPU); its figures only show that the script works. --parts runs a
+subset (parity, step, decode), e.g. to split the check into two calls if compiling the 8B step
+twice takes longer than expected. Not yet run on a GPU: the figures in the README come from its
+first run there.
 """
 
 from __future__ import annotations
@@ -262,7 +265,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, tests)")
     parser.add_argument("--steps", type=int, default=0, help="timed train steps per attention path (default 5, tiny 2)")
+    parser.add_argument("--parts", default="parity,step,decode", help="comma-separated subset to run")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     start = time.perf_counter()
     device = jax.devices()[0]
     kind = device.device_kind
@@ -277,9 +282,9 @@ def main() -> None:
         "shapes": "tiny" if tiny else "qwen3-8b",
         "attention_auto": attention.resolved_implementation(),
     }
-    if tiny:
+    if "parity" in parts and tiny:
         result["parity"] = parity(TINY, rows=2, seq_len=96, num_blocks=6, block_size=8)
-    else:
+    elif "parity" in parts:
         result["parity"] = parity(PARITY, rows=2, seq_len=1024, num_blocks=64, block_size=16)
     result["matmul_peak_tflops"] = _significant(
         train_step.matmul_peak(jnp.dtype(dtype), n=512 if tiny else 8192) / 1e12
@@ -295,23 +300,25 @@ def main() -> None:
         drafter_layers=1 if tiny else 5,
         dtype=dtype,
     )
-    result["train_step"] = {
-        "rows": setup.data.global_batch_rows,
-        "seq_len": setup.data.seq_len,
-        "anchors": setup.objective.num_anchors,
-        "block_size": setup.objective.block_size,
-        "drafter_layers": setup.drafter.num_layers,
-        "dtype": dtype,
-        **train_steps(setup, steps, peak),
-    }
-    result["decode"] = decode_cost(
-        target,
-        dtype=dtype,
-        drafter_layers=1 if tiny else 5,
-        block_size=8 if tiny else 16,
-        context=64 if tiny else 2048,
-        steps=5 if tiny else 20,
-    )
+    if "step" in parts:
+        result["train_step"] = {
+            "rows": setup.data.global_batch_rows,
+            "seq_len": setup.data.seq_len,
+            "anchors": setup.objective.num_anchors,
+            "block_size": setup.objective.block_size,
+            "drafter_layers": setup.drafter.num_layers,
+            "dtype": dtype,
+            **train_steps(setup, steps, peak),
+        }
+    if "decode" in parts:
+        result["decode"] = decode_cost(
+            target,
+            dtype=dtype,
+            drafter_layers=1 if tiny else 5,
+            block_size=8 if tiny else 16,
+            context=64 if tiny else 2048,
+            steps=5 if tiny else 20,
+        )
     result["wall_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result), flush=True)
 

@@ -6,6 +6,7 @@
 #
 #   bash bench/device_check.sh            # Qwen3-8B shapes, bf16, on the first accelerator
 #   bash bench/device_check.sh --tiny     # tiny shapes, any machine (CPU: a few minutes)
+#   bash bench/device_check.sh --parts=step   # a subset: parity, step, decode
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # One device, and let JAX take most of its memory up front (the step is sized to fit one).
