@@ -7,7 +7,7 @@
 The variant string picks the target size and options, comma-separated (big_vision style):
   size      4b | 8b (default) | 32b: the drafter's depth, and the public config.json the memory
             plan reads (configs/targets/); 32b also splits the target over mesh.tensor=4
-            (data=2 x tensor=4; with fsdp: fsdp=2 x tensor=4)
+            (data=2 x tensor=4; with fsdp: fsdp=2 x tensor=4) and accumulates 4 micro-batches
   block     b16 (default) | b10 | b8: the drafter's block size, with the paper's loss decay γ
   fsdp      split the frozen target's weights over 4 devices (mesh data=2 x fsdp=4); the
             drafter's weights and optimizer state are split over every device in any case
@@ -27,7 +27,8 @@ SIZES = {
     "4b": dict(drafter_layers=5, plan_config="Qwen3-4B.json"),
     "8b": dict(drafter_layers=5, plan_config="Qwen3-8B.json"),
     # 64 GiB of bf16 weights: heads, kv heads and MLP split over 4 devices (8 kv heads allow 8).
-    "32b": dict(drafter_layers=5, plan_config="Qwen3-32B.json", tensor=4, fsdp=2),
+    # Rows are split over data x fsdp only, so 4 micro-batches keep 2 rows per device at a time.
+    "32b": dict(drafter_layers=5, plan_config="Qwen3-32B.json", tensor=4, fsdp=2, grad_accum_steps=4),
 }
 BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 FSDP_DEVICES = 4
@@ -58,6 +59,7 @@ def get_config(variants: str = "8b"):
     c.train.remat = True
     c.log.every_steps = 20
     c.mesh.tensor = size.get("tensor", 1)
+    c.train.grad_accum_steps = size.get("grad_accum_steps", 1)
     if "fsdp" in chosen:
         c.mesh.fsdp = size.get("fsdp", FSDP_DEVICES)
     return c

@@ -55,6 +55,7 @@ def _rerun_on_simulated_devices(n: int) -> None:
     ]
     xla_flags += [f for f in _CPU_FLAGS if f.split("=")[0] not in " ".join(xla_flags)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{_SIMULATED: str(n)})
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA:CPU's "slow compile" alarms and partitioner notes
     env["XLA_FLAGS"] = " ".join([*xla_flags, f"--xla_force_host_platform_device_count={n}"])
     sys.stdout.flush()
     sys.stderr.flush()

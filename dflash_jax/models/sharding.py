@@ -11,8 +11,10 @@ table per layout, and the layout follows from the mesh shape (`layout_of`):
 
 Batch rows are split over (data, fsdp) in every layout, never over `tensor`. The trained state
 (the drafter's fp32 master weights and the AdamW moments) is split ZeRO-style over every device
-in every layout (`ZERO_RULES`): the step all-gathers a weight where it is used and
-reduce-scatters its gradient, so no device holds a whole copy of the optimizer state.
+in every layout (`ZERO_RULES`): the step gathers a weight (its compute-dtype copy) where it is
+used and reduces its gradient back onto the split, so no device holds a whole copy of the
+optimizer state. The drafter's activations follow the layout's rules like the target's, so in
+`tensor` its heads and MLP are split too.
 
 Resolving a logical spec (`logical_to_spec`) walks the rules in order: each rule gives its
 mesh axes to every array axis of that logical name, skipping mesh axes of size 1 and those an
@@ -85,9 +87,16 @@ RULES: dict[str, Rules] = {
     ),
 }
 
-# The trained state (master weights, optimizer moments), every layout: split over all devices,
-# along the first of these axes the device count divides.
-ZERO_RULES: Rules = tuple((name, MESH_AXES) for name in (EMBED, MLP, HEADS, KV_HEADS, FEATURES, VOCAB))
+# The trained state (master weights, optimizer moments), every layout: split over all devices.
+# Heads and MLP go to `tensor` first, as the compute splits them (so gathering a weight for use is
+# a plain all-gather over data x fsdp), then embed (else the next axis the rest divides) takes the
+# remaining mesh axes.
+ZERO_RULES: Rules = (
+    (HEADS, (TENSOR_AXIS,)),
+    (KV_HEADS, (TENSOR_AXIS,)),
+    (MLP, (TENSOR_AXIS,)),
+    *((name, MESH_AXES) for name in (EMBED, MLP, HEADS, KV_HEADS, FEATURES, VOCAB)),
+)
 
 
 def layout_of(mesh: Mesh | Mapping[str, int]) -> str:

@@ -4,7 +4,7 @@ The count is the model's matmul FLOPs as the implementation computes them: the f
 forward through its last feature layer (causal attention by the query x key tiles on or below
 the diagonal, `models.attention.packed_causal_pairs`), the drafter's
 forward, twice that again for its backward (dX and dW), and dX through the frozen LM head.
-Rematerialized recomputation is not counted (the compiler's own count in the plan includes it).
+Recomputation in the backward pass is not counted here; `remat_flops_per_step` counts it.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ MESHES = {  # layout name -> a mesh shape that selects it (8 devices)
     "fsdp+tensor": {"data": 1, "fsdp": 2, "tensor": 4},
 }
 ALL = "every device"  # in DRAFTER_ZERO_SPECS: the mesh axes of size > 1, in mesh order
+REST = "data x fsdp"  # the mesh axes of size > 1 other than tensor
 
 # Frozen target: parameter (end of its path) -> spec, per layout. Norm scales are never split.
 TARGET_SPECS = {
@@ -81,8 +82,9 @@ TARGET_SPECS = {
     },
 }
 
-# Trained state (drafter master weights and AdamW moments): the same in every layout, split
-# over all 8 devices along embed (e.g. ('data', 'fsdp') on data=2 x fsdp=4).
+# Trained state (drafter master weights and AdamW moments): split over all 8 devices in every
+# layout, along embed (e.g. ('data', 'fsdp') on data=2 x fsdp=4); with a tensor axis, heads and
+# MLP over `tensor` as the compute splits them, embed over the rest.
 DRAFTER_ZERO_SPECS = {
     "fc.kernel": P(None, ALL),
     "q_proj.kernel": P(ALL, None),
@@ -92,6 +94,16 @@ DRAFTER_ZERO_SPECS = {
     "gate_proj.kernel": P(ALL, None),
     "up_proj.kernel": P(ALL, None),
     "down_proj.kernel": P(None, ALL),
+}
+DRAFTER_ZERO_SPECS_TENSOR = {
+    "fc.kernel": P(None, ALL),
+    "q_proj.kernel": P(REST, "tensor"),
+    "k_proj.kernel": P(REST, "tensor"),
+    "v_proj.kernel": P(REST, "tensor"),
+    "o_proj.kernel": P("tensor", REST),
+    "gate_proj.kernel": P(REST, "tensor"),
+    "up_proj.kernel": P(REST, "tensor"),
+    "down_proj.kernel": P("tensor", REST),
 }
 
 
@@ -112,7 +124,9 @@ def expected_for(table: dict, name: str, mesh=None) -> P:
         return P()
     spec = next(spec for suffix, spec in table.items() if name.endswith(suffix))
     every = tuple(a for a in sharding.MESH_AXES if (mesh or {}).get(a, 1) > 1)
-    return P(*[(every if len(every) > 1 else every[0]) if s == ALL else s for s in spec])
+    rest = tuple(a for a in every if a != "tensor")
+    named = {ALL: every, REST: rest}
+    return P(*[(named[s] if len(named[s]) > 1 else named[s][0]) if s in named else s for s in spec])
 
 
 def abstract_params(model_fn):
@@ -144,7 +158,8 @@ def test_drafter_state_is_split_over_every_device(layout):
         if leaf.ndim == 0 or name.endswith("norm.weight"):
             assert normalized(got) == (), (name, got)
             continue
-        assert normalized(got) == normalized(expected_for(DRAFTER_ZERO_SPECS, name, mesh)), (layout, name, got)
+        table = DRAFTER_ZERO_SPECS_TENSOR if "tensor" in layout else DRAFTER_ZERO_SPECS
+        assert normalized(got) == normalized(expected_for(table, name, mesh)), (layout, name, got)
         checked += 1
     assert checked == 3 * (1 + 7 * cfg.num_layers)  # params, mu, nu
 
