@@ -150,6 +150,7 @@ class TrainingRun:
             grad_accum_steps=setup.run.grad_accum_steps,
             mesh=mesh,
             state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
+            attention=setup.run.attention,
         )
         self.evaluate = AcceptanceEval.for_setup(setup) if setup.eval.during_training else None
         self.best = BestCheckpoint(workdir.best_checkpoint, resumed_step=self.last_saved) if self.evaluate else None

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dflash_jax.models import attention as attention_lib
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import activation_sharding, train_state_shardings
@@ -150,8 +151,12 @@ def make_train_step(
     grad_accum_steps: int,
     mesh: Mesh,
     state_sharding,
+    attention: str = "auto",
 ) -> Callable[[TrainState, nnx.State, objective.Batch], tuple[TrainState, dict]]:
     """Returns jitted `step(state, target_params, batch) -> (state, additive metrics)`.
+
+    `attention` picks the attention code the step is traced with (`models.attention`: 'auto' =
+    fused kernels on GPU, XLA elsewhere; 'xla'; 'fused').
 
     `batch` is a dict of global int32 [rows, seq_len] arrays sharded with `batch_sharding`.
     Micro-batches accumulate Σ w·CE, its gradient and Σw; both are divided by the global Σw once
@@ -214,7 +219,8 @@ def make_train_step(
         return new_state, metrics
 
     def sharded_step(state: TrainState, target_params: nnx.State, batch: objective.Batch):
-        with activation_sharding(mesh):  # activations placed by logical names while tracing
+        # Both settings apply while tracing: activations placed by logical names, attention code.
+        with activation_sharding(mesh), attention_lib.implementation(attention):
             return step(state, target_params, batch)
 
     target_sharding = jax.tree.map(lambda x: x.sharding, target_params)

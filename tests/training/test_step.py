@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -160,3 +161,25 @@ def test_non_finite_step_is_skipped_and_counted(trainer):
     assert float(metrics["updates_applied"]) == 1
     # Applied: the optimizer moments moved (the weights too, once warmup's lr leaves 0).
     assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(state.opt_state), before[1])))
+
+
+@pytest.mark.parametrize("attention, kernels", [("xla", False), ("fused", True)])
+def test_the_configured_attention_code_is_what_the_step_traces(attention, kernels):
+    target_cfg = dataclasses.replace(TARGET, head_dim=16)  # the fused kernels need head_dim >= 16
+    drafter_cfg = DrafterConfig.for_target(target_cfg, num_layers=1, mask_token_id=VOCAB - 1, block_size=4)
+    mesh = make_mesh(1, 1)
+    graphdef, target_params = nnx.split(Transformer(target_cfg, rngs=nnx.Rngs(1)))
+    state = step.init_train_state(drafter_cfg, optax.sgd(1.0), seed=0, compute_dtype=jnp.float32, mesh=mesh)
+    train_step = step.make_train_step(
+        drafter_graphdef=step.drafter_graph(drafter_cfg, jnp.float32),
+        target_graphdef=graphdef,
+        target_params=target_params,
+        tx=optax.sgd(1.0),
+        cfg=dataclasses.replace(OBJECTIVE, target_layer_ids=drafter_cfg.target_layer_ids),
+        grad_accum_steps=1,
+        mesh=mesh,
+        state_sharding=jax.tree.map(lambda x: x.sharding, state),
+        attention=attention,
+    )
+    batch = jax.device_put(packed_batch(np.random.default_rng(0), 4, 64, VOCAB - 1), batch_sharding(mesh))
+    assert ("pallas_call" in str(jax.make_jaxpr(train_step)(state, target_params, batch))) == kernels
