@@ -1,9 +1,11 @@
 """Which anchor scheme trains the better drafter? Held-out acceptance length decides, not the loss.
 
     python bench/anchor_study.py                                  # every scheme, seeds 0 and 1
-    python bench/anchor_study.py --schemes=document,row --seeds=0 --max_steps=100   # quicker look
+    python bench/anchor_study.py --schemes=document,document:16,row --seeds=0 --max_steps=100
 
-Trains `configs/default.py` once per (anchor scheme, seed), the same number of steps each (the
+A scheme is one of `train.anchor_scheme`'s values, `document:N` meaning 'document' with
+`train.anchors_per_document=N`. Trains `configs/default.py` once per (scheme, seed), the same
+number of steps each (the
 seed sets the drafter init, the anchors and the data order), then measures τ by real greedy
 speculative decoding on the bundled held-out prompts for every `--max_new_tokens`, and prints
 one row per run and the mean per scheme, side by side. Runs live in `--root/<scheme>_s<seed>`;
@@ -33,8 +35,10 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", 
 def train_one(scheme: str, seed: int, args) -> tuple[str, float, int]:
     """(export directory, training seconds, steps) of one run."""
     config = load_config_file(DEFAULT_CONFIG)
-    config.workdir = os.path.join(args.root, f"{scheme}_s{seed}")
-    config.train.anchor_scheme = scheme
+    config.workdir = os.path.join(args.root, f"{scheme.replace(':', '_cap')}_s{seed}")
+    name, _, cap = scheme.partition(":")
+    config.train.anchor_scheme = name
+    config.train.anchors_per_document = int(cap or 0)
     config.seed = config.data.seed = seed
     config.train.max_steps = args.max_steps
     config.eval.every_steps = 0  # measured below, the same way for every run
@@ -47,7 +51,7 @@ def train_one(scheme: str, seed: int, args) -> tuple[str, float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schemes", default=",".join(ANCHOR_SCHEMES))
+    parser.add_argument("--schemes", default=",".join([*ANCHOR_SCHEMES, "document:16"]))
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--max_new_tokens", default="64,256")
     parser.add_argument("--num_prompts", type=int, default=32)
@@ -76,13 +80,13 @@ def main() -> None:
 
     taus_header = "".join(f"  tau@{n:<4d}" for n in lengths)
     print(f"\n{len(prompts)} held-out prompts (heldout_prompts), greedy; {config.drafter.block_size=}")
-    print(f"{'scheme':10s} {'seed':>4s} {'steps':>6s} {'train_s':>8s}{taus_header}")
+    print(f"{'scheme':12s} {'seed':>4s} {'steps':>6s} {'train_s':>8s}{taus_header}")
     for scheme, seed, steps, seconds, taus in rows:
-        print(f"{scheme:10s} {seed:4d} {steps:6d} {seconds:8.0f}" + "".join(f"  {t:8.3f}" for t in taus))
+        print(f"{scheme:12s} {seed:4d} {steps:6d} {seconds:8.0f}" + "".join(f"  {t:8.3f}" for t in taus))
     print("mean per scheme:")
     for scheme in schemes:
         mean = np.mean([taus for s, _, _, _, taus in rows if s == scheme], axis=0)
-        print(f"{scheme:10s} {'':4s} {'':6s} {'':8s}" + "".join(f"  {t:8.3f}" for t in mean))
+        print(f"{scheme:12s} {'':4s} {'':6s} {'':8s}" + "".join(f"  {t:8.3f}" for t in mean))
 
 
 if __name__ == "__main__":
