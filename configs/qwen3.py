@@ -1,8 +1,8 @@
 """DFlash drafters for Qwen3 targets with the paper's recipe, on one host with 8 accelerators.
 
-    python -m dflash_jax.plan --config=configs/qwen3.py:8b    # will it fit? (no weights needed)
     python train.py --config=configs/qwen3.py:8b --config.target.path=/models/Qwen3-8B \
         --config.data.train=/data/train.jsonl --config.workdir=/ckpt/qwen3_8b_dflash
+    python -m dflash_jax.plan --config=configs/qwen3.py:8b    # will it fit? (no weights needed)
 
 The variant string picks the target size and options, comma-separated (big_vision style):
   size      4b | 8b (default) | 32b: the drafter's depth, and the public config.json the memory

@@ -60,6 +60,8 @@ def overrides(run: types.SimpleNamespace, workdir, **fields) -> dict:
         "data.tokenize_processes": 1,
         "drafter.mask_token_id": MASK_TOKEN_ID,
         "drafter.block_size": 8,
+        # configs/default.py names the bundled 4-layer target's layers; this target has 2.
+        "drafter.target_layer_ids": (),
         "train.num_anchors": 16,
         "train.num_epochs": 2,
         "train.attention_chunk_blocks": 8,

@@ -27,7 +27,7 @@ def tiny_config(tiny_run, tmp_path, **fields):
 def test_default_config_resolves_on_the_bundled_assets():
     setup = resolve(load_config_file(config_file("default")), num_devices=1)
     assert setup.drafter.mask_token_id == 5  # <|MASK|> of the bundled tokenizer
-    assert setup.drafter.target_layer_ids == (2,)  # the middle of the 4-layer target
+    assert setup.drafter.target_layer_ids == (0, 1, 2, 3)  # every layer of the 4-layer target
 
 
 def test_tiny_config_resolves(tiny_run, tmp_path):
