@@ -1,7 +1,7 @@
 """Which anchor scheme trains the better drafter? Held-out acceptance length decides, not the loss.
 
     python bench/anchor_study.py                                  # every scheme, seeds 0 and 1
-    python bench/anchor_study.py --schemes=document,document:16,row --seeds=0 --max_steps=100
+    python bench/anchor_study.py --schemes=document,document:16,row --seeds=0 --num_epochs=1
 
 A scheme is one of `train.anchor_scheme`'s values, `document:N` meaning 'document' with
 `train.anchors_per_document=N`. Trains `configs/default.py` once per (scheme, seed), the same
@@ -41,6 +41,7 @@ def train_one(scheme: str, seed: int, args) -> tuple[str, float, int]:
     config.train.anchors_per_document = int(cap or 0)
     config.seed = config.data.seed = seed
     config.train.max_steps = args.max_steps
+    config.train.num_epochs = args.num_epochs or config.train.num_epochs
     config.eval.every_steps = 0  # measured below, the same way for every run
     config.log.progress_bars = False
     setup = resolve(config, num_devices=jax.device_count())
@@ -55,7 +56,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--max_new_tokens", default="64,256")
     parser.add_argument("--num_prompts", type=int, default=32)
-    parser.add_argument("--max_steps", type=int, default=0, help="0: the default config's epochs")
+    parser.add_argument("--num_epochs", type=int, default=0, help="0: the default config's")
+    parser.add_argument("--max_steps", type=int, default=0, help="0: every step of the epochs")
     parser.add_argument("--root", default="runs/anchor_study")
     args = parser.parse_args()
     schemes, seeds = args.schemes.split(","), [int(s) for s in args.seeds.split(",")]

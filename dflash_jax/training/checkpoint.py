@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import threading
+import time
 from typing import Any
 
 import jax
@@ -30,6 +31,9 @@ from orbax.checkpoint import checkpoint_managers as save_policies
 from dflash_jax.data.pipeline import DataIterator, DataIteratorRestore, DataIteratorSave
 from dflash_jax.errors import UserError
 from dflash_jax.training.step import TrainState
+
+# How long a failed save waits for its other writers before removing the partial checkpoint.
+_WRITER_GRACE_S = 10.0
 
 
 def _size(num_bytes: int) -> str:
@@ -62,6 +66,7 @@ class RunCheckpoints:
             ),
         )
         self._saving: tuple[int, int] | None = None  # (step, bytes) of the latest save started
+        self._threads_before_save: set[threading.Thread] = set()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -82,6 +87,7 @@ class RunCheckpoints:
         if not force and not self.manager.should_save(step):
             return False
         self._saving = (step, sum(x.nbytes for x in jax.tree.leaves(state)))
+        self._threads_before_save = set(threading.enumerate())
         with self._reporting_failures():
             return self.manager.save(
                 step,
@@ -137,11 +143,13 @@ class RunCheckpoints:
 
     def _save_failed(self, error: Exception) -> CheckpointSaveError:
         step, needed = self._saving or (None, 0)
-        # The failed save's other writers run on in Orbax's threads: let them end before removing
-        # what they wrote (and before the interpreter exits under them, with tracebacks).
-        for thread in threading.enumerate():
+        # The failed save's other writers run on in the threads Orbax started for it: let them end
+        # before removing what they wrote (and before the interpreter exits under them, with
+        # tracebacks). Idle pool workers never end, hence one deadline for them all.
+        deadline = time.monotonic() + _WRITER_GRACE_S
+        for thread in set(threading.enumerate()) - self._threads_before_save:
             if thread is not threading.current_thread() and not thread.daemon:
-                thread.join(timeout=60)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
             if step is not None and name.startswith(f"{step}.orbax-checkpoint-tmp"):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)  # the partial save
