@@ -1,4 +1,4 @@
-"""DFlash speculative decoding (DESIGN §2), batched, with static shapes.
+"""DFlash speculative decoding (docs/design.md §4), batched, with static shapes.
 
 Invariant between steps, per row: the target KV cache and the drafter's context cache both hold
 positions 0..p-1 (prompt and accepted output), and the anchor (the last output token) sits at

@@ -119,7 +119,7 @@ class TransformerConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """DESIGN §2: one drafter layer reads the middle layer; k layers are spread from 1 to L-3."""
+    """docs/design.md §2: one drafter layer reads the middle layer; k layers are spread from 1 to L-3."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     k = num_draft_layers
@@ -196,7 +196,7 @@ class DrafterConfig:
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """The `config.json` of DESIGN §2 "Export format"."""
+        """The `config.json` of docs/design.md §5 (export format)."""
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",

@@ -153,7 +153,7 @@ def load_drafter(
     compute_dtype=jnp.float32,
     mesh: Mesh | None = None,
 ) -> DFlashDrafter:
-    """Load a drafter in the DESIGN §2 export format (ours, or a released one)."""
+    """Load a drafter in the export format of docs/design.md §5 (ours, or a released one)."""
     cfg = DrafterConfig.from_hf(read_config(path))
     abstract = nnx.eval_shape(
         lambda: DFlashDrafter(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
@@ -167,7 +167,7 @@ def load_drafter(
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype=jnp.bfloat16) -> Path:
-    """Write config.json + model.safetensors in the DESIGN §2 format, atomically."""
+    """Write config.json + model.safetensors in the format of docs/design.md §5, atomically."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The DFlash training objective (DESIGN §2), on packed rows.
+"""The DFlash training objective (docs/design.md §3), on packed rows.
 
 A batch is a dict of int32 [rows, seq_len] arrays: `tokens`, `segment_ids` (0 = padding),
 `positions` (within the document) and `loss_mask` (1 on response tokens). For every row we

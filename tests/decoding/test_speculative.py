@@ -188,7 +188,7 @@ def test_served_drafts_equal_the_training_forward(random_target, untrained_draft
     """At every step, the drafter's logits as served equal its training forward for that anchor.
 
     The training forward sees the target features of the final sequence at positions strictly
-    before the anchor (DESIGN §2); serving builds the same context incrementally from prefill and
+    before the anchor (docs/design.md §3.2); serving builds the same context incrementally from prefill and
     accepted tokens. A mismatch here is the train/serve skew that ruins acceptance.
     """
     target, drafter = random_target, untrained_drafter

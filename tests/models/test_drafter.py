@@ -1,4 +1,4 @@
-"""The DFlash drafter follows DESIGN §2: mask semantics, chunked attention, decoding, export."""
+"""The DFlash drafter follows docs/design.md §2-§5: mask semantics, chunked attention, decoding, export."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def test_import_rejects_non_drafter_and_ignores_extra_tensors(drafter, qwen3_che
 
 
 def _torch_reference_block(export_dir, ctx_features, ctx_positions, block_embeds, block_positions):
-    """DESIGN §2 written directly in torch against the exported tensors ([out, in] Linear)."""
+    """docs/design.md §2 written directly in torch against the exported tensors ([out, in] Linear)."""
     cfg = json.loads((export_dir / "config.json").read_text())
     w = {k: torch.tensor(v) for k, v in load_file(export_dir / "model.safetensors").items()}
     eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
