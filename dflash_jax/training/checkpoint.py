@@ -86,6 +86,9 @@ class RunCheckpoints:
         """
         if not force and not self.manager.should_save(step):
             return False
+        # Orbax lets the previous asynchronous save finish first anyway; waiting here blames its
+        # failure on its own step and its own writer threads, not on this save's.
+        self.wait()
         self._saving = (step, sum(x.nbytes for x in jax.tree.leaves(state)))
         self._threads_before_save = set(threading.enumerate())
         with self._reporting_failures():
