@@ -1,9 +1,10 @@
-"""Mapping a function over chunks of blocks, one chunk at a time, rematerialized.
+"""Mapping a function over chunks of blocks, one chunk at a time.
 
 DFlash training runs hundreds of blocks per row. Attention over all of them at once would hold an
 [N·L, S] score tensor, and the LM head an [N·L, vocab] logits tensor; both are instead computed
-a chunk of blocks at a time (`lax.map`) and recomputed in the backward pass (`jax.checkpoint`),
-so memory grows with the chunk size, not with the number of blocks.
+a chunk of blocks at a time (`lax.map`), so memory grows with the chunk size, not with the
+number of blocks. Attention chunks are recomputed in the backward pass (`jax.checkpoint`); the
+LM head needs no recomputation, its chunks return their own gradient (`objective.py`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 
-def map_block_chunks(fn: Callable, xs: tuple[jax.Array, ...], blocks_per_chunk: int):
-    """fn(*chunks) applied to `blocks_per_chunk` blocks at a time; results concatenated.
+def map_block_chunks(fn: Callable, xs: tuple[jax.Array, ...], blocks_per_chunk: int, *, remat: bool = True):
+    """fn(*chunks) applied to `blocks_per_chunk` blocks at a time; results concatenated. With
+    `remat`, a chunk's intermediates are recomputed in the backward pass instead of stored.
 
     Every array of `xs` has the blocks on axis 1 ([B, N, ...]); `fn` maps arrays of shape
     [B, c, ...] to an array (or tuple of arrays) of shape [B, c, ...]. The last chunk is padded
@@ -32,5 +34,6 @@ def map_block_chunks(fn: Callable, xs: tuple[jax.Array, ...], blocks_per_chunk: 
     def merge(y):  # [N/c, B, c, ...] -> [B, N, ...]
         return jnp.moveaxis(y, 0, 1).reshape(b, n + pad, *y.shape[3:])[:, :n]
 
-    out = jax.lax.map(jax.checkpoint(lambda args: fn(*args)), tuple(split(x) for x in xs))
+    body = lambda args: fn(*args)  # noqa: E731
+    out = jax.lax.map(jax.checkpoint(body) if remat else body, tuple(split(x) for x in xs))
     return jax.tree.map(merge, out)

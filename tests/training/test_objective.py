@@ -173,25 +173,28 @@ def test_chunked_cross_entropy_matches_dense_values_and_gradients():
     labels = jnp.asarray(rng.integers(0, 50, (2, 7, 3)), jnp.int32)
     head = jnp.asarray(rng.normal(size=(16, 50)), jnp.float32)
 
-    def dense(h):
+    def dense(h, head):
         logits = h @ head
         ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
         return ce, logits.argmax(-1) == labels
 
-    def chunked(h):
+    def chunked(h, head):  # the head a traced value, as the frozen target's weights in the step
         return objective.lm_head_cross_entropy(lambda x: x @ head, h, labels, chunk_blocks=3)
 
     w = jnp.asarray(rng.random((2, 7, 3)), jnp.float32)
 
     @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-    def values_and_grads(fn, h):
-        return fn(h), jax.grad(lambda h: (fn(h)[0] * w).sum())(h)
+    def values_and_grads(fn, h, head):
+        return fn(h, head), jax.grad(lambda h: (fn(h, head)[0] * w).sum())(h)
 
-    (ce_dense, hit_dense), g_dense = values_and_grads(dense, hidden)
-    (ce, hit), g = values_and_grads(chunked, hidden)
+    (ce_dense, hit_dense), g_dense = values_and_grads(dense, hidden, head)
+    (ce, hit), g = values_and_grads(chunked, hidden, head)
     np.testing.assert_allclose(ce, ce_dense, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(hit, hit_dense)
     np.testing.assert_allclose(g, g_dense, rtol=1e-5, atol=1e-5)
+    # The gradient flows to the hidden states only: the LM head is the frozen target's.
+    g_head = jax.jit(jax.grad(lambda head: (chunked(hidden, head)[0] * w).sum()))(head)
+    np.testing.assert_array_equal(g_head, np.zeros_like(head))
 
 
 def _keys(batch, seed):
