@@ -8,7 +8,7 @@ Each config runs the real jitted train step (frozen target forward, drafter forw
 AdamW) on random weights and synthetic packed batches of the config's shapes, after one
 compiling step. FLOPs are the model's matmul FLOPs per step as the XLA implementation (the CPU
 path) computes them, counted analytically: forward, plus 2x for what is trained, 1x to
-back-propagate through the frozen LM head; rematerialized recomputation excluded. The target's
+back-propagate through the frozen LM head; recomputation in the backward pass excluded. The target's
 packed causal attention computes only the query x key tiles on or below the diagonal, so those
 are what is counted (`attention.packed_causal_pairs`, about S·(S + S/8)/2 per row and head, not
 S²); the drafter's block attention computes every block against every context position (masked),

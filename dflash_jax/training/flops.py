@@ -19,15 +19,15 @@ def model_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
 
 
 def remat_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
-    """Matmul FLOPs recomputed in the backward pass: every LM-head chunk's logits, and the
-    drafter layers' forward with `train.remat` (else the attention chunks only)."""
-    _, _, lm_head, layers, attention = _parts(setup, rows, seq_len)
-    return lm_head + (layers if setup.objective.remat else attention)
+    """Matmul FLOPs recomputed in the backward pass: the drafter layers' forward with
+    `train.remat`, else the attention chunks only (the LM head's are never recomputed)."""
+    _, _, layers, attention = _parts(setup, rows, seq_len)
+    return layers if setup.objective.remat else attention
 
 
-def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, float, float, float]:
-    """(target forward, drafter forward + backward, LM-head forward, drafter layers' forward,
-    drafter attention forward)."""
+def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, float, float]:
+    """(target forward, drafter forward + backward, drafter layers' forward, drafter attention
+    forward)."""
     t, d, obj = setup.target, setup.drafter, setup.objective
     h, hd = t.hidden_size, t.head_dim
 
@@ -55,7 +55,7 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     drafter_forward = fc + d.num_layers * (ctx_kv + blocks + attention)
     lm_head = 2 * rows * obj.num_anchors * (obj.block_size - 1) * h * t.vocab_size
     # Backward: dX and dW for trained matmuls (fc needs no dX: its input is frozen), dX only
-    # through the frozen LM head.
+    # through the frozen LM head (computed in its forward pass, objective.lm_head_cross_entropy).
     drafter_total = 3 * drafter_forward - fc + 2 * lm_head
     layers = d.num_layers * (ctx_kv + blocks + attention)
-    return float(target), float(drafter_total), float(lm_head), float(layers), float(d.num_layers * attention)
+    return float(target), float(drafter_total), float(layers), float(d.num_layers * attention)

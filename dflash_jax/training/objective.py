@@ -7,8 +7,9 @@ run the drafter over all blocks at once, and score slot k ≥ 1 against the data
 `anchor + k` with the decay-weighted cross-entropy of the paper.
 
 The frozen target side (features, block embeddings) is `frozen_inputs`; the differentiable
-drafter side is `drafter_loss`. The LM head is applied in chunks of blocks, each chunk
-rematerialized in the backward pass, so the [blocks × vocab] logits never exist at once.
+drafter side is `drafter_loss`. The LM head is applied in chunks of blocks, each computing its
+own gradient with respect to the hidden states, so the [blocks × vocab] logits never exist at
+once and are never recomputed.
 """
 
 from __future__ import annotations
