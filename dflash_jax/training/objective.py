@@ -195,7 +195,8 @@ def lm_head_cross_entropy(
     *,
     chunk_blocks: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """hidden [R, N, K, D], labels [R, N, K] -> (cross-entropy fp32, argmax == label), [R, N, K].
+    """hidden [R, N, K, D], labels [R, N, K] -> (cross-entropy fp32, hit), [R, N, K]; a hit is a
+    slot whose label holds the largest logit.
 
     Works on `chunk_blocks` blocks of every row at a time, so the logits of all blocks never
     exist at once. The LM head is frozen (it gets no gradient), so the whole backward pass of a
@@ -207,11 +208,11 @@ def lm_head_cross_entropy(
     Vocab-parallel (docs/design.md §8): where the layout splits the LM head over vocab, a chunk's
     logits stay split over vocab too. The chunk's hidden states are gathered over the vocab's
     mesh axes instead of the LM head; logsumexp reduces across the vocab shards, and the label's
-    logit, the onehot and the argmax are masked reductions or comparisons over the vocab axis,
-    never an index into the split axis.
+    logit and the onehot are one entry per slot, which XLA reads from (or adds to) the shard
+    holding it and all-reduces: one value per slot.
     """
 
-    def chunk(h, y):  # -> (CE, argmax == y, d CE / d h)
+    def chunk(h, y):  # -> (CE, hit, d CE / d h)
         with jax.named_scope("lm_head"):
             logits_spec = activation_spec(jax.eval_shape(unembed, h).shape, (BATCH, ..., VOCAB))
 
@@ -221,16 +222,18 @@ def lm_head_cross_entropy(
                 return constrain_spec(unembed(h).astype(jnp.float32), logits_spec)
 
             logits, pullback = jax.vjp(logits_of, h)
-            vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-            is_label = vocab_ids == y[..., None]
             top = jnp.max(logits, axis=-1, keepdims=True)
             exp = jnp.exp(logits - top)
             total = jnp.sum(exp, axis=-1, keepdims=True)
-            label_logit = jnp.sum(jnp.where(is_label, logits, 0.0), axis=-1)
-            # argmax as a min-reduction: the first vocab id holding the maximum.
-            first_max = jnp.min(jnp.where(logits == top, vocab_ids, logits.shape[-1]), axis=-1)
-            (grad_hidden,) = pullback(exp / total - is_label)
-            return jnp.log(total[..., 0]) + top[..., 0] - label_logit, first_max == y, grad_hidden
+            label = y[..., None]
+            label_logit = jnp.take_along_axis(logits, label, axis=-1)[..., 0]
+            probs_minus_onehot = _add_at(exp / total, label, -1.0)
+            (grad_hidden,) = pullback(probs_minus_onehot)
+            ce = jnp.log(total[..., 0]) + top[..., 0] - label_logit
+            # A hit: the label holds the largest logit. (Ties, which argmax would break towards
+            # the lowest id, also count; an argmax, a variadic reduce, costs XLA:CPU as much as
+            # the rest of the cross-entropy.)
+            return ce, label_logit >= top[..., 0], grad_hidden
 
     ce, correct, grad_hidden = jax.lax.stop_gradient(
         map_block_chunks(chunk, (hidden, labels), chunk_blocks, remat=False)
@@ -239,6 +242,12 @@ def lm_head_cross_entropy(
     # none for the frozen LM head.
     linear = jnp.sum(hidden.astype(jnp.float32) * grad_hidden.astype(jnp.float32), axis=-1)
     return ce + (linear - jax.lax.stop_gradient(linear)), correct
+
+
+def _add_at(x: jax.Array, index: jax.Array, value: float) -> jax.Array:
+    """x [..., V] with `value` added at x[..., index[..., 0]] (one entry per row)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows.at[jnp.arange(rows.shape[0]), index.reshape(-1)].add(value).reshape(x.shape)
 
 
 def drafter_loss(
