@@ -20,7 +20,7 @@ from flax import nnx
 from dflash_jax.models import attention
 from dflash_jax.models.cache import KVCache, LayerCache
 from dflash_jax.models.config import DrafterConfig
-from dflash_jax.models.layers import RMSNorm, linear
+from dflash_jax.models.layers import RMSNorm, Rotary, linear, rotary
 from dflash_jax.models.qwen3 import TransformerBlock
 
 INIT_STD = 0.02  # docs/design.md §3.5: drafter init normal(0.02)
@@ -35,27 +35,27 @@ class DrafterLayer(TransformerBlock):
     def __call__(
         self,
         x: jax.Array,
-        positions: jax.Array,
+        tables: Rotary,
         ctx: jax.Array,
-        ctx_positions: jax.Array,
+        ctx_tables: Rotary,
         ctx_mask: jax.Array,
         *,
         blocks_per_chunk: int,
     ) -> jax.Array:
-        """x [B, N, L, D], positions [B, N, L], ctx [B, S, D], ctx_positions [B, S],
-        ctx_mask [B, N, S] -> [B, N, L, D]."""
+        """x [B, N, L, D], tables of its positions [B, N, L], ctx [B, S, D], tables of the
+        context positions [B, S], ctx_mask [B, N, S] -> [B, N, L, D]."""
         h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, positions)
-        k_blk, v_blk = self.self_attn.keys_values(h, positions)
-        k_ctx, v_ctx = self.self_attn.keys_values(ctx, ctx_positions)
+        q = self.self_attn.queries(h, tables)
+        k_blk, v_blk = self.self_attn.keys_values(h, tables)
+        k_ctx, v_ctx = self.self_attn.keys_values(ctx, ctx_tables)
         attn = attention.block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk=blocks_per_chunk)
         return self.mlp_residual(x + self.self_attn.output(attn))
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: LayerCache, cache_lengths: jax.Array) -> jax.Array:
-        """One block x [B, L, D] against the cached context -> [B, L, D]."""
+    def decode(self, x: jax.Array, tables: Rotary, cache: LayerCache, cache_lengths: jax.Array) -> jax.Array:
+        """One block x [B, L, D] (tables of its positions) against the cached context -> [B, L, D]."""
         h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, positions)
-        k, v = self.self_attn.keys_values(h, positions)
+        q = self.self_attn.queries(h, tables)
+        k, v = self.self_attn.keys_values(h, tables)
         attn = attention.block_attention_cached(q, cache.k, cache.v, cache_lengths, k, v)
         return self.mlp_residual(x + self.self_attn.output(attn))
 
@@ -81,7 +81,6 @@ class DFlashDrafter(nnx.Module):
                     num_heads=cfg.num_heads,
                     num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim,
-                    rope=cfg.rope,
                     qk_norm=True,
                     eps=cfg.rms_norm_eps,
                     rngs=rngs,
@@ -92,6 +91,9 @@ class DFlashDrafter(nnx.Module):
             ]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+
+    def _rotary(self, positions: jax.Array) -> Rotary:
+        return rotary(positions, self.cfg.rope, self.cfg.head_dim)
 
     def context(self, features: jax.Array) -> jax.Array:
         """Target features [..., F] -> ctx [..., D], computed once and shared by all layers."""
@@ -116,8 +118,10 @@ class DFlashDrafter(nnx.Module):
         activations are stored.
         """
 
+        tables, ctx_tables = self._rotary(block_positions), self._rotary(ctx_positions)
+
         def run_layer(layer: DrafterLayer, x: jax.Array) -> jax.Array:
-            return layer(x, block_positions, ctx, ctx_positions, ctx_mask, blocks_per_chunk=blocks_per_chunk)
+            return layer(x, tables, ctx, ctx_tables, ctx_mask, blocks_per_chunk=blocks_per_chunk)
 
         if remat:
             run_layer = nnx.remat(run_layer)
@@ -140,9 +144,10 @@ class DFlashDrafter(nnx.Module):
         rest are overwritten later and never visible.
         """
         ctx = self.context(features)
+        tables = self._rotary(positions)
         layer_caches = []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            k, v = layer.self_attn.keys_values(ctx, positions)
+            k, v = layer.self_attn.keys_values(ctx, tables)
             layer_caches.append(layer_cache.write(k, v, cache.lengths))
         return ContextCache(tuple(layer_caches), cache.lengths + num_valid)
 
@@ -150,6 +155,7 @@ class DFlashDrafter(nnx.Module):
         """One block [B, L, D] at positions [B, L] against the cached context -> final-normed
         hidden [B, L, D]."""
         x = block_embeds.astype(self.compute_dtype)
+        tables = self._rotary(block_positions)
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.decode(x, block_positions, layer_cache, cache.lengths)
+            x = layer.decode(x, tables, layer_cache, cache.lengths)
         return self.norm(x)

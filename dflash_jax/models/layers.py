@@ -8,6 +8,7 @@ layout, and q/k norms act per head before RoPE.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,14 +71,30 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [..., T, heads, head_dim], positions [..., T] -> rotated x (rotate-half layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # broadcast over heads
+class Rotary(NamedTuple):
+    """cos and sin of the RoPE angles, [..., T, 1, head_dim] fp32 (broadcast over heads).
+
+    Computed once per forward for every layer, and for queries and keys alike: XLA:CPU would
+    otherwise evaluate cos and sin again inside every consumer it fuses them into.
+    """
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rotary(positions: jax.Array, rope: RopeConfig, head_dim: int) -> Rotary:
+    """positions [..., T] -> the RoPE tables of those positions (rotate-half layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, head_dim))
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]
+    return Rotary(jnp.cos(angles), jnp.sin(angles))
+
+
+def apply_rope(x: jax.Array, tables: Rotary) -> jax.Array:
+    """x [..., T, heads, head_dim] -> rotated x (rotate-half layout)."""
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return (x32 * tables.cos + rotated * tables.sin).astype(x.dtype)
 
 
 class AttentionProjections(nnx.Module):
@@ -93,7 +110,6 @@ class AttentionProjections(nnx.Module):
         num_heads,
         num_kv_heads,
         head_dim,
-        rope: RopeConfig,
         qk_norm: bool,
         eps,
         param_dtype,
@@ -112,25 +128,23 @@ class AttentionProjections(nnx.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.rope = rope
 
-    def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def queries(self, x: jax.Array, tables: Rotary) -> jax.Array:
         """x [..., T, H] -> q [..., T, heads, head_dim], normalized and rotated."""
         q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
         q = constrain(q, (BATCH, ..., HEADS, None))
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, positions, rope_inv_freq(self.rope, self.head_dim))
+        return apply_rope(q, tables)
 
-    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def keys_values(self, x: jax.Array, tables: Rotary) -> tuple[jax.Array, jax.Array]:
         """x [..., T, H] -> (k, v) [..., T, kv_heads, head_dim]; k normalized and rotated."""
         shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
         k = constrain(self.k_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
         if self.k_norm is not None:
             k = self.k_norm(k)
-        inv_freq = rope_inv_freq(self.rope, self.head_dim)
         v = constrain(self.v_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
-        return apply_rope(k, positions, inv_freq), v
+        return apply_rope(k, tables), v
 
     def output(self, attn: jax.Array) -> jax.Array:
         """attn [..., T, heads, head_dim] -> [..., T, H]."""

@@ -21,7 +21,7 @@ from flax import nnx
 from dflash_jax.models import attention
 from dflash_jax.models.cache import KVCache, LayerCache
 from dflash_jax.models.config import TransformerConfig
-from dflash_jax.models.layers import AttentionProjections, RMSNorm, SwiGLU
+from dflash_jax.models.layers import AttentionProjections, RMSNorm, Rotary, SwiGLU, rotary
 
 
 class TransformerBlock(nnx.Module):
@@ -38,7 +38,6 @@ class TransformerBlock(nnx.Module):
         num_heads,
         num_kv_heads,
         head_dim,
-        rope,
         qk_norm,
         eps,
         param_dtype,
@@ -53,7 +52,6 @@ class TransformerBlock(nnx.Module):
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rope=rope,
             qk_norm=qk_norm,
             eps=eps,
             param_dtype=param_dtype,
@@ -78,21 +76,21 @@ class TransformerBlock(nnx.Module):
 class DecoderLayer(TransformerBlock):
     """A target layer: causal self-attention over packed rows, or over a KV cache."""
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """x [B, S, D], positions [B, S], segment_ids [B, S] -> [B, S, D]."""
+    def __call__(self, x: jax.Array, tables: Rotary, segment_ids: jax.Array) -> jax.Array:
+        """x [B, S, D], tables of positions [B, S], segment_ids [B, S] -> [B, S, D]."""
         h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, positions)
-        k, v = self.self_attn.keys_values(h, positions)
+        q = self.self_attn.queries(h, tables)
+        k, v = self.self_attn.keys_values(h, tables)
         x = x + self.self_attn.output(attention.packed_causal_attention(q, k, v, segment_ids))
         return self.mlp_residual(x)
 
     def decode(
-        self, x: jax.Array, positions: jax.Array, cache: LayerCache, start: jax.Array, mask: jax.Array
+        self, x: jax.Array, tables: Rotary, cache: LayerCache, start: jax.Array, mask: jax.Array
     ) -> tuple[jax.Array, LayerCache]:
         """x [B, T, D] appended at slots start [B]; mask [B, T, M] -> ([B, T, D], updated cache)."""
         h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, positions)
-        k, v = self.self_attn.keys_values(h, positions)
+        q = self.self_attn.queries(h, tables)
+        k, v = self.self_attn.keys_values(h, tables)
         cache = cache.write(k, v, start)
         attn = attention.attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask)
         return self.mlp_residual(x + self.self_attn.output(attn)), cache
@@ -113,7 +111,6 @@ class Transformer(nnx.Module):
                     num_heads=cfg.num_heads,
                     num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim,
-                    rope=cfg.rope,
                     qk_norm=cfg.qk_norm,
                     eps=cfg.rms_norm_eps,
                     param_dtype=param_dtype,
@@ -166,9 +163,10 @@ class Transformer(nnx.Module):
         with jax.named_scope("target"):  # names the collectives in `python -m dflash_jax.plan`
             last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
             x = self.embed(tokens)
+            tables = rotary(positions, self.cfg.rope, self.cfg.head_dim)
             outputs = []
             for layer in self.layers[: last + 1]:
-                x = layer(x, positions, segment_ids)
+                x = layer(x, tables, segment_ids)
                 outputs.append(x)
             logits = self.unembed(self.norm(x)) if return_logits else None
             return logits, tuple(outputs[i] for i in hidden_layers)
@@ -191,9 +189,10 @@ class Transformer(nnx.Module):
         positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
         mask = attention.cached_causal_mask(cache.lengths, num_new, cache.max_len)
         x = self.embed(tokens)
+        tables = rotary(positions, self.cfg.rope, self.cfg.head_dim)
         outputs, layer_caches = [], []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x, layer_cache = layer.decode(x, positions, layer_cache, cache.lengths, mask)
+            x, layer_cache = layer.decode(x, tables, layer_cache, cache.lengths, mask)
             outputs.append(x)
             layer_caches.append(layer_cache)
         logits = self.unembed(self.norm(x))
