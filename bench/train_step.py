@@ -8,8 +8,8 @@ Each config runs the real jitted train step (frozen target forward, drafter forw
 AdamW) on random weights and synthetic packed batches of the config's shapes, after one
 compiling step. FLOPs are the model's matmul FLOPs per step as the XLA implementation (the CPU
 path) computes them, counted analytically: forward, plus 2x for what is trained, 1x to
-back-propagate through the frozen LM head; recomputation in the backward pass excluded. The target's
-packed causal attention computes only the query x key tiles on or below the diagonal, so those
+back-propagate through the frozen LM head; recomputation in the backward pass excluded. The
+target's packed causal attention computes only the query x key tiles on or below the diagonal, so those
 are what is counted (`attention.packed_causal_pairs`, about S·(S + S/8)/2 per row and head, not
 S²); the drafter's block attention computes every block against every context position (masked),
 and is counted so. "achieved" is therefore a model FLOP/s of the work actually done. The peak is
@@ -17,6 +17,8 @@ a square matmul in the compute dtype on the same device, measured in the same ru
 before the steps and of one more after every timed step. Each step is timed on its own and the
 fastest counts, as does the fastest matmul: on a shared machine both are then taken at the
 moments other jobs disturbed least, interleaved, so their ratio holds while the rates vary.
+"step by step" is the median over steps of each step's rate against the matmul timed right after
+it: a second estimate, less sensitive to one lucky matmul.
 """
 
 from __future__ import annotations
@@ -91,12 +93,14 @@ class MatmulPeak:
         self.matmul = jax.jit(lambda x, y: x @ y)
         self.matmul(self.a, self.a).block_until_ready()
         self.best = float("inf")
+        self.last = float("inf")
 
     def measure(self, repeats: int = 1) -> float:
         for _ in range(repeats):
             start = time.perf_counter()
             self.matmul(self.a, self.a).block_until_ready()
-            self.best = min(self.best, time.perf_counter() - start)
+            self.last = time.perf_counter() - start
+            self.best = min(self.best, self.last)
         return self.flops
 
     @property
@@ -152,7 +156,8 @@ def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict
     state, metrics = train_step(state, target_params, batches[0])
     jax.block_until_ready(metrics)
     compile_seconds = time.perf_counter() - start
-    real_tokens, times = 0.0, []
+    flops = model_flops_per_step(setup, rows, seq_len)
+    real_tokens, times, paired = 0.0, [], []
     for batch in batches[1:]:
         start = time.perf_counter()
         state, metrics = train_step(state, target_params, batch)
@@ -160,6 +165,7 @@ def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict
         times.append(time.perf_counter() - start)
         if peak is not None:
             peak.measure()
+            paired.append((flops / times[-1]) / (2 * peak.n**3 / peak.last * jax.device_count()))
     seconds = min(times)  # per step
     return {
         "rows x seq_len": f"{rows} x {seq_len}",
@@ -167,8 +173,10 @@ def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict
         "steps_per_s": 1 / seconds,
         "tokens_per_s": real_tokens / steps / seconds,
         "padded_tokens_per_s": rows * seq_len / seconds,
-        "flops_per_step": model_flops_per_step(setup, rows, seq_len),
-        "flops_per_s": model_flops_per_step(setup, rows, seq_len) / seconds,
+        "flops_per_step": flops,
+        "flops_per_s": flops / seconds,
+        # each step against the matmul timed right after it: robust to the machine's slow phases
+        "paired_median": float(np.median(paired)) if paired else float("nan"),
     }
 
 
@@ -198,7 +206,8 @@ def main() -> None:
             f"{name:8s} rows x seq {r['rows x seq_len']:>10s}  compile {r['compile_s']:5.1f}s  "
             f"{r['steps_per_s']:7.3f} steps/s  {r['tokens_per_s']:9.0f} tokens/s "
             f"({r['padded_tokens_per_s']:.0f} padded)  {r['flops_per_step'] / 1e9:8.1f} GFLOP/step  "
-            f"{r['flops_per_s'] / 1e9:7.2f} GFLOP/s = {100 * r['flops_per_s'] / peak:5.1f}% of matmul peak"
+            f"{r['flops_per_s'] / 1e9:7.2f} GFLOP/s = {100 * r['flops_per_s'] / peak:5.1f}% of matmul peak "
+            f"(step by step: median {100 * r['paired_median']:.1f}%)"
         )
 
 
