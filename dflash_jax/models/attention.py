@@ -87,13 +87,22 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(q.shape)
 
 
-def _joint_softmax(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """softmax over the concatenation of a [..., S] and b [..., L], returned as its two parts,
-    without materializing the concatenation."""
-    m = jnp.maximum(a.max(-1, keepdims=True), b.max(-1, keepdims=True))
-    ea, eb = jnp.exp(a - m), jnp.exp(b - m)
-    denominator = ea.sum(-1, keepdims=True) + eb.sum(-1, keepdims=True)
-    return ea / denominator, eb / denominator
+def _unnormalized_softmax(*parts: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """Softmax over the concatenation of score arrays [..., S_i] along their last axis, left
+    unnormalized: (exp(part - max) for each part, their common denominator [..., 1]).
+
+    Callers multiply the exponentials with the values and divide the [..., head_dim] result
+    instead of the [..., S] probabilities: one pass over the scores fewer. The parts are never
+    concatenated.
+    """
+    m = jnp.max(jnp.stack([p.max(-1, keepdims=True) for p in parts]), axis=0)
+    exps = tuple(jnp.exp(p - m) for p in parts)
+    return exps, sum(e.sum(-1, keepdims=True) for e in exps)
+
+
+def _weighted_values(weights: jax.Array, v: jax.Array, spec: str) -> jax.Array:
+    """Σ weights · v in fp32 (weights cast to the values' dtype for the matmul)."""
+    return jnp.einsum(spec, weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
 def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
@@ -151,8 +160,9 @@ def _packed_causal_xla(q, k, v, segment_ids):
         causal = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]
         mask = same_doc[:, lo:hi, :hi] & causal
         scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, t, hi), MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, hi)
-        outs.append(jnp.einsum("BKMS,BKSH->BKMH", probs, vh[:, :, :hi]).reshape(b, kv, g, t, h))
+        (weights,), denominator = _unnormalized_softmax(scores.reshape(b, kv, g * t, hi))
+        out = _weighted_values(weights, vh[:, :, :hi], "BKMS,BKSH->BKMH") / denominator
+        outs.append(out.astype(v.dtype).reshape(b, kv, g, t, h))
     out = jnp.concatenate(outs, axis=3)  # [B, K, G, S, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
 
@@ -231,9 +241,10 @@ def _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chu
         s_ctx = s_ctx.reshape(b, kv, c, g, block_len, -1)
         s_ctx = jnp.where(mc[:, None, :, None, None, :], s_ctx, MASKED).reshape(b, kv, c, g * block_len, -1)
         s_blk = _scores(qh.reshape(b, kv, c, g * block_len, h), kbh, "BKCQH,BKCPH->BKCQP")  # P: own keys
-        p_ctx, p_blk = _joint_softmax(s_ctx, s_blk)
-        out = jnp.einsum("BKMS,BKSH->BKMH", p_ctx.astype(vc.dtype).reshape(b, kv, c * g * block_len, -1), vc)
-        out = out.reshape(b, kv, c, g * block_len, h) + jnp.einsum("BKCQP,BKCPH->BKCQH", p_blk.astype(vc.dtype), vbh)
+        (w_ctx, w_blk), denominator = _unnormalized_softmax(s_ctx, s_blk)
+        out = _weighted_values(w_ctx.reshape(b, kv, c * g * block_len, -1), vc, "BKMS,BKSH->BKMH")
+        out = out.reshape(b, kv, c, g * block_len, h) + _weighted_values(w_blk, vbh, "BKCQP,BKCPH->BKCQH")
+        out = (out / denominator).astype(qc.dtype)
         return out.reshape(b, kv, c, g, block_len, h).transpose(0, 2, 4, 1, 3, 5).reshape(qc.shape)
 
     return map_block_chunks(chunk, (q, k_blk, v_blk, ctx_mask), blocks_per_chunk)
@@ -293,7 +304,6 @@ def block_attention_cached(
     visible = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, M]
     s_ctx = jnp.where(visible[:, None, None, None, :], _scores(qg, k_cache, "BLKGH,BMKH->BKGLM"), MASKED)
     s_blk = _scores(qg, k_blk, "BLKGH,BPKH->BKGLP")
-    p_ctx, p_blk = _joint_softmax(s_ctx, s_blk)
-    out = jnp.einsum("BKGLM,BMKH->BLKGH", p_ctx.astype(v_cache.dtype), v_cache)
-    out += jnp.einsum("BKGLP,BPKH->BLKGH", p_blk.astype(v_blk.dtype), v_blk)
-    return out.reshape(q.shape)
+    (w_ctx, w_blk), denominator = _unnormalized_softmax(s_ctx, s_blk)  # [B, K, G, L, ·]
+    out = _weighted_values(w_ctx, v_cache, "BKGLM,BMKH->BLKGH") + _weighted_values(w_blk, v_blk, "BKGLP,BPKH->BLKGH")
+    return (out / denominator.transpose(0, 3, 1, 2, 4)).astype(q.dtype).reshape(q.shape)
