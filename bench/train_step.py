@@ -24,9 +24,12 @@ it: a second estimate, less sensitive to one lucky matmul.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -36,12 +39,8 @@ from flax import nnx
 
 from dflash_jax.models import attention
 from dflash_jax.models.config import RopeConfig, TransformerConfig
-from dflash_jax.models.qwen3 import Transformer
-from dflash_jax.models.sharding import state_shardings
-from dflash_jax.training import step as step_lib
 from dflash_jax.training.config import TrainSetup, load_config_file, resolve
 from dflash_jax.training.flops import model_flops_per_step
-from dflash_jax.training.mesh import batch_sharding, make_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
 from support.synthetic import packed_batch  # noqa: E402
@@ -113,27 +112,46 @@ def matmul_peak(dtype, n: int = 2048, repeats: int = 10) -> float:
     return MatmulPeak(dtype, n).measure(repeats)
 
 
-def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict:
-    """Times `steps` train steps (the fastest counts); `peak` measures one matmul after each."""
-    mesh = make_mesh(*setup.mesh_shape)
-    graphdef, target_params = nnx.split(
-        nnx.eval_shape(
-            lambda: Transformer(
-                setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
-            )
+@dataclasses.dataclass
+class CompiledStep:
+    """A train step compiled and run once, with its state and synthetic batches."""
+
+    step: Callable
+    state: object
+    target_params: object
+    batches: list
+    compile_seconds: float  # the first call: compiling and one step
+
+    def __call__(self, batch) -> dict:
+        """One step on `batch`; its metrics, once they are computed."""
+        self.state, metrics = self.step(self.state, self.target_params, batch)
+        return jax.block_until_ready(metrics)
+
+
+def compile_step(setup, num_batches: int, package: str = "dflash_jax") -> CompiledStep:
+    """The real jitted train step of `package` on random weights and `num_batches` synthetic packed
+    batches of the config's shapes; `setup` is resolved by that package. `package` is this
+    checkout's or another revision's renamed copy (`bench/train_step_ab.py`)."""
+
+    def module(name):
+        return importlib.import_module(f"{package}.{name}")
+
+    qwen3, sharding = module("models.qwen3"), module("models.sharding")
+    step_lib, mesh_lib = module("training.step"), module("training.mesh")
+    mesh = mesh_lib.make_mesh(*setup.mesh_shape)
+
+    def new_target():
+        return qwen3.Transformer(
+            setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
         )
-    )
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
     target_params = jax.jit(
-        lambda: nnx.split(
-            Transformer(
-                setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
-            )
-        )[1],
-        out_shardings=state_shardings(mesh, target_params),
+        lambda: nnx.split(new_target())[1], out_shardings=sharding.state_shardings(mesh, abstract)
     )()
     tx = step_lib.make_optimizer(setup.optimizer, 1000)
     state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
-    train_step = step_lib.make_train_step(
+    step = step_lib.make_train_step(
         drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
         target_graphdef=graphdef,
         target_params=target_params,
@@ -148,20 +166,26 @@ def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict
     batches = [
         jax.device_put(
             packed_batch(rng, rows, seq_len, setup.target.vocab_size - 1, doc_len=(seq_len // 8, seq_len // 2)),
-            batch_sharding(mesh),
+            mesh_lib.batch_sharding(mesh),
         )
-        for _ in range(steps + 1)
+        for _ in range(num_batches)
     ]
+    compiled = CompiledStep(step, state, target_params, batches, compile_seconds=0.0)
     start = time.perf_counter()
-    state, metrics = train_step(state, target_params, batches[0])
-    jax.block_until_ready(metrics)
-    compile_seconds = time.perf_counter() - start
+    compiled(batches[0])
+    compiled.compile_seconds = time.perf_counter() - start
+    return compiled
+
+
+def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict:
+    """Times `steps` train steps (the fastest counts); `peak` measures one matmul after each."""
+    compiled = compile_step(setup, steps + 1)
+    rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
     flops = model_flops_per_step(setup, rows, seq_len)
     real_tokens, times, paired = 0.0, [], []
-    for batch in batches[1:]:
+    for batch in compiled.batches[1:]:
         start = time.perf_counter()
-        state, metrics = train_step(state, target_params, batch)
-        real_tokens += float(metrics["real_tokens"])  # waits for the step
+        real_tokens += float(compiled(batch)["real_tokens"])
         times.append(time.perf_counter() - start)
         if peak is not None:
             peak.measure()
@@ -169,7 +193,7 @@ def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict
     seconds = min(times)  # per step
     return {
         "rows x seq_len": f"{rows} x {seq_len}",
-        "compile_s": compile_seconds,
+        "compile_s": compiled.compile_seconds,
         "steps_per_s": 1 / seconds,
         "tokens_per_s": real_tokens / steps / seconds,
         "padded_tokens_per_s": rows * seq_len / seconds,

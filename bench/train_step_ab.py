@@ -26,16 +26,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # tests/support/
 sys.path.insert(0, str(REPO / "bench"))
-from train_step import MatmulPeak  # noqa: E402
+from train_step import MatmulPeak, compile_step  # noqa: E402
 
-from dflash_jax.training.config import load_config_file, resolve  # noqa: E402
 from dflash_jax.training.flops import model_flops_per_step  # noqa: E402
-from support.synthetic import packed_batch  # noqa: E402
 
 BASE_PACKAGE = "dflash_jax_base"
 
@@ -51,50 +47,10 @@ def extract_base(revision: str, into: Path) -> None:
         path.write_text(re.sub(r"\bdflash_jax\b", BASE_PACKAGE, path.read_text()))
 
 
-def compiled_step(package: str, config_path: str, num_batches: int):
-    """(step, state, target params, batches) of `package`'s train step on the config's shapes."""
-
-    def module(name):
-        return importlib.import_module(f"{package}.{name}")
-
-    config, qwen3, sharding = module("training.config"), module("models.qwen3"), module("models.sharding")
-    step_lib, mesh_lib = module("training.step"), module("training.mesh")
-    setup = config.resolve(config.load_config_file(config_path), num_devices=jax.device_count())
-    mesh = mesh_lib.make_mesh(*setup.mesh_shape)
-
-    def new_target():
-        return qwen3.Transformer(
-            setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
-        )
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
-    target_params = jax.jit(
-        lambda: nnx.split(new_target())[1], out_shardings=sharding.state_shardings(mesh, abstract)
-    )()
-    tx = step_lib.make_optimizer(setup.optimizer, 1000)
-    state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
-    step = step_lib.make_train_step(
-        drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
-        target_graphdef=graphdef,
-        target_params=target_params,
-        tx=tx,
-        cfg=setup.objective,
-        grad_accum_steps=setup.run.grad_accum_steps,
-        mesh=mesh,
-        state_sharding=jax.tree.map(lambda x: x.sharding, state),
-    )
-    rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
-    rng = np.random.default_rng(0)
-    batches = [
-        jax.device_put(
-            packed_batch(rng, rows, seq_len, setup.target.vocab_size - 1, doc_len=(seq_len // 8, seq_len // 2)),
-            mesh_lib.batch_sharding(mesh),
-        )
-        for _ in range(num_batches)
-    ]
-    state, metrics = step(state, target_params, batches[0])  # compiles
-    jax.block_until_ready(metrics)
-    return step, state, target_params, batches
+def resolved_setup(package: str, config_path: str):
+    """The config file resolved by `package`'s own config code (each revision its own schema)."""
+    config = importlib.import_module(f"{package}.training.config")
+    return config.resolve(config.load_config_file(config_path), num_devices=jax.device_count())
 
 
 def main() -> None:
@@ -104,13 +60,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    setup = resolve(load_config_file(args.config), num_devices=jax.device_count())
+    setup = resolved_setup("dflash_jax", args.config)
     flops = model_flops_per_step(setup, setup.data.global_batch_rows, setup.data.seq_len)
     with tempfile.TemporaryDirectory() as tmp:
         extract_base(args.base, Path(tmp))
         sys.path.insert(0, tmp)
         runs = {
-            name: list(compiled_step(package, args.config, 4))
+            name: compile_step(resolved_setup(package, args.config), 4, package)
             for name, package in ((args.base, BASE_PACKAGE), ("checkout", "dflash_jax"))
         }
     peak = MatmulPeak(jnp.dtype(setup.compute_dtype))
@@ -118,10 +74,8 @@ def main() -> None:
     times = {name: [] for name in runs}
     for i in range(args.rounds):
         for name, run in runs.items():
-            step, state, target_params, batches = run
             start = time.perf_counter()
-            run[1], metrics = step(state, target_params, batches[i % len(batches)])
-            jax.block_until_ready(metrics)
+            run(run.batches[i % len(run.batches)])
             times[name].append(time.perf_counter() - start)
             peak.measure()
     peak_flops = peak.flops * jax.device_count()
