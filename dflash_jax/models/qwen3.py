@@ -159,11 +159,12 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
         """Packed forward of [B, S] rows -> (logits [B, S, V] or None, outputs [B, S, D] of
         `hidden_layers` in that order). With return_logits=False the forward stops after
-        max(hidden_layers)."""
+        max(hidden_layers). Positions restart in every document, so all lie below S (a
+        position at or past S yields NaN)."""
         with jax.named_scope("target"):  # names the collectives in `python -m dflash_jax.plan`
             last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
             x = self.embed(tokens)
-            tables = rotary(positions, self.cfg.rope, self.cfg.head_dim)
+            tables = rotary(positions, self.cfg.rope, self.cfg.head_dim, num_positions=tokens.shape[-1])
             outputs = []
             for layer in self.layers[: last + 1]:
                 x = layer(x, tables, segment_ids)

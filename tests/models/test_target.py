@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from dflash_jax.models.config import RopeConfig
 from dflash_jax.models.hf import load_target
+from dflash_jax.models.layers import rotary
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,19 @@ def test_packed_document_equals_document_alone(target):
     packed2, _ = _run(target, row2, seg, pos)
     np.testing.assert_array_equal(np.asarray(packed2[0, :10]), np.asarray(packed[0, :10]))
     assert np.isfinite(np.asarray(packed)).all()
+
+
+@pytest.mark.parametrize("rope", [RopeConfig(1_000_000.0), RopeConfig(500_000.0, kind="llama3", factor=8.0)])
+def test_rope_table_rows_equal_the_tables_of_the_positions(rope):
+    positions = jnp.array([[0, 5, 3, 9], [1, 2, 0, 0]])
+    direct = jax.jit(lambda p: rotary(p, rope, 64))(positions)
+    gathered = jax.jit(lambda p: rotary(p, rope, 64, num_positions=10))(positions)
+    for d, g in zip(direct, gathered):
+        assert g.shape == d.shape == (2, 4, 1, 64)
+        np.testing.assert_allclose(g, d, rtol=0, atol=1e-6)
+    # A position past the bound is an error made loud, not a wrapped or clipped angle.
+    past = rotary(jnp.array([[3, 10]]), rope, 64, num_positions=10)
+    assert np.isfinite(past.cos[0, 0]).all() and np.isnan(past.cos[0, 1]).all() and np.isnan(past.sin[0, 1]).all()
 
 
 def test_features_stop_after_last_requested_layer(target):
