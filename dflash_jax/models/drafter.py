@@ -92,8 +92,8 @@ class DFlashDrafter(nnx.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
 
-    def _rotary(self, positions: jax.Array) -> Rotary:
-        return rotary(positions, self.cfg.rope, self.cfg.head_dim)
+    def _rotary(self, positions: jax.Array, num_positions: int | None = None) -> Rotary:
+        return rotary(positions, self.cfg.rope, self.cfg.head_dim, num_positions=num_positions)
 
     def context(self, features: jax.Array) -> jax.Array:
         """Target features [..., F] -> ctx [..., D], computed once and shared by all layers."""
@@ -118,7 +118,9 @@ class DFlashDrafter(nnx.Module):
         activations are stored.
         """
 
-        tables, ctx_tables = self._rotary(block_positions), self._rotary(ctx_positions)
+        # Context positions restart in every document (< S); a block's run up to L past its anchor.
+        bound = ctx_positions.shape[-1] + block_positions.shape[-1]
+        tables, ctx_tables = self._rotary(block_positions, bound), self._rotary(ctx_positions, bound)
 
         def run_layer(layer: DrafterLayer, x: jax.Array) -> jax.Array:
             return layer(x, tables, ctx, ctx_tables, ctx_mask, blocks_per_chunk=blocks_per_chunk)
