@@ -9,10 +9,10 @@ AdamW) on random weights and synthetic packed batches of the config's shapes, af
 compiling step. FLOPs are the model's matmul FLOPs per step as the XLA implementation (the CPU
 path) computes them, counted analytically: forward, plus 2x for what is trained, 1x to
 back-propagate through the frozen LM head; recomputation in the backward pass excluded. The
-target's packed causal attention computes only the query x key tiles on or below the diagonal, so those
-are what is counted (`attention.packed_causal_pairs`, about S·(S + S/8)/2 per row and head, not
-S²); the drafter's block attention computes every block against every context position (masked),
-and is counted so. "achieved" is therefore a model FLOP/s of the work actually done. The peak is
+target's packed causal attention computes only the query x key tiles on or below the diagonal,
+so those are what is counted (`attention.packed_causal_pairs`, S·(S + S/n)/2 per row and head
+for n query tiles, not S²); the drafter's block attention computes every block against every
+context position (masked), and is counted so. "achieved" is therefore a model FLOP/s of the work actually done. The peak is
 a square matmul in the compute dtype on the same device, measured in the same run: best of 10
 before the steps and of one more after every timed step. Each step is timed on its own and the
 fastest counts, as does the fastest matmul: on a shared machine both are then taken at the

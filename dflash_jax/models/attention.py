@@ -114,16 +114,18 @@ def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def packed_causal_tiles(seq_len: int) -> tuple[tuple[int, int], ...]:
-    """The XLA packed causal attention's query tiles [lo, hi): about 8 equal tiles, none shorter
-    than 64 queries; tile [lo, hi) attends to keys [0, hi)."""
-    n = max(1, min(8, seq_len // 64))
+    """The XLA packed causal attention's query tiles [lo, hi): up to 8 equal tiles, none shorter
+    than 128 queries; tile [lo, hi) attends to keys [0, hi). On CPU, 64-query tiles made the
+    batched score matmuls too small to run at speed: at S = 512, 4 tiles compute 11 % more pairs
+    than 8 and the train step is 2-7 % faster (`bench/train_step_ab.py`)."""
+    n = max(1, min(8, seq_len // 128))
     bounds = [round(i * seq_len / n) for i in range(n + 1)]
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def packed_causal_pairs(seq_len: int) -> int:
     """(query, key) pairs per row and head the XLA packed causal attention computes: the tiles
-    on and below the diagonal, about S·(S + S/8)/2 instead of S² (the bench's FLOP count)."""
+    on and below the diagonal, S·(S + S/n)/2 for n tiles instead of S² (the bench's FLOP count)."""
     return sum((hi - lo) * hi for lo, hi in packed_causal_tiles(seq_len))
 
 

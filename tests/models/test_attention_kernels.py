@@ -63,7 +63,7 @@ def test_auto_means_xla_on_cpu():
         attention.set_implementation("flash")
 
 
-@pytest.mark.parametrize("seq_len", [40, 100, 320])
+@pytest.mark.parametrize("seq_len", [40, 100, 330, 700])
 def test_tiled_packed_causal_equals_dense_mask(seq_len):
     batch = _packed(2, seq_len, (seq_len // 6, seq_len // 2))
     q, k, v = _qkv(2, seq_len, 4, 2, 16)
@@ -75,6 +75,8 @@ def test_tiled_packed_causal_equals_dense_mask(seq_len):
     )
     tiles = attention.packed_causal_tiles(seq_len)
     assert tiles[0][0] == 0 and tiles[-1][1] == seq_len
+    assert all(lo < hi for lo, hi in tiles) and all(a[1] == b[0] for a, b in zip(tiles, tiles[1:]))
+    assert len(tiles) > 1 or seq_len < 256  # longer rows do exercise the tiling
     assert attention.packed_causal_pairs(seq_len) == sum((hi - lo) * hi for lo, hi in tiles) <= seq_len**2
 
 
