@@ -12,13 +12,13 @@ back-propagate through the frozen LM head; recomputation in the backward pass ex
 target's packed causal attention computes only the query x key tiles on or below the diagonal,
 so those are what is counted (`attention.packed_causal_pairs`, S·(S + S/n)/2 per row and head
 for n query tiles, not S²); the drafter's block attention computes every block against every
-context position (masked), and is counted so. "achieved" is therefore a model FLOP/s of the work actually done. The peak is
-a square matmul in the compute dtype on the same device, measured in the same run: best of 10
-before the steps and of one more after every timed step. Each step is timed on its own and the
-fastest counts, as does the fastest matmul: on a shared machine both are then taken at the
-moments other jobs disturbed least, interleaved, so their ratio holds while the rates vary.
-"step by step" is the median over steps of each step's rate against the matmul timed right after
-it: a second estimate, less sensitive to one lucky matmul.
+context position (masked), and is counted so. "achieved" is therefore a model FLOP/s of the work
+actually done. The peak is a square matmul in the compute dtype on the same device, measured in
+the same run: best of 10 before the steps and of one more after every timed step. Each step is
+timed on its own and the fastest counts, as does the fastest matmul: on a shared machine both
+are then taken at the moments other jobs disturbed least, interleaved, so their ratio holds while
+the rates vary. "step by step" is the median over steps of each step's rate against the matmul
+timed right after it: a second estimate, less sensitive to one lucky matmul.
 """
 
 from __future__ import annotations
