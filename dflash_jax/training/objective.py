@@ -40,6 +40,11 @@ PAPER_LOSS_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # (uniform over the row, the last prompt token allowed), kept for comparison.
 ANCHOR_SCHEMES = ("document", "response", "row")
 
+# docs/design.md §3.3: how slots are weighted. 'dflash': the paper's exponential position decay,
+# divided by Σw; 'dpace': D-PACE (arXiv 2605.18810), weights from the drafter's own confidence,
+# divided by the number of documents.
+LOSSES = ("dflash", "dpace")
+
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
@@ -50,6 +55,8 @@ class ObjectiveConfig:
     target_layer_ids: tuple[int, ...]
     anchor_scheme: str = "document"  # one of ANCHOR_SCHEMES (docs/design.md §3.1)
     anchors_per_document: int = 0  # 'document' scheme: cap on a document's share; 0 = no cap
+    loss: str = "dflash"  # one of LOSSES (docs/design.md §3.3)
+    dpace_alpha: float = 0.5  # 'dpace': smoothing of the target token's probability, in [0, 1]
     attention_chunk_blocks: int = 32
     lm_head_chunk_blocks: int = 32
     remat: bool = False  # recompute each drafter layer in the backward pass
