@@ -1,19 +1,19 @@
-"""Train a DFlash drafter against a frozen target LLM.
+r"""Train a DFlash drafter against a frozen target LLM.
 
     python train.py                                     # configs/default.py: tiny, CPU, minutes
     python train.py --config=configs/qwen3.py:8b --config.target.path=/models/Qwen3-8B \
         --config.data.train=/data/train.jsonl --config.workdir=/ckpt/run1
 
-Any field can be overridden (`--config.train.learning_rate=3e-4`); rerunning with the same
-workdir resumes. Exit status: 0 finished, 1 error, 75 stopped on request after saving (rerun
-to resume); see dflash_jax/cli.py.
+Any field can be overridden (`--config.train.learning_rate=3e-4`); every field, its default and
+its meaning are in the section dataclasses of dflash_jax/training/sections.py (the data section:
+dflash_jax/data/config.py). Rerunning with the same workdir resumes. Exit status: 0 finished,
+1 error, 75 stopped on request after saving (rerun to resume); see dflash_jax/cli.py.
 """
 
 import os
 
 import jax
 from absl import app
-from ml_collections import config_flags
 
 from dflash_jax import cli
 from dflash_jax.training import config as config_lib
@@ -22,12 +22,7 @@ from dflash_jax.training.loop import train
 from dflash_jax.training.mesh import initialize_distributed
 from dflash_jax.training.summary import summary
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"),
-    "Training config file (configs/*.py), optionally with variants: file.py:variant,variant.",
-    lock_config=True,
-)
+_CONFIG = cli.define_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"))
 
 
 def main(argv) -> int:

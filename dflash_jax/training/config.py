@@ -1,21 +1,25 @@
 """The training config: one schema (`base_config`), checked once (`resolve`).
 
-`base_config()` lists every field with its default; a sentinel value (-1, 0, '') is explained
-next to its field, and nowhere else. Config files (configs/*.py) override what differs.
+`base_config()` is generated from the section dataclasses of training/sections.py (and
+data/config.py's `DataConfig` for `data`): each field's default and meaning are written there,
+once. Config files (configs/*.py) override what differs.
 
-`resolve(config, num_devices=...)` is the only code that reads a config: it checks every field,
-reads the small files the run depends on (the target's config.json and tokenizer.json, the
-existence of the data sources and eval prompts) and returns one frozen `TrainSetup` that the
-rest of the run receives. Every mistake is a `ConfigError` naming its field, raised before
-anything is created on disk or compiled.
+`resolve(config, num_devices=...)` is the only code that reads a config: every section checks
+itself, then resolve checks what spans sections, reads the small files the run depends on (the
+target's config.json and tokenizer.json, the existence of the data sources and eval prompts)
+and returns one frozen `TrainSetup` that the rest of the run receives. Every mistake, a field
+that does not exist or has the wrong type included, is a `ConfigError` naming its field, raised
+before anything is created on disk or compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import os
+import typing
 from typing import Any
 
 import ml_collections
@@ -25,91 +29,41 @@ from dflash_jax.data.config import DataConfig
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.chat import resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
-from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
 from dflash_jax.training.mesh import mesh_shape
-from dflash_jax.training.objective import ANCHOR_SCHEMES, PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
+from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
+from dflash_jax.training.sections import (
+    SECTIONS,
+    CheckpointSettings,
+    DistributedSettings,
+    EvalSettings,
+    LogSettings,
+    TopLevelSettings,
+    field_path,
+)
 from dflash_jax.training.step import OptimizerConfig
 from dflash_jax.training.workdir import Workdir
 
+# Where a user finds every field, its default and its meaning (messages, --help).
+FIELDS_DOCUMENTED = (
+    "every field, its default and its meaning are documented in the section dataclasses of "
+    "dflash_jax/training/sections.py (data: DataConfig in dflash_jax/data/config.py)"
+)
+
 
 def base_config() -> ml_collections.ConfigDict:
-    """Every field with the paper's recipe as default (docs/design.md §3.5)."""
-    c = ml_collections.ConfigDict()
-    c.workdir = ""  # checkpoints, logs and exports; rerunning with the same workdir resumes
-    c.seed = 0  # drafter init and anchor sampling (the data order has data.seed)
+    """Every field with its default, generated from the section dataclasses (training/sections.py,
+    data/config.py for `data`), where each field is documented."""
+    config = _config_dict(TopLevelSettings())
+    for name, section in SECTIONS.items():
+        config[name] = _config_dict(section())
+    return config
 
-    c.target = ml_collections.ConfigDict()
-    c.target.path = ""  # Hugging Face model directory (config.json, safetensors, tokenizer)
-    c.target.dtype = "bfloat16"  # weights and compute of the frozen target
-    # A config.json for `python -m dflash_jax.plan` when target.path is empty (configs/targets/);
-    # training always reads target.path's own.
-    c.target.plan_config = ""
 
-    c.drafter = ml_collections.ConfigDict()
-    c.drafter.num_layers = 5
-    c.drafter.block_size = 16
-    c.drafter.target_layer_ids = ()  # () = docs/design.md §2 default spread
-    c.drafter.mask_token_id = -1  # -1 = the id of <|MASK|> in the target tokenizer
-    c.drafter.intermediate_size = 0  # 0 = the target's
-
-    c.data = ml_collections.ConfigDict(dataclasses.asdict(DataConfig()))  # see data/config.py
-
-    c.train = ml_collections.ConfigDict()
-    c.train.num_epochs = 6
-    c.train.max_steps = 0  # 0 = every step of num_epochs; > 0: stop (and end the LR schedule) there
-    c.train.grad_accum_steps = 1
-    c.train.num_anchors = 512  # blocks per row
-    # docs/design.md §3.1: 'document' (response-token anchors, every document its share),
-    # 'response' (response-token anchors, uniform over the row) or 'row' (the original scheme).
-    c.train.anchor_scheme = "document"
-    c.train.anchors_per_document = 0  # 'document': cap on one document's anchors; 0 = no cap
-    c.train.loss_decay_gamma = 0.0  # 0 = the paper's value for the block size
-    c.train.learning_rate = 6e-4
-    c.train.warmup_fraction = 0.04
-    c.train.b1 = 0.9
-    c.train.b2 = 0.999
-    c.train.weight_decay = 0.0
-    c.train.grad_clip_norm = 1.0
-    c.train.compute_dtype = "bfloat16"  # drafter compute; master weights are always fp32
-    c.train.remat = False  # recompute each drafter layer in the backward pass
-    # Attention code (models/attention.py): 'auto' = fused Pallas kernels on GPU, XLA elsewhere;
-    # 'xla' (the reference) or 'fused' to force one.
-    c.train.attention = "auto"
-    c.train.attention_chunk_blocks = 32  # blocks per attention chunk (memory vs speed)
-    c.train.lm_head_chunk_blocks = 32  # blocks per LM-head/cross-entropy chunk
-    c.train.max_nonfinite_streak = 20  # stop after this many consecutive skipped updates
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # -1 = every device fsdp x tensor leave over
-    c.mesh.fsdp = 1  # > 1: the frozen target's weights split over this many devices
-    c.mesh.tensor = 1  # > 1: the target's heads, kv heads and MLP split over this many devices
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 1000
-    c.checkpoint.keep = 3
-    c.checkpoint.async_save = True
-
-    c.log = ml_collections.ConfigDict()
-    c.log.every_steps = 10
-    c.log.progress_bars = True
-    c.log.tensorboard = True
-    c.log.wandb = False  # needs `pip install wandb`
-    c.log.wandb_project = "dflash_jax"
-
-    c.eval = ml_collections.ConfigDict()
-    c.eval.prompts = ""  # JSONL of chat prompts or a bundled set name; '' = no acceptance evaluation
-    c.eval.every_steps = 1000  # 0 = only the closing evaluation
-    c.eval.num_prompts = 32  # 0 = every prompt of the set
-    c.eval.max_new_tokens = 128
-
-    c.distributed = ml_collections.ConfigDict()
-    # host:port of process 0; '' = $JAX_COORDINATOR_ADDRESS if set, else a single process.
-    c.distributed.coordinator_address = ""
-    c.distributed.num_processes = 0  # 0 = $JAX_NUM_PROCESSES or the cluster's
-    c.distributed.process_id = -1  # -1 = $JAX_PROCESS_ID or the cluster's
-    return c
+def _config_dict(settings) -> ml_collections.ConfigDict:
+    # Not type-safe: a value of the wrong type is reported by resolve, naming section.field.
+    return ml_collections.ConfigDict(dataclasses.asdict(settings), type_safe=False)
 
 
 def load_config_file(path: str, variants: str = "") -> ml_collections.ConfigDict:
@@ -122,51 +76,14 @@ def load_config_file(path: str, variants: str = "") -> ml_collections.ConfigDict
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
+    """What the loop reads of the train section and the top-level seed (documented there)."""
+
     num_epochs: int
-    max_steps: int  # 0 = no cap
+    max_steps: int
     grad_accum_steps: int
     max_nonfinite_streak: int
     seed: int
-    attention: str = "auto"  # models.attention implementation: auto, xla or fused
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSettings:
-    every_steps: int
-    keep: int
-    async_save: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class LogSettings:
-    every_steps: int
-    progress_bars: bool
-    tensorboard: bool
-    wandb: bool
-    wandb_project: str
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    prompts: str  # a JSONL path; '' = no acceptance evaluation
-    every_steps: int  # 0 = only the closing evaluation
-    num_prompts: int  # 0 = all
-    max_new_tokens: int
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.prompts)
-
-    @property
-    def during_training(self) -> bool:
-        return self.enabled and self.every_steps > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedSettings:
-    coordinator_address: str  # '' = $JAX_COORDINATOR_ADDRESS or a single process
-    num_processes: int  # 0 = from the environment
-    process_id: int  # -1 = from the environment
+    attention: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,12 +110,8 @@ class TrainSetup:
 
 def resolve_distributed(config: ml_collections.ConfigDict) -> DistributedSettings:
     """The distributed section alone: train.py needs it before JAX can count devices."""
-    d = config.distributed
-    _require(
-        d.num_processes >= 0, f"distributed.num_processes={d.num_processes} must be >= 0 (0 = from the environment)"
-    )
-    _require(d.process_id >= -1, f"distributed.process_id={d.process_id} must be >= -1 (-1 = from the environment)")
-    return DistributedSettings(d.coordinator_address, d.num_processes, d.process_id)
+    check_field_names(config)
+    return _section(config, "distributed")
 
 
 def resolve(
@@ -223,82 +136,43 @@ def resolve(
 
 
 def _resolve(config, num_devices, target, check_files) -> TrainSetup:
-    train, drafter_section = config.train, config.drafter
+    """Each section checks itself (training/sections.py); what follows spans sections or reads files."""
+    check_field_names(config)
+    top = _section(config, "")
+    target_section, drafter_section = _section(config, "target"), _section(config, "drafter")
+    train, mesh = _section(config, "train"), _section(config, "mesh")
     if check_files:
-        _require(bool(config.workdir), "workdir is empty: set --config.workdir=/path/to/run")
+        _require(bool(top.workdir), "workdir is empty: set --config.workdir=/path/to/run")
     if target is None:
-        target = _target_config(config.target.path)
-    target_dtype = _dtype(config.target.dtype, "target.dtype")
-    compute_dtype = _dtype(train.compute_dtype, "train.compute_dtype")
-
+        target = _target_config(target_section.path)
     data = _data(config, check_files)
 
     block_size, seq_len = drafter_section.block_size, data.seq_len
-    _require(drafter_section.num_layers >= 1, f"drafter.num_layers={drafter_section.num_layers} must be at least 1")
-    _require(
-        2 <= block_size < seq_len,
-        f"drafter.block_size={block_size} must be at least 2 and below data.seq_len={seq_len}",
-    )
-    _require(
-        drafter_section.intermediate_size >= 0,
-        f"drafter.intermediate_size={drafter_section.intermediate_size} must be >= 0 (0 = the target's)",
-    )
-    layer_ids = tuple(drafter_section.target_layer_ids)
+    _require(block_size < seq_len, f"drafter.block_size={block_size} must be below data.seq_len={seq_len}")
+    layer_ids = drafter_section.target_layer_ids
     bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
     _require(
         not bad,
         f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
         f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})",
     )
-    mask_token_id = _mask_token_id(drafter_section.mask_token_id, config.target.path)
+    mask_token_id = _mask_token_id(drafter_section.mask_token_id, target_section.path)
     _require(
         0 <= mask_token_id < target.vocab_size,
         f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
         f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}",
     )
-
     _require(
-        1 <= train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be in 1..data.seq_len={seq_len}"
-    )
-    _require(
-        train.attention in ATTENTION_IMPLEMENTATIONS,
-        f"train.attention={train.attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}",
-    )
-    _require(
-        train.anchor_scheme in ANCHOR_SCHEMES,
-        f"train.anchor_scheme={train.anchor_scheme!r} is not one of {', '.join(ANCHOR_SCHEMES)}",
-    )
-    _require(
-        train.anchors_per_document >= 0,
-        f"train.anchors_per_document={train.anchors_per_document} must be >= 0 (0 = no cap)",
-    )
-    _require(
-        train.loss_decay_gamma >= 0, f"train.loss_decay_gamma={train.loss_decay_gamma} must be >= 0 (0 = the paper's)"
+        train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be at most data.seq_len={seq_len}"
     )
     _require(
         bool(train.loss_decay_gamma) or block_size in PAPER_LOSS_DECAY_GAMMA,
         f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
         f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma",
     )
-    for name in (
-        "num_epochs",
-        "grad_accum_steps",
-        "attention_chunk_blocks",
-        "lm_head_chunk_blocks",
-        "max_nonfinite_streak",
-    ):
-        _require(train[name] >= 1, f"train.{name}={train[name]} must be at least 1")
-    _require(train.max_steps >= 0, f"train.max_steps={train.max_steps} must be >= 0 (0 = every step of num_epochs)")
-    _require(train.learning_rate > 0, f"train.learning_rate={train.learning_rate} must be > 0")
-    _require(0 <= train.warmup_fraction < 1, f"train.warmup_fraction={train.warmup_fraction} must be in [0, 1)")
-    for name in ("b1", "b2"):
-        _require(0 <= train[name] < 1, f"train.{name}={train[name]} must be in [0, 1)")
-    _require(train.weight_decay >= 0, f"train.weight_decay={train.weight_decay} must be >= 0")
-    _require(train.grad_clip_norm > 0, f"train.grad_clip_norm={train.grad_clip_norm} must be > 0")
-    _require(config.seed >= 0, f"seed={config.seed} must be >= 0")
 
     try:
-        shape = mesh_shape(config.mesh.data, config.mesh.fsdp, num_devices, config.mesh.tensor)
+        shape = mesh_shape(mesh.data, mesh.fsdp, num_devices, mesh.tensor)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
     tensor = shape[2]
@@ -319,18 +193,12 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         f"train.grad_accum_steps ({accum}) = {row_groups * accum}",
     )
 
-    for field in ("checkpoint.every_steps", "checkpoint.keep", "log.every_steps", "eval.max_new_tokens"):
-        section, name = field.split(".")
-        _require(config[section][name] >= 1, f"{field}={config[section][name]} must be at least 1")
-    for field in ("eval.every_steps", "eval.num_prompts"):
-        section, name = field.split(".")
-        _require(config[section][name] >= 0, f"{field}={config[section][name]} must be >= 0")
-    eval_prompts = config.eval.prompts
-    if eval_prompts and check_files:
+    evaluation = _section(config, "eval")
+    if evaluation.prompts and check_files:
         try:
-            eval_prompts = resolve_prompt_set(eval_prompts)[1]
+            evaluation = dataclasses.replace(evaluation, prompts=resolve_prompt_set(evaluation.prompts)[1])
         except (FileNotFoundError, UserError):
-            raise ConfigError(f"eval.prompts={eval_prompts!r} does not exist ('' turns evaluation off)") from None
+            raise ConfigError(f"eval.prompts={evaluation.prompts!r} does not exist ('' turns evaluation off)") from None
 
     drafter = DrafterConfig.for_target(
         target,
@@ -341,11 +209,11 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         intermediate_size=drafter_section.intermediate_size or None,
     )
     return TrainSetup(
-        workdir=Workdir.at(config.workdir) if config.workdir else None,
-        target_path=config.target.path,
+        workdir=Workdir.at(top.workdir) if top.workdir else None,
+        target_path=target_section.path,
         target=target,
-        target_dtype=target_dtype,
-        compute_dtype=compute_dtype,
+        target_dtype=DTYPES[target_section.dtype],
+        compute_dtype=DTYPES[train.compute_dtype],
         drafter=drafter,
         objective=ObjectiveConfig(
             block_size=block_size,
@@ -353,29 +221,25 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             num_anchors=train.num_anchors,
             anchor_scheme=train.anchor_scheme,
             anchors_per_document=train.anchors_per_document,
+            loss=train.loss,
+            dpace_alpha=train.dpace_alpha,
             loss_decay_gamma=float(train.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA[block_size]),
             target_layer_ids=drafter.target_layer_ids,
             attention_chunk_blocks=train.attention_chunk_blocks,
             lm_head_chunk_blocks=train.lm_head_chunk_blocks,
             remat=train.remat,
         ),
-        optimizer=OptimizerConfig(
-            learning_rate=train.learning_rate,
-            warmup_fraction=train.warmup_fraction,
-            b1=train.b1,
-            b2=train.b2,
-            weight_decay=train.weight_decay,
-            grad_clip_norm=train.grad_clip_norm,
-        ),
+        # Every optimizer setting is a train field of the same name.
+        optimizer=OptimizerConfig(**{f.name: getattr(train, f.name) for f in dataclasses.fields(OptimizerConfig)}),
         data=data,
         mesh_shape=shape,
         run=RunSettings(
-            train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, config.seed, train.attention
+            train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, top.seed, train.attention
         ),
-        checkpoint=CheckpointSettings(**config.checkpoint.to_dict()),
-        log=LogSettings(**config.log.to_dict()),
-        eval=EvalSettings(eval_prompts, config.eval.every_steps, config.eval.num_prompts, config.eval.max_new_tokens),
-        distributed=resolve_distributed(config),
+        checkpoint=_section(config, "checkpoint"),
+        log=_section(config, "log"),
+        eval=evaluation,
+        distributed=_section(config, "distributed"),
         config_dict=json.loads(config.to_json_best_effort()),
     )
 
@@ -384,8 +248,10 @@ def resolve_data(config: ml_collections.ConfigDict) -> tuple[DataConfig, str]:
     """(data settings, target directory), checked with the data sources: what
     `python -m dflash_jax.prepare` needs (no devices, no model weights)."""
     try:
-        _target_dir(config.target.path)
-        return _data(config, check_files=True), config.target.path
+        check_field_names(config)
+        target_path = _section(config, "target").path
+        _target_dir(target_path)
+        return _data(config, check_files=True), target_path
     except ConfigError:
         raise
     except UserError as e:
@@ -393,9 +259,7 @@ def resolve_data(config: ml_collections.ConfigDict) -> tuple[DataConfig, str]:
 
 
 def _data(config: ml_collections.ConfigDict, check_files: bool) -> DataConfig:
-    data = DataConfig(**config.data.to_dict())
-    problems = data.problems()
-    _require(not problems, "; ".join(problems))
+    data = _section(config, "data")
     if check_files:
         _require(bool(data.train), "data.train is empty: set --config.data.train=/path/to/train.jsonl")
         try:
@@ -403,6 +267,73 @@ def _data(config: ml_collections.ConfigDict, check_files: bool) -> DataConfig:
         except UserError as e:
             raise ConfigError(f"data.train: {e}") from None
     return data
+
+
+def field_paths() -> list[str]:
+    """Every field of the config as overrides name it: `workdir`, `train.learning_rate`, ..."""
+    top = [f.name for f in dataclasses.fields(TopLevelSettings)]
+    return top + [field_path(name, f.name) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def check_field_path(path: str) -> None:
+    """Raises ConfigError, naming the closest real field, when `path` is not a field."""
+    paths = field_paths()
+    if path in paths:
+        return
+    closest = difflib.get_close_matches(path, paths, n=1)
+    raise ConfigError(f"no field {path}; " + (f"did you mean {closest[0]}?" if closest else FIELDS_DOCUMENTED))
+
+
+def check_field_names(config: ml_collections.ConfigDict) -> None:
+    """Every field `config` sets exists: a mistyped name would otherwise be a silent no-op."""
+    for key in config.keys():
+        value = config[key]
+        if key in SECTIONS and isinstance(value, (ml_collections.ConfigDict, dict)):
+            for name in value.keys():
+                check_field_path(field_path(key, name))
+        else:
+            check_field_path(key)
+
+
+def _section(config: ml_collections.ConfigDict, name: str):
+    """Section `name` ('' = the top-level fields) of `config` as its dataclass, checked: a value
+    of the wrong type or one of the section's problems is a ConfigError. Fields the config does
+    not set keep their dataclass defaults."""
+    cls = SECTIONS[name] if name else TopLevelSettings
+    values = config if not name else config[name] if name in config else {}
+    types = typing.get_type_hints(cls)
+    settings = cls(
+        **{
+            f.name: _typed(field_path(name, f.name), values[f.name], types[f.name])
+            for f in dataclasses.fields(cls)
+            if f.name in values
+        }
+    )
+    problems = settings.problems()
+    _require(not problems, "; ".join(problems))
+    return settings
+
+
+# What a message calls each type a field can have.
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "True or False"}
+
+
+def _typed(path: str, value, kind):
+    """`value` as a field of type `kind` (an int is a float, a list a tuple), else a ConfigError."""
+    if typing.get_origin(kind) is tuple:
+        item = typing.get_args(kind)[0]  # tuple[item, ...]
+        if isinstance(value, (tuple, list)) and all(_is_a(v, item) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{path}={value!r} must be a tuple of {_TYPE_NAMES[item].split()[-1]}s")
+    if kind is float and _is_a(value, int):
+        return float(value)
+    _require(_is_a(value, kind), f"{path}={value!r} must be {_TYPE_NAMES[kind]}")
+    return value
+
+
+def _is_a(value, kind) -> bool:
+    # A bool is an int to Python, not to a config.
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -413,8 +344,9 @@ def _require(ok: bool, message: str) -> None:
 def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tuple[TransformerConfig, str]:
     """(target architecture, where it was read) for the memory plan, from a config.json alone:
     `override`, else `target.plan_config`, else `target.path`/config.json."""
-    path = override or config.target.plan_config or config.target.path
-    field = "--target_config" if override else "target.plan_config" if config.target.plan_config else "target.path"
+    target = _section(config, "target")
+    path = override or target.plan_config or target.path
+    field = "--target_config" if override else "target.plan_config" if target.plan_config else "target.path"
     _require(
         bool(path),
         "no target to plan for: set --target_config=configs/targets/Qwen3-8B.json (or another config.json) "
@@ -441,16 +373,10 @@ def _target_config(path: str) -> TransformerConfig:
         raise ConfigError(f"target.path={path!r}: {e}") from None
 
 
-def _dtype(name: str, field: str):
-    _require(name in DTYPES, f"{field}={name!r} is not one of {', '.join(sorted(DTYPES))}")
-    return DTYPES[name]
-
-
 def _mask_token_id(configured: int, target_path: str) -> int:
     """An explicit id, or (-1) the id of `<|MASK|>` in the target's tokenizer.json."""
     if configured >= 0:
         return configured
-    _require(configured == -1, f"drafter.mask_token_id={configured} must be >= 0, or -1 to look up {MASK_TOKEN}")
     tokenizer_file = os.path.join(target_path, "tokenizer.json")
     if os.path.isfile(tokenizer_file):
         with open(tokenizer_file, encoding="utf-8") as f:

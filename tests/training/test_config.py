@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +12,20 @@ from pathlib import Path
 import pytest
 
 from dflash_jax.errors import ConfigError
-from dflash_jax.training.config import load_config_file, resolve
+from dflash_jax.training import sections
+from dflash_jax.training.config import (
+    FIELDS_DOCUMENTED,
+    base_config,
+    check_field_path,
+    field_paths,
+    load_config_file,
+    resolve,
+)
+from dflash_jax.training.objective import ObjectiveConfig
+from dflash_jax.training.step import OptimizerConfig
 from support import training_runs as testing
+
+ALL_SECTIONS = {"": sections.TopLevelSettings, **sections.SECTIONS}
 
 
 def config_file(name: str) -> str:
@@ -40,7 +54,8 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
 @pytest.mark.parametrize(
     "fields, num_devices, message",
     [
-        ({"drafter.block_size": 128}, 1, "drafter.block_size=128 must be at least 2 and below data.seq_len=128"),
+        ({"drafter.block_size": 128}, 1, "drafter.block_size=128 must be below data.seq_len=128"),
+        ({"drafter.block_size": 1}, 1, "drafter.block_size=1 must be at least 2"),
         (
             {"drafter.target_layer_ids": (0, 2)},
             1,
@@ -69,10 +84,10 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"eval.prompts": "/nonexistent/prompts.jsonl"}, 1, "eval.prompts='/nonexistent/prompts.jsonl' does not exist"),
         ({"drafter.mask_token_id": 512}, 1, "drafter.mask_token_id=512 is outside the target vocabulary"),
         ({"drafter.block_size": 12}, 1, r"block_size=12 has no paper loss decay gamma .* set train.loss_decay_gamma"),
-        ({"train.num_anchors": 129}, 1, r"train.num_anchors=129 must be in 1..data.seq_len=128"),
+        ({"train.num_anchors": 129}, 1, "train.num_anchors=129 must be at most data.seq_len=128"),
         ({"train.compute_dtype": "float16"}, 1, "train.compute_dtype='float16' is not one of"),
         ({"checkpoint.every_steps": 0}, 1, "checkpoint.every_steps=0 must be at least 1"),
-        ({"train.max_steps": -1}, 1, r"train.max_steps=-1 must be >= 0 \(0 = every step of num_epochs\)"),
+        ({"train.max_steps": -1}, 1, "train.max_steps=-1 must be at least 0"),
         ({"data.format": "foo"}, 1, "data.format='foo' is not one of auto, messages, conversations, text"),
         ({"data.on_bad_sample": "ignore"}, 1, "data.on_bad_sample='ignore' is not one of skip, error"),
         ({"data.seq_len": 0}, 1, "data.seq_len=0 must be at least 2"),
@@ -81,16 +96,120 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"train.warmup_fraction": 1.5}, 1, r"train.warmup_fraction=1.5 must be in \[0, 1\)"),
         ({"train.grad_accum_steps": 0}, 1, "train.grad_accum_steps=0 must be at least 1"),
         ({"drafter.num_layers": 0}, 1, "drafter.num_layers=0 must be at least 1"),
-        ({"drafter.mask_token_id": -5}, 1, r"drafter.mask_token_id=-5 must be >= 0, or -1"),
+        ({"drafter.mask_token_id": -5}, 1, "drafter.mask_token_id=-5 must be at least -1"),
         ({"eval.max_new_tokens": 0}, 1, "eval.max_new_tokens=0 must be at least 1"),
-        ({"eval.num_prompts": -1}, 1, "eval.num_prompts=-1 must be >= 0"),
-        ({"seed": -1}, 1, "seed=-1 must be >= 0"),
-        ({"distributed.process_id": -2}, 1, "distributed.process_id=-2 must be >= -1"),
+        ({"eval.num_prompts": -1}, 1, "eval.num_prompts=-1 must be at least 0"),
+        ({"seed": -1}, 1, "seed=-1 must be at least 0"),
+        ({"distributed.process_id": -2}, 1, "distributed.process_id=-2 must be at least -1"),
+        ({"train.loss": "focal"}, 1, "train.loss='focal' is not one of dflash, dpace"),
+        ({"train.dpace_alpha": 1.5}, 1, r"train.dpace_alpha=1.5 must be in \[0, 1\]"),
+        ({"train.num_epochs": "six"}, 1, "train.num_epochs='six' must be an integer"),
+        ({"train.remat": 1}, 1, "train.remat=1 must be True or False"),
+        ({"train.max_steps": True}, 1, "train.max_steps=True must be an integer"),
+        ({"drafter.target_layer_ids": (0, "1")}, 1, r"drafter.target_layer_ids=\(0, '1'\) must be a tuple of integers"),
     ],
 )
 def test_config_error_messages(tiny_run, tmp_path, fields, num_devices, message):
     with pytest.raises(ConfigError, match=message):
         resolve(tiny_config(tiny_run, tmp_path, **fields), num_devices=num_devices)
+
+
+def test_base_config_is_generated_from_the_section_dataclasses():
+    config = base_config().to_dict()
+    written = {name: config.pop(name) for name in sections.SECTIONS}
+    written[""] = config  # what is left: the top-level fields
+    for name, section in ALL_SECTIONS.items():
+        fields = dataclasses.fields(section)
+        assert sorted(written[name]) == sorted(f.name for f in fields), name  # no field more, none fewer
+        for field in fields:
+            value = written[name][field.name]
+            # The same default, of the same type: 0.0 stays a float, () a tuple.
+            assert (value, type(value)) == (field.default, type(field.default)), f"{name}.{field.name}"
+
+
+def test_defaults_of_the_objective_and_optimizer_are_the_train_sections():
+    """ObjectiveConfig and OptimizerConfig keep defaults of their own (for code that builds them
+    directly); the config's must be the same numbers."""
+    config = base_config()
+    config.target.path = str(testing.REPO / "assets" / "tiny-qwen3")
+    setup = resolve(config, num_devices=1, check_files=False)
+    assert setup.optimizer == OptimizerConfig()
+    defaulted = [f.name for f in dataclasses.fields(ObjectiveConfig) if f.default is not dataclasses.MISSING]
+    assert {name: getattr(setup.objective, name) for name in defaulted} == {
+        name: getattr(ObjectiveConfig, name) for name in defaulted
+    }
+
+
+def test_every_section_default_passes_its_own_checks():
+    for name, section in ALL_SECTIONS.items():
+        assert section().problems() == [], name
+
+
+@pytest.mark.parametrize(
+    "section, fields, message",
+    [
+        ("train", {"b2": 1.0}, r"train.b2=1.0 must be in \[0, 1\)"),
+        ("train", {"attention": "flash"}, "train.attention='flash' is not one of"),
+        ("train", {"anchor_scheme": "token"}, "train.anchor_scheme='token' is not one of document, response, row"),
+        ("train", {"grad_clip_norm": 0.0}, "train.grad_clip_norm=0.0 must be > 0"),
+        ("target", {"dtype": "fp8"}, "target.dtype='fp8' is not one of"),
+        ("log", {"every_steps": 0}, "log.every_steps=0 must be at least 1"),
+        ("distributed", {"num_processes": -1}, "distributed.num_processes=-1 must be at least 0"),
+        ("drafter", {"intermediate_size": -1}, "drafter.intermediate_size=-1 must be at least 0"),
+    ],
+)
+def test_sections_check_their_own_fields(section, fields, message):
+    problems = sections.SECTIONS[section](**fields).problems()
+    assert len(problems) == 1 and re.match(message, problems[0]), problems
+
+
+def test_a_field_that_does_not_exist_names_the_closest_one(tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"^no field train.lerning_rate; did you mean train.learning_rate\?$"):
+        check_field_path("train.lerning_rate")
+    with pytest.raises(ConfigError, match=r"^no field learning_rate; did you mean train.learning_rate\?$"):
+        check_field_path("learning_rate")
+    with pytest.raises(ConfigError, match="no field zzz; every field, its default and its meaning are documented"):
+        check_field_path("zzz")
+    config = tiny_config(tiny_run, tmp_path)
+    config.eval.promts = "heldout"  # as a config file would set it: silently, were it not checked
+    with pytest.raises(ConfigError, match=r"^no field eval.promts; did you mean eval.prompts\?$"):
+        resolve(config, num_devices=1)
+
+
+def test_where_fields_are_documented_exists():
+    """The pointer in --help and in messages names the files that define every section."""
+    files = re.findall(r"dflash_jax/[\w/]+\.py", FIELDS_DOCUMENTED)
+    defined_in = {sys.modules[section.__module__].__file__ for section in ALL_SECTIONS.values()}
+    assert {str(testing.REPO / f) for f in files} == defined_in
+    assert len(field_paths()) == sum(len(dataclasses.fields(section)) for section in ALL_SECTIONS.values())
+
+
+def test_values_of_a_close_type_are_converted(tiny_run, tmp_path):
+    config = tiny_config(tiny_run, tmp_path, **{"train.learning_rate": 1, "drafter.target_layer_ids": [0, 1]})
+    setup = resolve(config, num_devices=1)
+    assert type(setup.optimizer.learning_rate) is float and setup.optimizer.learning_rate == 1.0
+    assert setup.drafter.target_layer_ids == (0, 1)
+
+
+def test_loss_fields_reach_the_objective(tiny_run, tmp_path):
+    config = tiny_config(tiny_run, tmp_path, **{"train.loss": "dpace", "train.dpace_alpha": 0.25})
+    objective = resolve(config, num_devices=1).objective
+    assert (objective.loss, objective.dpace_alpha) == ("dpace", 0.25)
+
+
+def test_train_py_names_a_mistyped_field_in_one_line():
+    """Found when the flags are parsed: before the config file's target is read or JAX starts."""
+    result = subprocess.run(
+        [sys.executable, str(testing.REPO / "train.py"), "--config.train.lerning_rate=1e-3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=testing.REPO,
+    )
+    assert (result.returncode, result.stderr) == (
+        1,
+        "config error: no field train.lerning_rate; did you mean train.learning_rate?\n",
+    )
 
 
 def test_mask_token_is_looked_up_in_the_tokenizer(tiny_run, tmp_path):

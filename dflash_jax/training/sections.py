@@ -1,0 +1,258 @@
+"""The sections of the training config: every field, its default and its meaning, in one place.
+
+Each section is a frozen dataclass whose defaults are the paper's recipe (docs/design.md §3.5);
+a sentinel value (-1, 0, '') is explained next to its field, and nowhere else. `problems()`
+checks what a section can check alone, one message per field named `section.field`; checks
+that span sections or read files are `training.config.resolve`'s. `training.config.base_config`
+is generated from `TopLevelSettings` and `SECTIONS`; the `data` section is
+`data.config.DataConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash_jax.data.config import DataConfig
+from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from dflash_jax.models.config import DTYPES
+from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES
+
+
+@dataclasses.dataclass(frozen=True)
+class TopLevelSettings:
+    """The fields outside any section."""
+
+    # Checkpoints, logs and exports; rerunning with the same workdir resumes.
+    workdir: str = ""
+    # Drafter init and anchor sampling (the data order has data.seed).
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        return _at_least("", self, seed=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSettings:
+    """The frozen target LLM."""
+
+    # Hugging Face model directory (config.json, safetensors, tokenizer).
+    path: str = ""
+    # Weights and compute of the frozen target.
+    dtype: str = "bfloat16"
+    # A config.json for `python -m dflash_jax.plan` when path is empty (configs/targets/);
+    # training always reads path's own.
+    plan_config: str = ""
+
+    def problems(self) -> list[str]:
+        return _one_of("target", self, dtype=sorted(DTYPES))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings:
+    """The drafter's shape; everything else about it follows the target (docs/design.md §2)."""
+
+    num_layers: int = 5
+    # Tokens per block: the anchor and the positions drafted after it.
+    block_size: int = 16
+    # Target layers whose hidden states the drafter reads; () = the docs/design.md §2 spread.
+    target_layer_ids: tuple[int, ...] = ()
+    # -1 = the id of <|MASK|> in the target tokenizer.
+    mask_token_id: int = -1
+    # MLP width; 0 = the target's.
+    intermediate_size: int = 0
+
+    def problems(self) -> list[str]:
+        return _at_least("drafter", self, num_layers=1, block_size=2, mask_token_id=-1, intermediate_size=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """The objective, the optimizer and the loop."""
+
+    num_epochs: int = 6
+    # 0 = every step of num_epochs; > 0: stop (and end the LR schedule) there.
+    max_steps: int = 0
+    # Micro-batches per optimizer update (the global batch is data.global_batch_rows).
+    grad_accum_steps: int = 1
+    # Blocks per row.
+    num_anchors: int = 512
+    # docs/design.md §3.1: 'document' (response-token anchors, every document its share),
+    # 'response' (response-token anchors, uniform over the row) or 'row' (the original scheme).
+    anchor_scheme: str = "document"
+    # 'document': cap on one document's anchors; 0 = no cap.
+    anchors_per_document: int = 0
+    # docs/design.md §3.3: 'dflash' (the paper's position decay) or 'dpace' (D-PACE confidence
+    # weights).
+    loss: str = "dflash"
+    # 'dpace': smoothing of the target token's probability, in [0, 1].
+    dpace_alpha: float = 0.5
+    # 'dflash': γ of the position decay; 0 = the paper's value for the block size.
+    loss_decay_gamma: float = 0.0
+    # AdamW with linear warmup over warmup_fraction of the steps, then cosine to 0; weight decay
+    # applies to matrices only; grad_clip_norm clips the global gradient norm.
+    learning_rate: float = 6e-4
+    warmup_fraction: float = 0.04
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    # Drafter compute; master weights are always fp32.
+    compute_dtype: str = "bfloat16"
+    # Recompute each drafter layer in the backward pass.
+    remat: bool = False
+    # Attention code (models/attention.py): 'auto' = fused Pallas kernels on GPU, XLA elsewhere;
+    # 'xla' (the reference) or 'fused' to force one.
+    attention: str = "auto"
+    # Blocks per attention chunk (memory vs speed).
+    attention_chunk_blocks: int = 32
+    # Blocks per LM-head/cross-entropy chunk.
+    lm_head_chunk_blocks: int = 32
+    # Stop after this many consecutive skipped (non-finite) updates.
+    max_nonfinite_streak: int = 20
+
+    def problems(self) -> list[str]:
+        out = _one_of(
+            "train",
+            self,
+            anchor_scheme=ANCHOR_SCHEMES,
+            loss=LOSSES,
+            compute_dtype=sorted(DTYPES),
+            attention=ATTENTION_IMPLEMENTATIONS,
+        )
+        out += _at_least(
+            "train",
+            self,
+            num_epochs=1,
+            max_steps=0,
+            grad_accum_steps=1,
+            num_anchors=1,
+            anchors_per_document=0,
+            loss_decay_gamma=0,
+            weight_decay=0,
+            attention_chunk_blocks=1,
+            lm_head_chunk_blocks=1,
+            max_nonfinite_streak=1,
+        )
+        for name in ("learning_rate", "grad_clip_norm"):
+            if not getattr(self, name) > 0:
+                out.append(f"train.{name}={getattr(self, name)} must be > 0")
+        for name in ("warmup_fraction", "b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                out.append(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        if not 0 <= self.dpace_alpha <= 1:
+            out.append(f"train.dpace_alpha={self.dpace_alpha} must be in [0, 1]")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    """How the devices are laid out: data x fsdp x tensor (docs/design.md §8)."""
+
+    # -1 = every device fsdp x tensor leave over.
+    data: int = -1
+    # > 1: the frozen target's weights split over this many devices.
+    fsdp: int = 1
+    # > 1: the target's heads, kv heads and MLP split over this many devices.
+    tensor: int = 1
+
+    def problems(self) -> list[str]:
+        return []  # the shape is checked against the devices, by training.mesh.mesh_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    every_steps: int = 1000
+    # The most recent checkpoints kept (the best-evaluated drafter weights are kept apart).
+    keep: int = 3
+    # Write checkpoints in the background while training goes on (Orbax asynchronous saves).
+    async_save: bool = True
+
+    def problems(self) -> list[str]:
+        return _at_least("checkpoint", self, every_steps=1, keep=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+    every_steps: int = 10
+    progress_bars: bool = True
+    tensorboard: bool = True
+    # Needs `pip install wandb`.
+    wandb: bool = False
+    wandb_project: str = "dflash_jax"
+
+    def problems(self) -> list[str]:
+        return _at_least("log", self, every_steps=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """Acceptance evaluation: speculative decoding of held-out prompts (docs/design.md §7.4)."""
+
+    # JSONL of chat prompts or a bundled set name; '' = no acceptance evaluation.
+    prompts: str = ""
+    # 0 = only the closing evaluation.
+    every_steps: int = 1000
+    # 0 = every prompt of the set.
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prompts)
+
+    @property
+    def during_training(self) -> bool:
+        return self.enabled and self.every_steps > 0
+
+    def problems(self) -> list[str]:
+        return _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """Multi-process runs; the defaults read the cluster's environment."""
+
+    # host:port of process 0; '' = $JAX_COORDINATOR_ADDRESS if set, else a single process.
+    coordinator_address: str = ""
+    # 0 = $JAX_NUM_PROCESSES or the cluster's.
+    num_processes: int = 0
+    # -1 = $JAX_PROCESS_ID or the cluster's.
+    process_id: int = -1
+
+    def problems(self) -> list[str]:
+        return _at_least("distributed", self, num_processes=0, process_id=-1)
+
+
+# Every section in the order base_config() lists them, after the top-level fields.
+SECTIONS = {
+    "target": TargetSettings,
+    "drafter": DrafterSettings,
+    "data": DataConfig,
+    "train": TrainSettings,
+    "mesh": MeshSettings,
+    "checkpoint": CheckpointSettings,
+    "log": LogSettings,
+    "eval": EvalSettings,
+    "distributed": DistributedSettings,
+}
+
+
+def field_path(section: str, name: str) -> str:
+    """How messages and overrides name a field: `section.name`, or `name` at the top level."""
+    return f"{section}.{name}" if section else name
+
+
+def _at_least(section: str, settings, **minimum) -> list[str]:
+    return [
+        f"{field_path(section, name)}={getattr(settings, name)} must be at least {low}"
+        for name, low in minimum.items()
+        if getattr(settings, name) < low
+    ]
+
+
+def _one_of(section: str, settings, **allowed) -> list[str]:
+    return [
+        f"{field_path(section, name)}={getattr(settings, name)!r} is not one of {', '.join(choices)}"
+        for name, choices in allowed.items()
+        if getattr(settings, name) not in choices
+    ]
