@@ -4,7 +4,8 @@ A batch is a dict of int32 [rows, seq_len] arrays: `tokens`, `segment_ids` (0 = 
 `positions` (within the document) and `loss_mask` (1 on response tokens). For every row we
 sample `num_anchors` anchor positions on device, build one block `[anchor, MASK, …]` per anchor,
 run the drafter over all blocks at once, and score slot k ≥ 1 against the data token at
-`anchor + k` with the decay-weighted cross-entropy of the paper.
+`anchor + k` with a weighted cross-entropy: the paper's position decay ('dflash') or D-PACE's
+confidence weights ('dpace').
 
 The frozen target side (features, block embeddings) is `frozen_inputs`; the differentiable
 drafter side is `drafter_loss`. The LM head is applied in chunks of blocks, each computing its
@@ -26,8 +27,8 @@ from jax.sharding import PartitionSpec
 from dflash_jax.models.attention import block_context_mask
 from dflash_jax.models.chunking import map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, constrain_spec
+from dflash_jax.models.transformer import Transformer
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -70,9 +71,15 @@ class Blocks:
     positions: jax.Array  # [R, N, Bk]   anchor's in-document position + slot
     labels: jax.Array  # [R, N, Bk-1] data token at anchor + k, k = 1..Bk-1
     label_mask: jax.Array  # [R, N, Bk-1] slot is scored: inside the row and the document, a response token
-    weights: jax.Array  # [R, N, Bk-1] label_mask · exp(-(k-1)/γ)
     valid: jax.Array  # [R, N] the anchor exists (rows may have fewer candidates than N)
     ctx_mask: jax.Array  # [R, N, S] context positions each block may attend to
+    documents: jax.Array  # [R] documents in the row ('dpace' divides by their global count)
+
+
+def count_documents(segment_ids: jax.Array) -> jax.Array:
+    """[R, S] -> [R] int32: documents in each row (a document never spans two rows, §6.5)."""
+    starts = (segment_ids != 0) & (segment_ids != jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1])
+    return starts.sum(axis=1, dtype=jnp.int32)
 
 
 def anchor_candidates(segment_ids: jax.Array, loss_mask: jax.Array, scheme: str) -> jax.Array:
@@ -157,16 +164,15 @@ def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, 
         & (segment_at == segment_at[:, :, :1])
         & (_gather_rows(batch["loss_mask"], index) == 1)
     )[:, :, 1:]
-    decay = jnp.exp(-jnp.arange(cfg.block_size - 1, dtype=jnp.float32) / cfg.loss_decay_gamma)
     anchor_position = _gather_rows(batch["positions"], anchor_index)
     return Blocks(
         tokens=jnp.where(offsets == 0, tokens_at, cfg.mask_token_id),
         positions=anchor_position[:, :, None] + offsets,
         labels=tokens_at[:, :, 1:],
         label_mask=scored,
-        weights=scored * decay,
         valid=anchor_valid,
         ctx_mask=block_context_mask(batch["segment_ids"], anchor_index, anchor_valid),
+        documents=count_documents(batch["segment_ids"]),
     )
 
 
@@ -257,6 +263,39 @@ def _add_at(x: jax.Array, index: jax.Array, value: float) -> jax.Array:
     return rows.at[jnp.arange(rows.shape[0]), index.reshape(-1)].add(value).reshape(x.shape)
 
 
+def dpace_weights(prob: jax.Array, scored: jax.Array, alpha: float) -> jax.Array:
+    """D-PACE slot weights (arXiv 2605.18810): prob, scored [..., K] -> [..., K] fp32.
+
+    prob is the drafter's probability of the label. A slot's draft is accepted only if every
+    earlier one was, so s = (1 − α)·p + α (smoothed towards 1) is multiplied along the block:
+    c_k = Π_{j ≤ k} s_j estimates that slots up to k are accepted. A slot's weight is the
+    expected number of accepted slots from it on, Σ_{j ≥ k} c_j. Slots that are not scored
+    multiply by 1 and add nothing; their weight is 0.
+    """
+    smoothed = jnp.where(scored, (1 - alpha) * prob + alpha, 1.0)
+    reach = jnp.where(scored, jnp.cumprod(smoothed, axis=-1), 0.0)
+    return jnp.where(scored, jax.lax.cumsum(reach, axis=reach.ndim - 1, reverse=True), 0.0)
+
+
+def slot_weights(ce: jax.Array, blocks: Blocks, cfg: ObjectiveConfig) -> jax.Array:
+    """[R, N, Bk-1] weight of each slot's cross-entropy (docs/design.md §3.3), a constant to
+    the gradient. 'dpace' reads the label's probability off the cross-entropy already computed:
+    no second LM-head pass."""
+    if cfg.loss == "dpace":
+        prob = jnp.exp(-jax.lax.stop_gradient(ce))
+        return jax.lax.stop_gradient(dpace_weights(prob, blocks.label_mask, cfg.dpace_alpha))
+    decay = jnp.exp(-jnp.arange(ce.shape[-1], dtype=jnp.float32) / cfg.loss_decay_gamma)
+    return blocks.label_mask * decay
+
+
+def loss_denominator(weights: jax.Array, blocks: Blocks, cfg: ObjectiveConfig) -> jax.Array:
+    """These rows' share of what the global Σ w·CE is divided by: Σw ('dflash'), or documents
+    ('dpace', so the loss scale does not depend on how documents are packed into rows)."""
+    if cfg.loss == "dpace":
+        return blocks.documents.sum().astype(jnp.float32)
+    return weights.sum().astype(jnp.float32)
+
+
 def drafter_loss(
     drafter: DFlashDrafter,
     unembed: Callable[[jax.Array], jax.Array],
@@ -266,11 +305,12 @@ def drafter_loss(
     blocks: Blocks,
     cfg: ObjectiveConfig,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(Σ w·CE over these rows, metric sums) — not yet divided by Σw.
+    """(Σ w·CE over these rows, metric sums) — not yet divided.
 
-    docs/design.md §3.3: the loss is Σw·CE / Σw over the whole global batch, so the caller
-    divides the accumulated sum (and its gradient) by the batch's total Σw, once. Gradient
-    accumulation then gives the update of one big batch.
+    docs/design.md §3.3: the loss is Σ w·CE / (Σw or documents) over the whole global batch, so
+    the caller divides the accumulated sum (and its gradient) by the batch's total of the sums'
+    "weight" entry (`loss_denominator`), once. Gradient accumulation then gives the update of
+    one big batch.
     """
     hidden = drafter(
         block_embeds,
@@ -282,17 +322,21 @@ def drafter_loss(
         remat=cfg.remat,
     )
     ce, correct = lm_head_cross_entropy(unembed, hidden[:, :, 1:], blocks.labels, chunk_blocks=cfg.lm_head_chunk_blocks)
-    weighted_ce = (blocks.weights * ce).sum()
-    return weighted_ce, metric_sums(weighted_ce, correct, blocks)
+    weights = slot_weights(ce, blocks, cfg)
+    weighted_ce = (weights * ce).sum()
+    return weighted_ce, metric_sums(weighted_ce, loss_denominator(weights, blocks, cfg), correct, blocks)
 
 
-def metric_sums(weighted_ce: jax.Array, correct: jax.Array, blocks: Blocks) -> dict[str, jax.Array]:
-    """Additive statistics (sum them over micro-batches and steps, then `summarize`)."""
+def metric_sums(
+    weighted_ce: jax.Array, denominator: jax.Array, correct: jax.Array, blocks: Blocks
+) -> dict[str, jax.Array]:
+    """Additive statistics (sum them over micro-batches and steps, then `summarize`). "weight"
+    is the loss's denominator (`loss_denominator`)."""
     hit = correct & blocks.label_mask
     leading_hits = jnp.cumprod(hit, axis=-1).sum(-1)  # accepted draft tokens per block
     return {
         "weighted_ce": weighted_ce.astype(jnp.float32),
-        "weight": blocks.weights.sum().astype(jnp.float32),
+        "weight": denominator.astype(jnp.float32),
         "slot_hits": hit.sum((0, 1)).astype(jnp.float32),
         "slot_scored": blocks.label_mask.sum((0, 1)).astype(jnp.float32),
         "tau_sum": jnp.where(blocks.valid, 1 + leading_hits, 0).sum().astype(jnp.float32),
@@ -304,7 +348,7 @@ def summarize(sums: dict) -> dict[str, float]:
     """Metric sums (host values) -> loss, accuracy, per-slot accuracy, tau_train."""
     slot_acc = np.asarray(sums["slot_hits"]) / np.maximum(np.asarray(sums["slot_scored"]), 1)
     out = {
-        "loss": float(sums["weighted_ce"] / max(float(sums["weight"]), 1e-9)),
+        "loss": float(sums["weighted_ce"] / max(float(sums["weight"]), 1e-9)),  # Σ w·CE / denominator
         "accuracy": float(sums["slot_hits"].sum() / max(float(sums["slot_scored"].sum()), 1)),
         "tau_train": float(sums["tau_sum"] / max(float(sums["blocks"]), 1)),
     }

@@ -1,4 +1,5 @@
-"""The DFlash objective: anchors, blocks, the strict context mask, chunked CE, loss and tau."""
+"""The DFlash objective: anchors, blocks, the strict context mask, chunked CE, the 'dflash' and
+'dpace' losses, and tau."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
-from support.synthetic import packed_batch
 
 VOCAB, MASK = 64, 63
 # These tests check values, not speed: compile without LLVM optimization (twice as fast).
@@ -146,7 +147,7 @@ def test_a_rows_anchors_do_not_depend_on_the_rest_of_the_batch():
     assert not np.array_equal(index[0], index[2])  # same row content, another row: other anchors
 
 
-def test_blocks_inputs_labels_weights_and_strict_context():
+def test_blocks_inputs_labels_and_strict_context():
     anchors = jnp.asarray([[3, 8, 0]], jnp.int32)
     valid = jnp.asarray([[True, True, False]])
     blocks = objective.make_blocks(ROW, anchors, valid, _cfg())
@@ -158,8 +159,7 @@ def test_blocks_inputs_labels_weights_and_strict_context():
     # Anchor 3: slots 1, 2 in the document; slot 3 crosses into doc 2. Anchor 8: slot 1 only,
     # then padding. The invalid anchor scores nothing.
     np.testing.assert_array_equal(blocks.label_mask[0], [[1, 1, 0], [1, 0, 0], [0, 0, 0]])
-    decay = np.exp(-np.arange(3) / 4.0)
-    np.testing.assert_allclose(blocks.weights[0], np.asarray(blocks.label_mask[0]) * decay)
+    np.testing.assert_array_equal(blocks.documents, [2])
     # Strictly before the anchor, same document only.
     expected = np.zeros((3, 12), bool)
     expected[0, 0:3] = True
@@ -195,6 +195,35 @@ def test_chunked_cross_entropy_matches_dense_values_and_gradients():
     # The gradient flows to the hidden states only: the LM head is the frozen target's.
     g_head = jax.jit(jax.grad(lambda head: (chunked(hidden, head)[0] * w).sum()))(head)
     np.testing.assert_array_equal(g_head, np.zeros_like(head))
+
+
+def test_documents_are_counted_per_row():
+    segment_ids = jnp.asarray([[1, 1, 2, 2, 3, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6]])
+    np.testing.assert_array_equal(objective.count_documents(segment_ids), [3, 1, 0, 6])
+
+
+def _reference_dpace_weights(prob, scored, alpha):
+    """D-PACE's definition, slot by slot: w_k = Σ_{j ≥ k, scored} Π_{i ≤ j, scored} s_i."""
+    weights = np.zeros_like(prob)
+    for block in np.ndindex(prob.shape[:-1]):
+        p, m = prob[block], scored[block]
+        for k in np.flatnonzero(m):
+            for j in range(k, len(p)):
+                if m[j]:
+                    weights[block + (k,)] += np.prod([(1 - alpha) * p[i] + alpha for i in range(j + 1) if m[i]])
+    return weights
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.8, 1.0])
+def test_dpace_weights_follow_the_definition(alpha):
+    rng = np.random.default_rng(7)
+    prob = rng.random((3, 5, 7)).astype(np.float32)
+    scored = rng.random((3, 5, 7)) < 0.7  # gaps inside blocks, and some blocks scored nowhere
+    scored[0, 0] = False
+    weights = objective.dpace_weights(jnp.asarray(prob), jnp.asarray(scored), alpha)
+    np.testing.assert_allclose(weights, _reference_dpace_weights(prob, scored, alpha), rtol=1e-5, atol=1e-7)
+    if alpha == 1.0:  # every slot certain: weight = scored slots from k on
+        np.testing.assert_array_equal(weights, np.where(scored, np.cumsum(scored[..., ::-1], -1)[..., ::-1], 0))
 
 
 def _keys(batch, seed):
@@ -237,9 +266,20 @@ def _batch(seed=0, rows=2, seq_len=40):
     return {k: jnp.asarray(v) for k, v in packed_batch(np.random.default_rng(seed), rows, seq_len, VOCAB - 1).items()}
 
 
-def test_loss_is_weighted_mean_of_slot_cross_entropies(models):
+def test_default_loss_is_dflash():
+    assert _cfg().loss == "dflash"
+
+
+def _reference_weights(ce, label_mask, cfg):
+    """The slot weights of docs/design.md §3.3, from float64 cross-entropies."""
+    if cfg.loss == "dpace":
+        return _reference_dpace_weights(np.exp(-ce), label_mask, cfg.dpace_alpha)
+    return label_mask * np.exp(-np.arange(ce.shape[-1]) / cfg.loss_decay_gamma)
+
+
+@pytest.mark.parametrize("cfg", [_cfg(), _cfg(loss="dpace", dpace_alpha=0.3)], ids=["dflash", "dpace"])
+def test_loss_is_weighted_sum_of_slot_cross_entropies(models, cfg):
     target, drafter = models
-    cfg = _cfg()
     batch = _batch()
 
     @_fast_jit
@@ -259,16 +299,50 @@ def test_loss_is_weighted_mean_of_slot_cross_entropies(models):
     with jax.default_matmul_precision("highest"):
         loss, sums, blocks, logits = run(target, drafter, batch)
     logits = np.asarray(logits, np.float64)
-    labels, w = np.asarray(blocks.labels), np.asarray(blocks.weights)
+    labels, label_mask = np.asarray(blocks.labels), np.asarray(blocks.label_mask)
     lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     ce = lse - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    w = _reference_weights(ce, label_mask, cfg)
     assert w.sum() > 0
-    # drafter_loss returns Σ w·CE; the step divides by the global Σw (also in the sums).
+    # drafter_loss returns Σ w·CE; the step divides by the global sum of sums["weight"]: Σw for
+    # 'dflash', the documents for 'dpace' (the batch's rows hold several each).
     np.testing.assert_allclose(float(loss), (w * ce).sum(), rtol=1e-4)
-    np.testing.assert_allclose(float(sums["weight"]), w.sum(), rtol=1e-6)
+    documents = sum(len(set(row) - {0}) for row in np.asarray(batch["segment_ids"]))
+    assert documents > batch["tokens"].shape[0]
+    np.testing.assert_allclose(float(sums["weight"]), w.sum() if cfg.loss == "dflash" else documents, rtol=1e-6)
     hits = (logits.argmax(-1) == labels) & np.asarray(blocks.label_mask)
     np.testing.assert_array_equal(sums["slot_hits"], hits.sum((0, 1)))
     np.testing.assert_array_equal(sums["slot_scored"], np.asarray(blocks.label_mask).sum((0, 1)))
+
+
+def test_dpace_weights_are_constants_to_the_gradient(models):
+    """The gradient of D-PACE's Σ w·CE is Σ w·dCE: w depends on the drafter, but only as a weight."""
+    target, drafter = models
+    cfg = _cfg(loss="dpace")
+    batch = _batch(seed=3)
+
+    @_fast_jit
+    def gradients(target, drafter, batch):
+        features, embeds, blocks = objective.frozen_inputs(target, batch, _keys(batch, 0), cfg)
+        graphdef, params = nnx.split(drafter)
+
+        def dense_ce(params):
+            d = nnx.merge(graphdef, params)
+            hidden = d(embeds, blocks.positions, d.context(features), batch["positions"], blocks.ctx_mask)
+            logits = target.unembed(hidden[:, :, 1:]).astype(jnp.float32)
+            return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, blocks.labels[..., None], -1)[..., 0]
+
+        def loss(params):
+            d = nnx.merge(graphdef, params)
+            return objective.drafter_loss(d, target.unembed, features, embeds, batch["positions"], blocks, cfg)[0]
+
+        constant = objective.dpace_weights(jnp.exp(-dense_ce(params)), blocks.label_mask, cfg.dpace_alpha)
+        return jax.grad(loss)(params), jax.grad(lambda p: (constant * dense_ce(p)).sum())(params)
+
+    with jax.default_matmul_precision("highest"):
+        grads, expected = (jax.tree.leaves(g) for g in gradients(target, drafter, batch))
+    for a, b in zip(grads, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
 def test_drafter_never_sees_the_anchor_or_later_context(models):
@@ -308,18 +382,18 @@ def test_tau_train_counts_leading_hits_of_valid_blocks():
         positions=None,
         labels=None,
         label_mask=label_mask,
-        weights=label_mask * 0.5,
         valid=jnp.asarray([[True, True, True, False]]),
         ctx_mask=None,
+        documents=None,
     )
     correct = jnp.asarray([[[1, 1, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]], bool)
-    sums = objective.metric_sums(jnp.float32(2.0), correct, blocks)
+    sums = objective.metric_sums(jnp.float32(2.0), jnp.float32(5.5), correct, blocks)
     # Leading hits: 2, 0, 1 (a slot that is not scored ends the run); the invalid block is ignored.
     assert float(sums["tau_sum"]) == (1 + 2) + (1 + 0) + (1 + 1)
     summary = objective.summarize(jax.device_get(sums))
     assert summary["tau_train"] == pytest.approx(6 / 3)
     assert summary["acc_slot_1"] == pytest.approx(3 / 4)
-    assert summary["loss"] == pytest.approx(2.0 / (0.5 * 11))  # Σw·CE / Σw
+    assert summary["loss"] == pytest.approx(2.0 / 5.5)  # Σw·CE / denominator
 
 
 def test_rematerialized_layers_give_the_same_gradients(models):
