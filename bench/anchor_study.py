@@ -1,20 +1,22 @@
-"""Which anchor scheme trains the better drafter? Held-out acceptance length decides, not the loss.
+"""Which training recipe trains the better drafter? Held-out acceptance length decides, not the loss.
 
-    python bench/anchor_study.py                                  # every scheme, seeds 0 and 1
-    python bench/anchor_study.py --schemes=document,document:16,row --seeds=0 --num_epochs=1
+    python bench/anchor_study.py                          # the anchor schemes, seeds 0 and 1
+    python bench/anchor_study.py --study=objective        # 'dflash' against 'dpace' (two alphas)
+    python bench/anchor_study.py --variants=anchor_scheme=document,anchor_scheme=row --seeds=0 --num_epochs=1
 
-A scheme is one of `train.anchor_scheme`'s values, `document:N` meaning 'document' with
-`train.anchors_per_document=N`. Trains `configs/default.py` once per (scheme, seed), the same
-number of steps each (the
-seed sets the drafter init, the anchors and the data order), then measures τ by real greedy
-speculative decoding on the bundled held-out prompts for every `--max_new_tokens`, and prints
-one row per run and the mean per scheme, side by side. Runs live in `--root/<scheme>_s<seed>`;
-a finished run is evaluated again without retraining, so an interrupted study resumes.
+A variant is a set of `train.` overrides of `configs/default.py`, `key=value` joined by `+`
+(`loss=dpace+dpace_alpha=0.8`); `--study` names a prepared list of them. Trains the default
+config once per (variant, seed), the same number of steps each (the seed sets the drafter init,
+the anchors and the data order), then measures τ by real greedy speculative decoding on the
+bundled held-out prompts for every `--max_new_tokens`, and prints one row per run and the mean
+per variant, side by side. Runs live in `--root/<variant>_s<seed>`; a finished run is evaluated
+again without retraining, so an interrupted study resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import time
 
@@ -27,18 +29,42 @@ from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
 from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.training.config import load_config_file, resolve
 from dflash_jax.training.loop import train
-from dflash_jax.training.objective import ANCHOR_SCHEMES
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 
+STUDIES = {
+    # docs/design.md §3.1: how anchors are drawn.
+    "anchors": (
+        "anchor_scheme=document",
+        "anchor_scheme=response",
+        "anchor_scheme=row",
+        "anchor_scheme=document+anchors_per_document=16",
+    ),
+    # docs/design.md §3.3: how slots are weighted.
+    "objective": ("loss=dflash", "loss=dpace+dpace_alpha=0.5", "loss=dpace+dpace_alpha=0.8"),
+}
 
-def train_one(scheme: str, seed: int, args) -> tuple[str, float, int]:
+
+def overrides(variant: str) -> dict[str, object]:
+    """'loss=dpace+dpace_alpha=0.8' -> {'loss': 'dpace', 'dpace_alpha': 0.8}."""
+    out = {}
+    for item in variant.split("+"):
+        key, _, value = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):  # a bare word: a string
+            out[key] = value
+    return out
+
+
+def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     """(export directory, training seconds, steps) of one run."""
     config = load_config_file(DEFAULT_CONFIG)
-    config.workdir = os.path.join(args.root, f"{scheme.replace(':', '_cap')}_s{seed}")
-    name, _, cap = scheme.partition(":")
-    config.train.anchor_scheme = name
-    config.train.anchors_per_document = int(cap or 0)
+    config.workdir = os.path.join(args.root, f"{variant.replace('=', '-').replace('+', '_')}_s{seed}")
+    for key, value in overrides(variant).items():
+        if key not in config.train:
+            raise ValueError(f"variant {variant!r}: train.{key} is not a field of the config")
+        config.train[key] = value
     config.seed = config.data.seed = seed
     config.train.max_steps = args.max_steps
     config.train.num_epochs = args.num_epochs or config.train.num_epochs
@@ -52,16 +78,19 @@ def train_one(scheme: str, seed: int, args) -> tuple[str, float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schemes", default=",".join([*ANCHOR_SCHEMES, "document:16"]))
+    parser.add_argument("--study", choices=sorted(STUDIES), default="anchors")
+    parser.add_argument("--variants", default="", help="comma-separated variants; default: the study's")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--max_new_tokens", default="64,256")
     parser.add_argument("--num_prompts", type=int, default=32)
     parser.add_argument("--num_epochs", type=int, default=0, help="0: the default config's")
     parser.add_argument("--max_steps", type=int, default=0, help="0: every step of the epochs")
-    parser.add_argument("--root", default="runs/anchor_study")
+    parser.add_argument("--root", default="", help="default: runs/<study>_study")
     args = parser.parse_args()
-    schemes, seeds = args.schemes.split(","), [int(s) for s in args.seeds.split(",")]
+    variants = args.variants.split(",") if args.variants else list(STUDIES[args.study])
+    seeds = [int(s) for s in args.seeds.split(",")]
     lengths = [int(n) for n in args.max_new_tokens.split(",")]
+    args.root = args.root or os.path.join("runs", f"{args.study}_study")
 
     config = load_config_file(DEFAULT_CONFIG)
     target = load_target(config.target.path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
@@ -69,26 +98,27 @@ def main() -> None:
     _, prompts = load_prompts("heldout_prompts", chat, limit=args.num_prompts)
 
     rows = []
-    for scheme in schemes:
+    for variant in variants:
         for seed in seeds:
-            export, seconds, steps = train_one(scheme, seed, args)
+            export, seconds, steps = train_one(variant, seed, args)
             drafter = load_drafter(export, param_dtype=jnp.float32, compute_dtype=jnp.float32)
             taus = [
                 measure_acceptance(target, drafter, prompts, max_new_tokens=n, stop_tokens=chat.stop_tokens)["tau"]
                 for n in lengths
             ]
-            rows.append((scheme, seed, steps, seconds, taus))
-            print(f"{scheme} seed {seed}: {steps} steps in {seconds:.0f} s, tau {taus}", flush=True)
+            rows.append((variant, seed, steps, seconds, taus))
+            print(f"{variant} seed {seed}: {steps} steps in {seconds:.0f} s, tau {taus}", flush=True)
 
+    width = max(len("variant"), *map(len, variants))
     taus_header = "".join(f"  tau@{n:<4d}" for n in lengths)
     print(f"\n{len(prompts)} held-out prompts (heldout_prompts), greedy; {config.drafter.block_size=}")
-    print(f"{'scheme':12s} {'seed':>4s} {'steps':>6s} {'train_s':>8s}{taus_header}")
-    for scheme, seed, steps, seconds, taus in rows:
-        print(f"{scheme:12s} {seed:4d} {steps:6d} {seconds:8.0f}" + "".join(f"  {t:8.3f}" for t in taus))
-    print("mean per scheme:")
-    for scheme in schemes:
-        mean = np.mean([taus for s, _, _, _, taus in rows if s == scheme], axis=0)
-        print(f"{scheme:12s} {'':4s} {'':6s} {'':8s}" + "".join(f"  {t:8.3f}" for t in mean))
+    print(f"{'variant':{width}s} {'seed':>4s} {'steps':>6s} {'train_s':>8s}{taus_header}")
+    for variant, seed, steps, seconds, taus in rows:
+        print(f"{variant:{width}s} {seed:4d} {steps:6d} {seconds:8.0f}" + "".join(f"  {t:8.3f}" for t in taus))
+    print("mean per variant:")
+    for variant in variants:
+        mean = np.mean([taus for v, _, _, _, taus in rows if v == variant], axis=0)
+        print(f"{variant:{width}s} {'':4s} {'':6s} {'':8s}" + "".join(f"  {t:8.3f}" for t in mean))
 
 
 if __name__ == "__main__":
