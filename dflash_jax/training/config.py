@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import numbers
 import os
 import typing
 from typing import Any
@@ -314,26 +315,26 @@ def _section(config: ml_collections.ConfigDict, name: str):
     return settings
 
 
-# What a message calls each type a field can have.
+# What a message calls each type a field can have, and the values it accepts (numpy scalars
+# included; an int is a number), converted to it.
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "True or False"}
+_ACCEPTED = {str: str, int: numbers.Integral, float: numbers.Real, bool: bool}
 
 
 def _typed(path: str, value, kind):
-    """`value` as a field of type `kind` (an int is a float, a list a tuple), else a ConfigError."""
+    """`value` as a field of type `kind` (a list is a tuple), else a ConfigError."""
     if typing.get_origin(kind) is tuple:
         item = typing.get_args(kind)[0]  # tuple[item, ...]
-        if isinstance(value, (tuple, list)) and all(_is_a(v, item) for v in value):
-            return tuple(value)
+        if isinstance(value, (tuple, list)) and all(_accepts(item, v) for v in value):
+            return tuple(item(v) for v in value)
         raise ConfigError(f"{path}={value!r} must be a tuple of {_TYPE_NAMES[item].split()[-1]}s")
-    if kind is float and _is_a(value, int):
-        return float(value)
-    _require(_is_a(value, kind), f"{path}={value!r} must be {_TYPE_NAMES[kind]}")
-    return value
+    _require(_accepts(kind, value), f"{path}={value!r} must be {_TYPE_NAMES[kind]}")
+    return kind(value)
 
 
-def _is_a(value, kind) -> bool:
+def _accepts(kind, value) -> bool:
     # A bool is an int to Python, not to a config.
-    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    return isinstance(value, _ACCEPTED[kind]) and (kind is bool or not isinstance(value, bool))
 
 
 def _require(ok: bool, message: str) -> None:

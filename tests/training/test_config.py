@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash_jax.errors import ConfigError
@@ -185,10 +186,11 @@ def test_where_fields_are_documented_exists():
 
 
 def test_values_of_a_close_type_are_converted(tiny_run, tmp_path):
-    config = tiny_config(tiny_run, tmp_path, **{"train.learning_rate": 1, "drafter.target_layer_ids": [0, 1]})
-    setup = resolve(config, num_devices=1)
+    fields = {"train.learning_rate": 1, "drafter.target_layer_ids": [0, 1], "train.num_anchors": np.int64(16)}
+    setup = resolve(tiny_config(tiny_run, tmp_path, **fields), num_devices=1)
     assert type(setup.optimizer.learning_rate) is float and setup.optimizer.learning_rate == 1.0
     assert setup.drafter.target_layer_ids == (0, 1)
+    assert type(setup.objective.num_anchors) is int and setup.objective.num_anchors == 16
 
 
 def test_loss_fields_reach_the_objective(tiny_run, tmp_path):
