@@ -1,0 +1,366 @@
+"""Mixture-of-experts MLP: a router picks A of E experts per token; only those experts run.
+
+One module for the three families (transformers 5.x modeling files are the reference):
+
+    Qwen3-MoE     softmax over all experts (fp32), top-k, renormalized if `norm_topk_prob`
+    Qwen3.5-MoE,  the same, always renormalized, plus a shared expert (a SwiGLU every token
+    Qwen3-Next    runs) scaled by sigmoid(shared_expert_gate(x))
+    gpt-oss       router with bias: top-k of the logits, softmax over the chosen; experts with
+                  biases; clamped SwiGLU (gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate))
+
+Dispatch is exact (no capacity factor, nothing dropped): the (token, choice) pairs are sorted by
+expert and each expert multiplies only its own rows (`grouped_matmul`). Routing weights are fp32;
+the expert matmuls run in the compute dtype.
+
+Parameters are stacked over experts, [in, out] like every kernel here, with these logical axes
+(models/sharding.py):
+
+    experts.gate_proj, experts.up_proj   [E, D, I]   (EXPERTS, EMBED, MLP)
+    experts.down_proj                    [E, I, D]   (EXPERTS, MLP, EMBED)
+    experts.{gate,up}_proj_bias          [E, I]      (EXPERTS, MLP)       gpt-oss only
+    experts.down_proj_bias               [E, D]      (EXPERTS, EMBED)     gpt-oss only
+    gate.kernel (Qwen) / router.kernel   [D, E]      (EMBED, None); router.bias [E] (None,)
+    shared_expert.{gate,up,down}_proj.kernel, shared_expert_gate.kernel [D, 1]  (Qwen3.5/Next)
+
+`expert_weight` reads the stacked expert tensors from a checkpoint in each family's layout;
+the router and the shared expert are plain Linears named as in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.layers import Linear, SwiGLU, linear
+from dflash_jax.models.mxfp4 import mxfp4_expert_weight
+from dflash_jax.models.sharding import BATCH, EMBED, constrain
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+GATE_UP_LAYOUTS = ("concatenated", "interleaved")
+# The router's name in each kind's checkpoints (Qwen: `mlp.gate`, gpt-oss: `mlp.router`).
+ROUTER_NAMES = {"softmax_topk": "gate", "topk_softmax": "router"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The MoE settings of a layer. Letters as in shape comments: E experts, A chosen per token,
+    I expert intermediate size."""
+
+    num_experts: int  # E
+    num_experts_per_token: int  # A
+    expert_intermediate_size: int  # I
+    # 'softmax_topk' (Qwen): softmax over all experts, top-k, renormalized when norm_topk_prob;
+    # 'topk_softmax' (gpt-oss): top-k of the logits, softmax over the chosen.
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "swiglu"  # or 'clamped_swiglu' (gpt-oss), with the two settings below
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # How a fused checkpoint tensor holds gate and up: 'concatenated' (Qwen3.5: `gate_up_proj`
+    # [E, 2I, D], gate rows first) or 'interleaved' (gpt-oss: [E, D, 2I], gate and up columns alternate).
+    gate_up_layout: str = "concatenated"
+
+    def __post_init__(self):
+        for name, value, allowed in (
+            ("router", self.router, ROUTERS),
+            ("activation", self.activation, ACTIVATIONS),
+            ("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"MoE {name} {value!r} is not supported (supported: {', '.join(allowed)})")
+        if not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_token={self.num_experts_per_token} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+        if self.expert_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"expert_intermediate_size={self.expert_intermediate_size} must be positive and "
+                f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} not negative"
+            )
+
+    @property
+    def router_name(self) -> str:
+        return ROUTER_NAMES[self.router]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MoeConfig:
+        """The MoE settings of a Hugging Face (text) config.json: qwen3_moe, qwen3_next,
+        qwen3_5_moe(_text) or gpt_oss."""
+        kind = hf.get("model_type")
+        if kind == "gpt_oss":
+            return cls(
+                num_experts=int(hf["num_local_experts"]),
+                num_experts_per_token=int(hf.get("num_experts_per_tok") or hf["experts_per_token"]),
+                expert_intermediate_size=int(hf["intermediate_size"]),
+                router="topk_softmax",
+                router_bias=True,
+                expert_bias=True,
+                activation="clamped_swiglu",
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                gate_up_layout="interleaved",
+            )
+        if kind in ("qwen3_5_moe", "qwen3_5_moe_text"):
+            norm_topk_prob = True  # Qwen3.5-MoE always renormalizes: its config has no norm_topk_prob
+        elif kind in ("qwen3_moe", "qwen3_next"):
+            # transformers' defaults where a config leaves the field out.
+            norm_topk_prob = bool(hf.get("norm_topk_prob", kind == "qwen3_next"))
+        else:
+            raise ValueError(
+                f"model_type {kind!r} has no MoE settings here (qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss)"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"MoE hidden_act {hf['hidden_act']!r} is not supported (silu)")
+        return cls(
+            # Hub configs say num_experts; transformers 5 writes num_local_experts for qwen3_moe.
+            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+            num_experts_per_token=int(hf["num_experts_per_tok"]),
+            expert_intermediate_size=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=norm_topk_prob,
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped matmul: rows sorted by expert, group_sizes[e] rows for expert e.
+
+# Rows per tile of the tiled grouped matmul; on 2 CPU cores 32 beat 8, 16, 64 and 128.
+TILE_ROWS = 32
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """x [R, K] sorted by group, w [E, K, N], group_sizes [E] (summing to R) -> [R, N], each row
+    multiplied by its group's matrix.
+
+    impl 'ragged_dot' is `jax.lax.ragged_dot`; 'tiled' cuts every group into tiles of
+    `TILE_ROWS` rows and multiplies tile by tile. 'auto' is 'tiled' on CPU, where ragged_dot is
+    lowered to a dense dot over every group (E times the work, and an [R, E*K] operand), and
+    'ragged_dot' elsewhere.
+    """
+    if impl == "auto":
+        return jax.lax.platform_dependent(x, w, group_sizes, cpu=_tiled_grouped_matmul, default=jax.lax.ragged_dot)
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    if impl == "tiled":
+        return _tiled_grouped_matmul(x, w, group_sizes)
+    raise ValueError(f"grouped matmul impl {impl!r} is not one of auto, ragged_dot, tiled")
+
+
+def _tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Every group padded to whole tiles of m rows; a scan multiplies each tile by its group's
+    matrix. Work: at most R + min(E, R)*(m-1) rows, never a row of another group."""
+    rows, num_groups = x.shape[0], w.shape[0]
+    m = max(1, min(TILE_ROWS, rows))
+    num_tiles = (rows + min(num_groups, rows) * (m - 1)) // m  # an upper bound on Σ ceil(size/m)
+    tiles_per_group = (group_sizes + m - 1) // m
+    tile_end = jnp.cumsum(tiles_per_group)
+    tile_start = tile_end - tiles_per_group
+    row_start = jnp.cumsum(group_sizes) - group_sizes
+    tile = jnp.arange(num_tiles)
+    tile_group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), num_groups - 1)
+    offset = (tile - tile_start[tile_group])[:, None] * m + jnp.arange(m)  # [tiles, m] row within group
+    source = jnp.where(offset < group_sizes[tile_group][:, None], row_start[tile_group][:, None] + offset, rows)
+    x_tiles = jnp.take(x, source, axis=0, mode="fill", fill_value=0)  # [tiles, m, K]; padding rows are 0
+
+    def multiply(carry, tile_and_group):
+        x_tile, g = tile_and_group
+        return carry, x_tile @ w[g]
+
+    _, y_tiles = jax.lax.scan(multiply, None, (x_tiles, tile_group))  # [tiles, m, N]
+    # Each row back from its slot: group g's row j sits in tile tile_start[g] + j // m, slot j % m.
+    row = jnp.arange(rows)
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right")
+    within = row - row_start[group]
+    slot = (tile_start[group] + within // m) * m + within % m
+    return y_tiles.reshape(num_tiles * m, -1)[slot]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts, stacked: gate_proj, up_proj [E, D, I], down_proj [E, I, D] (+ biases)."""
+
+    def __init__(self, hidden_size: int, config: MoeConfig, *, param_dtype, rngs, init_std=None):
+        e, d, i = config.num_experts, hidden_size, config.expert_intermediate_size
+        init = (
+            nnx.initializers.normal(init_std)
+            if init_std is not None
+            else nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        )
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, d, i), param_dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, d, i), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, d), param_dtype))
+        if config.expert_bias:
+            self.gate_proj_bias = nnx.Param(jnp.zeros((e, i), param_dtype))
+            self.up_proj_bias = nnx.Param(jnp.zeros((e, i), param_dtype))
+            self.down_proj_bias = nnx.Param(jnp.zeros((e, d), param_dtype))
+
+
+class MoE(nnx.Module):
+    """The MLP slot of a decoder block: x [..., D] -> [..., D].
+
+    All tokens of the call are routed together (one sort over B*S*A pairs): under a mesh that
+    splits tokens over devices, call it per device (shard_map) to keep the sort local.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        config: MoeConfig,
+        *,
+        param_dtype,
+        compute_dtype,
+        rngs,
+        init_std=None,
+        matmul: str = "auto",
+    ):
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.matmul = matmul  # grouped_matmul's impl
+        router = Linear(
+            hidden_size,
+            config.num_experts,
+            use_bias=config.router_bias,
+            dtype=compute_dtype,
+            param_dtype=param_dtype,
+            kernel_init=nnx.initializers.normal(init_std) if init_std is not None else nnx.initializers.lecun_normal(),
+            rngs=rngs,
+        )
+        setattr(self, config.router_name, router)
+        self.experts = Experts(hidden_size, config, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+        if config.shared_expert_intermediate_size:
+            kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
+            self.shared_expert = SwiGLU(hidden_size, config.shared_expert_intermediate_size, **kw)
+            self.shared_expert_gate = linear(hidden_size, 1, **kw)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (weights [T, A] fp32, experts [T, A] int32)."""
+        # Logits in the compute dtype, as the reference computes them (it picks the same experts).
+        logits = getattr(self, self.config.router_name)(x).astype(jnp.float32)
+        a = self.config.num_experts_per_token
+        if self.config.router == "topk_softmax":
+            top, experts = jax.lax.top_k(logits, a)
+            return jax.nn.softmax(top, axis=-1), experts
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), a)
+        if self.config.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, experts
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1]).astype(self.compute_dtype)  # [T, D]
+        weights, experts = self.route(tokens)
+        a = self.config.num_experts_per_token
+
+        # Sort the T*A (token, choice) pairs by expert: expert e owns rows [start_e, start_e + size_e).
+        pair_expert = experts.reshape(-1)
+        order = jnp.argsort(pair_expert, stable=True)  # [R] sorted row -> pair
+        row_expert = pair_expert[order]
+        group_sizes = jnp.bincount(pair_expert, length=self.config.num_experts).astype(jnp.int32)
+        y = self._experts(tokens[order // a], row_expert, group_sizes)  # [R, D]
+
+        # Back to pair order, then the routing-weighted sum over each token's A choices (fp32).
+        rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        y = y[rank].reshape(-1, a, shape[-1]).astype(jnp.float32)
+        out = jnp.einsum("tad,ta->td", y, weights).astype(self.compute_dtype)
+        if self.config.shared_expert_intermediate_size:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        return constrain(out.reshape(shape), (BATCH, ..., EMBED))
+
+    def _experts(self, x: jax.Array, row_expert: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """x [R, D] sorted by expert -> each row through its expert's MLP, [R, D]."""
+        p, dt = self.experts, self.compute_dtype
+
+        def project(h, name):
+            out = grouped_matmul(h, getattr(p, name)[...].astype(dt), group_sizes, impl=self.matmul)
+            if self.config.expert_bias:
+                out = out + getattr(p, name + "_bias")[...].astype(dt)[row_expert]
+            return out
+
+        gate, up = project(x, "gate_proj"), project(x, "up_proj")
+        if self.config.activation == "clamped_swiglu":
+            limit, alpha = self.config.swiglu_limit, self.config.swiglu_alpha
+            gate = jnp.minimum(gate, limit)
+            up = jnp.clip(up, -limit, limit)
+            hidden = (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+        else:
+            hidden = jax.nn.silu(gate) * up
+        return project(hidden, "down_proj")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: the stacked expert tensors of one MoE layer, in each family's layout.
+
+
+class TensorSource(Protocol):
+    """What `expert_weight` reads from (models.hf.SafetensorsReader is one)."""
+
+    def names(self) -> set[str]: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+def expert_weight(source: TensorSource, prefix: str, name: str, config: MoeConfig, dtype=np.float32) -> np.ndarray:
+    """Our `experts.<name>` (one of EXPERT_PARAMS) from the checkpoint tensors under `prefix`
+    (e.g. 'model.layers.3.mlp.'), in whichever layout the checkpoint holds:
+
+    per expert (Qwen3-MoE, Qwen3-Next, and what transformers' save_pretrained writes for every Qwen
+      family): experts.{e}.{gate,up,down}_proj.weight [out, in] -> stacked over e, transposed;
+    fused (Qwen3.5-MoE on the hub, gpt-oss): experts.gate_up_proj (+ _bias) split by
+      `config.gate_up_layout`, experts.down_proj [E, D, I] transposed (concatenated) or [E, I, D] as is;
+    MXFP4 (gpt-oss on the hub): experts.{gate_up,down}_proj_{blocks,scales} dequantized.
+    """
+    if name not in EXPERT_PARAMS:
+        raise ValueError(f"{name!r} is not an expert parameter ({', '.join(EXPERT_PARAMS)})")
+    names = source.names()
+    proj, bias = name.removesuffix("_bias"), name.endswith("_bias")
+    if f"{prefix}experts.0.{proj}.weight" in names:
+        tensors = [
+            source.get(f"{prefix}experts.{e}.{proj}.{'bias' if bias else 'weight'}") for e in range(config.num_experts)
+        ]
+        stacked = np.stack([t if bias else t.T for t in tensors])
+        return stacked.astype(dtype)
+    fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    interleaved = config.gate_up_layout == "interleaved"
+    if not bias and f"{prefix}experts.{fused}_blocks" in names:
+        # Rows are output features: pick gate's or up's rows before dequantizing (half the work).
+        blocks, scales = source.get(f"{prefix}experts.{fused}_blocks"), source.get(f"{prefix}experts.{fused}_scales")
+        rows = slice(None) if proj == "down_proj" else _gate_up_part(proj, blocks.shape[1], interleaved)
+        return mxfp4_expert_weight(blocks[:, rows], scales[:, rows], dtype)
+    tensor_name = f"{prefix}experts.{fused}{'_bias' if bias else ''}"
+    if tensor_name not in names:
+        raise ValueError(
+            f"checkpoint has no experts for {prefix!r}: neither {prefix}experts.0.{proj}.weight nor {tensor_name}"
+        )
+    tensor = source.get(tensor_name)
+    if proj != "down_proj":
+        # Interleaved (gpt-oss) stores [E, D, 2I]: the out axis is last. Concatenated stores [E, 2I, D].
+        out_axis = -1 if bias or interleaved else 1
+        part = _gate_up_part(proj, tensor.shape[out_axis], interleaved)
+        tensor = tensor[..., part] if out_axis == -1 else tensor[:, part]
+    if not bias and not interleaved:  # the concatenated layout is [E, out, in], as torch Linears
+        tensor = np.swapaxes(tensor, 1, 2)
+    return np.ascontiguousarray(tensor.astype(dtype))
+
+
+def _gate_up_part(proj: str, size: int, interleaved: bool) -> slice:
+    """The rows (or columns) of a fused gate/up axis of length 2I that hold `proj`."""
+    first = proj == "gate_proj"
+    if interleaved:
+        return slice(0 if first else 1, None, 2)
+    half = size // 2
+    return slice(0, half) if first else slice(half, None)

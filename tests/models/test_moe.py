@@ -1,0 +1,271 @@
+"""The MoE MLP against transformers' own blocks (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, gpt-oss), fp32,
+with weights read the ways checkpoints hold them (fused, one tensor per expert, MXFP4)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from dflash_jax.models.moe import TILE_ROWS, MoE, MoeConfig, expert_weight, grouped_matmul
+
+HIDDEN, EXPERTS, EXPERT_DIM = 64, 8, 32
+SMALL = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64)
+
+
+class DictSource:
+    """An in-memory checkpoint with the reader interface `expert_weight` takes."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+
+def torch_tensors(module: torch.nn.Module, prefix: str = "") -> DictSource:
+    return DictSource({prefix + k: v.detach().numpy() for k, v in module.state_dict().items()})
+
+
+def load_moe(source: DictSource, prefix: str, config: MoeConfig, matmul: str = "auto") -> MoE:
+    """Our MoE with every parameter read from `source` as the target loader reads a checkpoint:
+    experts through `expert_weight`, every other kernel by name (`kernel` <-> `weight`, transposed)."""
+    abstract = nnx.eval_shape(
+        lambda: MoE(HIDDEN, config, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0), matmul=matmul)
+    )
+    graphdef, state = nnx.split(abstract)
+
+    def read(path, leaf):
+        names = [str(getattr(p, "key", p)) for p in path]
+        if names[0] == "experts":
+            value = expert_weight(source, prefix, names[1], config)
+        else:
+            value = source.get(prefix + ".".join(names[:-1] + ["weight" if names[-1] == "kernel" else names[-1]]))
+            value = value.T if names[-1] == "kernel" else value
+        assert value.shape == leaf.shape, (names, value.shape, leaf.shape)
+        return jnp.asarray(value)
+
+    pure = jax.tree_util.tree_map_with_path(read, nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def randomize(module: torch.nn.Module, seed: int, std: float = 0.1) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, std)
+    return module.eval()
+
+
+def run_both(hf_block, moe: MoE, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with torch.no_grad():
+        ref = hf_block(torch.from_numpy(x))
+    ref = ref[0] if isinstance(ref, tuple) else ref  # GptOssMLP also returns the router scores
+    with jax.default_matmul_precision("highest"):
+        ours = jax.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
+    return ref.numpy(), np.asarray(ours)
+
+
+def chosen_experts(moe: MoE, x: np.ndarray) -> np.ndarray:
+    """[tokens, A] the experts the router picks."""
+    return np.asarray(jax.jit(lambda m, t: m.route(t)[1])(moe, jnp.asarray(x.reshape(-1, HIDDEN))))
+
+
+def inputs(shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def qwen3_moe_block(norm_topk_prob: bool, top_k: int = 2):
+    config = transformers.Qwen3MoeConfig(
+        num_experts=EXPERTS,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=EXPERT_DIM,
+        norm_topk_prob=norm_topk_prob,
+        **SMALL,
+    )
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    return config, randomize(block, seed=1)
+
+
+@pytest.mark.parametrize("norm_topk_prob,matmul", [(True, "auto"), (False, "ragged_dot")])
+def test_qwen3_moe_equals_transformers(norm_topk_prob, matmul):
+    hf_config, block = qwen3_moe_block(norm_topk_prob)
+    config = MoeConfig.from_hf(hf_config.to_dict())
+    assert config.norm_topk_prob == norm_topk_prob and config.shared_expert_intermediate_size == 0
+    # transformers holds Qwen experts fused as gate_up_proj [E, 2I, D]: the concatenated layout.
+    moe = load_moe(torch_tensors(block), "", config, matmul)
+    x = inputs((3, 40, HIDDEN))  # 240 rows over 8 experts: groups of both more and fewer than TILE_ROWS
+    ref, ours = run_both(block, moe, x)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+    sizes = np.bincount(np.asarray(chosen_experts(moe, x)).ravel(), minlength=EXPERTS)
+    assert sizes.max() > TILE_ROWS and sizes.min() < TILE_ROWS
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_shared_expert_block_equals_transformers(family):
+    kw = dict(
+        num_experts=EXPERTS,
+        num_experts_per_tok=3,
+        moe_intermediate_size=EXPERT_DIM,
+        shared_expert_intermediate_size=48,
+        layer_types=["full_attention"],
+        num_hidden_layers=1,
+        **SMALL,
+    )
+    if family == "qwen3_5_moe":
+        hf_config = transformers.Qwen3_5MoeTextConfig(**kw)
+        block = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock(hf_config)
+    else:
+        hf_config = transformers.Qwen3NextConfig(norm_topk_prob=True, **kw)
+        block = transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextSparseMoeBlock(hf_config)
+    block = randomize(block, seed=2)
+    config = MoeConfig.from_hf(hf_config.to_dict())
+    assert config.shared_expert_intermediate_size == 48 and config.norm_topk_prob
+    moe = load_moe(torch_tensors(block), "", config)
+    ref, ours = run_both(block, moe, inputs((2, 24, HIDDEN), seed=3))
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+
+
+def gpt_oss_block(seed: int):
+    hf_config = transformers.GptOssConfig(
+        num_local_experts=EXPERTS, num_experts_per_tok=3, intermediate_size=EXPERT_DIM, **SMALL
+    )
+    block = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(hf_config)
+    # Weights large enough that the SwiGLU clamps (limit 7) act on part of the values.
+    return hf_config, randomize(block, seed=seed, std=0.6)
+
+
+def test_gpt_oss_equals_transformers():
+    hf_config, block = gpt_oss_block(seed=4)
+    config = MoeConfig.from_hf(hf_config.to_dict())
+    assert (config.router, config.activation, config.gate_up_layout) == (
+        "topk_softmax",
+        "clamped_swiglu",
+        "interleaved",
+    )
+    moe = load_moe(torch_tensors(block), "", config)
+    x = inputs((2, 20, HIDDEN), seed=5)
+    # The test means something only if the clamps are hit (and not everywhere).
+    pre = np.einsum("td,edf->tef", x.reshape(-1, HIDDEN), block.experts.gate_up_proj.detach().numpy())
+    clamped = np.mean(np.abs(pre) > hf_config.swiglu_limit)
+    assert 0.05 < clamped < 0.6, clamped
+    ref, ours = run_both(block, moe, x)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_dispatch_drops_nothing_when_every_token_picks_the_same_experts():
+    hf_config, block = qwen3_moe_block(norm_topk_prob=True)
+    # Positive inputs and a router that scores expert 3 highest, then expert 5, for every token.
+    with torch.no_grad():
+        block.gate.weight.fill_(-0.05)
+        block.gate.weight[3] = 0.1
+        block.gate.weight[5] = 0.05
+    moe = load_moe(torch_tensors(block), "", MoeConfig.from_hf(hf_config.to_dict()))
+    x = np.abs(inputs((2, 50, HIDDEN), seed=6)) + 0.1
+    assert (np.sort(chosen_experts(moe, x), axis=-1) == [3, 5]).all()  # one group of 100 rows per expert
+    ref, ours = run_both(block, moe, x)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+def test_grouped_matmul_equals_a_matmul_per_group(impl):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((90, 16)).astype(np.float32)
+    w = rng.standard_normal((8, 16, 12)).astype(np.float32)
+    matmul = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl=impl))
+    # Empty groups, a group of every row, groups below, at and above TILE_ROWS.
+    for sizes in ([0, 7, 0, 40, 1, 33, 0, 9], [0, 0, 0, 0, 0, 0, 0, 90], [1, 1, 1, 32, 0, 0, 55, 0]):
+        starts = np.cumsum([0, *sizes])
+        expected = np.concatenate([x[a:b] @ w[g] for g, (a, b) in enumerate(zip(starts[:-1], starts[1:]))])
+        with jax.default_matmul_precision("highest"):
+            got = matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32))
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=str(sizes))
+
+
+def test_tiled_grouped_matmul_work_grows_with_rows_not_experts():
+    """ragged_dot on CPU multiplies every row by every group's matrix; the tiled matmul does not."""
+    x = jax.ShapeDtypeStruct((512, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 64, 64), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+    def temp_bytes(impl):
+        fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl=impl))
+        return fn.lower(x, w, sizes).compile().memory_analysis().temp_size_in_bytes
+
+    # ragged_dot's masked copy of x per group alone is [64, 512, 64] fp32 = 8 MiB.
+    assert temp_bytes("ragged_dot") >= 64 * 512 * 64 * 4 > 4 * temp_bytes("tiled")
+
+
+def test_per_expert_checkpoint_written_by_save_pretrained(tmp_path):
+    """What transformers writes for a Qwen MoE (one tensor per expert) loads into the stacked layout."""
+    hf_config = transformers.Qwen3MoeConfig(
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        moe_intermediate_size=EXPERT_DIM,
+        intermediate_size=96,
+        norm_topk_prob=True,
+        num_hidden_layers=1,
+        **SMALL,
+    )
+    torch.manual_seed(8)
+    model = transformers.Qwen3MoeForCausalLM(hf_config).eval()
+    randomize(model.model.layers[0].mlp, seed=8)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in tensors
+    assert not any(name.endswith("gate_up_proj") for name in tensors)
+    config = MoeConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    moe = load_moe(DictSource(tensors), "model.layers.0.mlp.", config)
+    ref, ours = run_both(model.model.layers[0].mlp, moe, inputs((2, 16, HIDDEN), seed=9))
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
+
+
+def test_bad_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match="router 'top1'"):
+        MoeConfig(num_experts=8, num_experts_per_token=2, expert_intermediate_size=4, router="top1")
+    with pytest.raises(ValueError, match="num_experts_per_token=9"):
+        MoeConfig(num_experts=8, num_experts_per_token=9, expert_intermediate_size=4)
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        MoeConfig.from_hf({"model_type": "llama"})
+    with pytest.raises(ValueError, match="no experts for 'model.layers.0.mlp.'"):
+        config = MoeConfig(num_experts=8, num_experts_per_token=2, expert_intermediate_size=4)
+        expert_weight(DictSource({}), "model.layers.0.mlp.", "gate_proj", config)
+
+
+def test_gpt_oss_layer_read_from_mxfp4_equals_transformers():
+    """The layout transform: our experts read from `*_blocks`/`*_scales` give GptOssMLP's output when
+    GptOssMLP holds what transformers' dequantization makes of the same tensors."""
+    experts, intermediate = 8, 32
+    hf_config = transformers.GptOssConfig(
+        num_local_experts=experts, num_experts_per_tok=2, intermediate_size=intermediate, **SMALL
+    )
+    block = randomize(transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(hf_config), seed=3, std=0.5)
+    # Checkpoint layout: rows = output features, inputs packed 32 to a block; scales near 2**-3..2**0.
+    rng = np.random.default_rng(4)
+    gate_up, down = (
+        (rng.integers(0, 256, (*rows, 16), dtype=np.uint8), rng.integers(124, 128, rows, dtype=np.uint8))
+        for rows in ((experts, 2 * intermediate, HIDDEN // 32), (experts, HIDDEN, intermediate // 32))
+    )
+    with torch.no_grad():
+        for param, (blocks, scales) in ((block.experts.gate_up_proj, gate_up), (block.experts.down_proj, down)):
+            param.copy_(
+                convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+            )
+    tensors = {k: v.detach().numpy() for k, v in block.state_dict().items() if k.startswith("router.") or "bias" in k}
+    for name, (blocks, scales) in (("gate_up_proj", gate_up), ("down_proj", down)):
+        tensors[f"experts.{name}_blocks"], tensors[f"experts.{name}_scales"] = blocks, scales
+    moe = load_moe(DictSource(tensors), "", MoeConfig.from_hf(hf_config.to_dict()))
+    ref, ours = run_both(block, moe, inputs((2, 12, HIDDEN), seed=6))
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
