@@ -22,7 +22,7 @@ from dflash_jax.decoding.generate import TargetDecoder, pad_batch
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 
 
 def step_ms(decoder, prompt: np.ndarray, steps: int) -> float:

@@ -39,7 +39,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import decoding_step
 import jax
@@ -48,16 +47,14 @@ import numpy as np
 import train_step
 from flax import nnx
 
+from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models import attention
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training.config import base_config, resolve
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
-from support.synthetic import packed_batch  # noqa: E402
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
 PEAK_BF16_TFLOPS = (
@@ -156,8 +153,8 @@ def parity(cfg: TransformerConfig, *, rows: int, seq_len: int, num_blocks: int, 
 
     def run(impl: str, dtype) -> tuple:
         # The same random weights (fp32 draws, cast) in every run; modules in `dtype`.
-        target_def, target_params = _in_dtype(Transformer, cfg, dtype, seed=0)
-        drafter_def, drafter_params = _in_dtype(DFlashDrafter, dcfg, dtype, seed=1)
+        target_def, target_params = _in_dtype(Transformer, cfg, dtype, impl, seed=0)
+        drafter_def, drafter_params = _in_dtype(DFlashDrafter, dcfg, dtype, impl, seed=1)
 
         @jax.jit
         def forward(target_params, drafter_params):
@@ -174,9 +171,7 @@ def parity(cfg: TransformerConfig, *, rows: int, seq_len: int, num_blocks: int, 
             (_, hidden), grads = jax.value_and_grad(loss, has_aux=True)(drafter_params)
             return features, hidden, grads
 
-        with attention.implementation(impl):
-            out = forward(target_params, drafter_params)
-        return jax.tree.map(np.asarray, out)
+        return jax.tree.map(np.asarray, forward(target_params, drafter_params))
 
     real = np.asarray(batch["segment_ids"]) != 0  # features at padding positions are unspecified
     with jax.default_matmul_precision("highest"):
@@ -193,11 +188,11 @@ def parity(cfg: TransformerConfig, *, rows: int, seq_len: int, num_blocks: int, 
     return results
 
 
-def _in_dtype(module, cfg, dtype, *, seed: int):
-    """(graphdef, params) of `module(cfg)` computing in `dtype`, with weights drawn in fp32 and
-    cast, so every dtype sees the same weights."""
+def _in_dtype(module, cfg, dtype, impl: str, *, seed: int):
+    """(graphdef, params) of `module(cfg)` computing in `dtype` with attention `impl`, with weights
+    drawn in fp32 and cast, so every dtype sees the same weights."""
     graphdef, _ = nnx.split(
-        nnx.eval_shape(lambda: module(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(0)))
+        nnx.eval_shape(lambda: module(cfg, param_dtype=dtype, compute_dtype=dtype, attention=impl, rngs=nnx.Rngs(0)))
     )
     _, params = nnx.split(module(cfg, rngs=nnx.Rngs(seed)))
     return graphdef, jax.tree.map(lambda x: x.astype(dtype), params)
@@ -222,9 +217,8 @@ def step_setup(target: TransformerConfig, *, rows, seq_len, num_anchors, block_s
 def train_steps(setup, steps: int, peak_tflops: float | None) -> dict:
     out = {}
     for impl in ("fused", "xla"):
-        with attention.implementation(impl):
-            log(f"train step ({impl} attention): compiling and timing {steps} steps")
-            r = train_step.bench(setup, steps)
+        log(f"train step ({impl} attention): compiling and timing {steps} steps")
+        r = train_step.bench(train_step.with_attention(setup, impl), steps)
         flops = r["flops_per_step"]
         out[impl] = {
             "tokens_per_s": round(r["tokens_per_s"], 1),
@@ -280,7 +274,7 @@ def main() -> None:
         "device": kind,
         "backend": jax.default_backend(),
         "shapes": "tiny" if tiny else "qwen3-8b",
-        "attention_auto": attention.resolved_implementation(),
+        "attention_auto": attention.resolve_implementation("auto"),
     }
     if "parity" in parts and tiny:
         result["parity"] = parity(TINY, rows=2, seq_len=96, num_blocks=6, block_size=8)

@@ -25,25 +25,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import os
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention
 from dflash_jax.models.config import RopeConfig, TransformerConfig
 from dflash_jax.training.config import TrainSetup, load_config_file, resolve
 from dflash_jax.training.flops import model_flops_per_step
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
-from support.synthetic import packed_batch  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 
@@ -81,6 +78,11 @@ def setups(names: list[str]) -> dict[str, TrainSetup]:
         else:
             raise SystemExit(f"unknown config {name!r} (default, small)")
     return out
+
+
+def with_attention(setup: TrainSetup, implementation: str) -> TrainSetup:
+    """`setup` with its attention code (`train.attention`) replaced."""
+    return dataclasses.replace(setup, run=dataclasses.replace(setup.run, attention=implementation))
 
 
 class MatmulPeak:
@@ -136,31 +138,18 @@ def compile_step(setup, num_batches: int, package: str = "dflash_jax") -> Compil
     def module(name):
         return importlib.import_module(f"{package}.{name}")
 
-    qwen3, sharding = module("models.qwen3"), module("models.sharding")
-    step_lib, mesh_lib = module("training.step"), module("training.mesh")
+    sharding, step_lib, mesh_lib = module("models.sharding"), module("training.step"), module("training.mesh")
     mesh = mesh_lib.make_mesh(*setup.mesh_shape)
-
-    def new_target():
-        return qwen3.Transformer(
-            setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
-        )
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
-    target_params = jax.jit(
-        lambda: nnx.split(new_target())[1], out_shardings=sharding.state_shardings(mesh, abstract)
-    )()
-    tx = step_lib.make_optimizer(setup.optimizer, 1000)
-    state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
-    step = step_lib.make_train_step(
-        drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
-        target_graphdef=graphdef,
-        target_params=target_params,
-        tx=tx,
-        cfg=setup.objective,
-        grad_accum_steps=setup.run.grad_accum_steps,
-        mesh=mesh,
-        state_sharding=jax.tree.map(lambda x: x.sharding, state),
-    )
+    if hasattr(step_lib, "build_train_step"):
+        new_target = functools.partial(step_lib.new_target, setup)
+        graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
+        target_params = jax.jit(
+            lambda: nnx.split(new_target())[1], out_shardings=sharding.param_shardings(mesh, abstract)
+        )()
+        program = step_lib.build_train_step(setup, mesh, graphdef, target_params, total_steps=1000)
+        step, state = program.step, program.init_state()
+    else:  # a revision from before the one step builder (`bench/train_step_ab.py --base=...`)
+        step, state, target_params = _legacy_step(module, setup, mesh)
     rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
     rng = np.random.default_rng(0)
     batches = [
@@ -175,6 +164,34 @@ def compile_step(setup, num_batches: int, package: str = "dflash_jax") -> Compil
     compiled(batches[0])
     compiled.compile_seconds = time.perf_counter() - start
     return compiled
+
+
+def _legacy_step(module, setup, mesh):
+    """(step, state, target params) as revisions before `training.step.build_train_step` wired them."""
+    qwen3, sharding, step_lib = module("models.qwen3"), module("models.sharding"), module("training.step")
+
+    def new_target():
+        return qwen3.Transformer(
+            setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
+        )
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
+    target_params = jax.jit(
+        lambda: nnx.split(new_target())[1], out_shardings=sharding.param_shardings(mesh, abstract)
+    )()
+    tx = step_lib.make_optimizer(setup.optimizer, 1000)
+    state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
+    step = step_lib.make_train_step(
+        drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
+        target_graphdef=graphdef,
+        target_params=target_params,
+        tx=tx,
+        cfg=setup.objective,
+        grad_accum_steps=setup.run.grad_accum_steps,
+        mesh=mesh,
+        state_sharding=jax.tree.map(lambda x: x.sharding, state),
+    )
+    return step, state, target_params
 
 
 def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict:
@@ -210,13 +227,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config (after one compiling step)")
     parser.add_argument("--attention", default="auto", choices=attention.IMPLEMENTATIONS)
     args = parser.parse_args()
-    attention.set_implementation(args.attention)
-    chosen = setups(args.configs.split(","))
+    chosen = {name: with_attention(setup, args.attention) for name, setup in setups(args.configs.split(",")).items()}
     device = jax.devices()[0]
-    print(
-        f"devices: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}); "
-        f"attention: {attention.resolved_implementation()}"
-    )
+    resolved = attention.resolve_implementation(args.attention)
+    print(f"devices: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}); attention: {resolved}")
     peaks = {}
     for name, setup in chosen.items():
         dtype = jnp.dtype(setup.compute_dtype)

@@ -53,6 +53,6 @@ def test_imports_point_down(path):
 
 
 def test_the_check_can_fail():
-    assert layer_of("dflash_jax.training.loop") > layer_of("dflash_jax.models.qwen3")
+    assert layer_of("dflash_jax.training.loop") > layer_of("dflash_jax.models.transformer")
     assert layer_of("dflash_jax.export") == COMMAND_LINE
     assert "dflash_jax.cli" in imports(PACKAGE / "evaluate.py")

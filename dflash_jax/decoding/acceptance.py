@@ -16,7 +16,7 @@ from dflash_jax.decoding.generate import Generation
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 
 
 def acceptance_stats(generations: Sequence[Generation], block_size: int) -> dict:

@@ -20,7 +20,7 @@ from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder, prompt_bucket
 from dflash_jax.decoding.http_client import ChatCompletionsClient, Reply
 from dflash_jax.decoding.sampling import SamplingConfig
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True)

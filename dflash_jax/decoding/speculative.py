@@ -25,7 +25,7 @@ from dflash_jax.decoding.generate import Decoder, prefill
 from dflash_jax.decoding.sampling import SamplingConfig, choose, verify_block
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 
 
 @flax.struct.dataclass

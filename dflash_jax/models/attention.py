@@ -1,13 +1,14 @@
 """Attention patterns: packed causal (target), cached (decoding), DFlash block attention.
 
-Shapes are named as in jax-ml/bonsai: B batch rows, T queries, S keys, N blocks per row,
-L block length, K kv heads, G query heads per kv head (GQA), H head dim, M cache slots.
-Queries arrive as [..., K*G, H] and are viewed as [..., K, G, H]. Scores and softmax run in
-fp32; masked scores get a large finite negative value, so a fully masked row yields a finite
-(uniform) average instead of NaN (docs/design.md §3.2).
+Shape letters (docs/design.md §9): B batch rows, T queries, S keys, N blocks per row, L block
+length, M cache slots, K kv heads, G query heads per kv head (GQA), H head dim. Queries arrive as
+[..., K*G, H] and are viewed as [..., K, G, H]. Scores and softmax run in fp32; masked scores get
+a large finite negative value, so a fully masked row yields a finite (uniform) average instead of
+NaN (docs/design.md §3.2).
 
-Training's two patterns have two implementations, chosen by `set_implementation` (the config's
-`train.attention`):
+Training's two patterns have two implementations; the model's attention mixers hold which one
+they use (the config's `train.attention`, resolved once by `resolve_implementation`) and pass
+it to every call, like maxtext's `AttentionOp` holds its kernel:
 
 * "xla": the XLA code of this module, the reference and the CPU path. Heads are moved in front
   of the tokens once per call, so every einsum is a plain batched matmul; the packed causal
@@ -18,54 +19,33 @@ Training's two patterns have two implementations, chosen by `set_implementation`
   see: the target's queries the key tiles of their document up to the diagonal, the drafter's
   blocks the context tiles of their span and their own block. GPUs only (interpret mode, for
   tests, elsewhere).
-* "auto" (default): "fused" on GPU, "xla" otherwise.
+* "auto" (the config's default) resolves to "fused" on GPU, "xla" otherwise.
 
 Decoding (`attend` with a cache mask, `block_attention_cached`) always uses XLA.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.models import sharding
 from dflash_jax.models.chunking import map_block_chunks
-
-MASKED = -1e30
+from dflash_jax.models.kernels import MASKED
 
 IMPLEMENTATIONS = ("auto", "xla", "fused")
-_implementation = "auto"
 
 
-def set_implementation(name: str) -> None:
-    """Choose training's attention code for everything traced from now on (see the module
-    docstring); the config's `train.attention`."""
-    global _implementation
+def resolve_implementation(name: str, backend: str | None = None) -> str:
+    """'auto', 'xla' or 'fused' -> the code that runs on `backend` (default: JAX's): 'xla' or
+    'fused'."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    _implementation = name
-
-
-@contextlib.contextmanager
-def implementation(name: str) -> Iterator[None]:
-    """`set_implementation(name)` while tracing inside this context."""
-    previous = _implementation
-    set_implementation(name)
-    try:
-        yield
-    finally:
-        set_implementation(previous)
-
-
-def resolved_implementation() -> str:
-    """'xla' or 'fused': what the current setting means on this backend."""
-    if _implementation == "auto":
-        return "fused" if jax.default_backend() == "gpu" else "xla"
-    return _implementation
+    if name == "auto":
+        return "fused" if (backend or jax.default_backend()) == "gpu" else "xla"
+    return name
 
 
 def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -105,14 +85,6 @@ def _weighted_values(weights: jax.Array, v: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(spec, weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
-def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """segment_ids [B, S] (0 = padding) -> [B, S, S] causal mask that never crosses documents."""
-    s = segment_ids.shape[-1]
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal[None] & same_doc & (segment_ids[:, :, None] != 0)
-
-
 def packed_causal_tiles(seq_len: int) -> tuple[tuple[int, int], ...]:
     """The XLA packed causal attention's query tiles [lo, hi): up to 8 equal tiles, none shorter
     than 128 queries; tile [lo, hi) attends to keys [0, hi). On CPU, 64-query tiles made the
@@ -129,14 +101,16 @@ def packed_causal_pairs(seq_len: int) -> int:
     return sum((hi - lo) * hi for lo, hi in packed_causal_tiles(seq_len))
 
 
-def packed_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def packed_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, implementation: str
+) -> jax.Array:
     """The target's attention over packed rows: causal, never across documents.
 
     q [B, S, K*G, H], k/v [B, S, K, H], segment_ids [B, S] (0 = padding) -> [B, S, K*G, H].
-    Equals `attend(q, k, v, packed_causal_mask(segment_ids))` (outputs at padding positions
-    are unspecified on the fused path).
+    Equals `attend` under the causal same-document mask (outputs at padding positions are
+    unspecified on the fused path). `implementation`: 'xla' or 'fused' (resolved).
     """
-    if resolved_implementation() == "fused" and _fused_supported(q):
+    if implementation == "fused" and _fused_supported(q):
         from dflash_jax.models.kernels import packed_causal
 
         return _per_shard(
@@ -206,6 +180,7 @@ def block_attention(
     ctx_mask: jax.Array,
     *,
     blocks_per_chunk: int,
+    implementation: str,
 ) -> jax.Array:
     """DFlash training attention (docs/design.md §2): every query of block n sees its own block's
     L keys and the context keys `ctx_mask[:, n]` allows.
@@ -213,10 +188,10 @@ def block_attention(
     q [B, N, L, K*G, H]; k_blk, v_blk [B, N, L, K, H]; k_ctx, v_ctx [B, S, K, H]; ctx_mask
     [B, N, S] -> [B, N, L, K*G, H]. The XLA path runs `blocks_per_chunk` blocks at a time, each
     chunk rematerialized in the backward pass, so no [N·L, S] score tensor for all blocks ever
-    lives. The fused path reads each block's mask as one span [start, end) (what
+    lives. `implementation`: 'xla' or 'fused' (resolved). The fused path reads each block's mask as one span [start, end) (what
     `block_context_mask` gives for contiguous documents) and visits only those keys.
     """
-    if resolved_implementation() == "fused" and _fused_supported(q):
+    if implementation == "fused" and _fused_supported(q):
         from dflash_jax.models.kernels import block as fused_block
 
         start, end = fused_block.context_spans(ctx_mask)

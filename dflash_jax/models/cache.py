@@ -1,8 +1,9 @@
-"""Key/value caches for decoding: one `LayerCache` per layer, plus the valid length per row.
+"""Decoding caches: one slice per layer (whatever its mixer keeps: `LayerCache` for attention),
+plus the valid length per row.
 
-Shapes: B batch rows, M cache slots, K kv heads, H head dim. Each layer takes its own
-`LayerCache` and returns the updated one, so the data flow is explicit; under a donated jit
-argument every layer's buffers are updated in place.
+Shapes: B batch rows, M cache slots, K kv heads, H head dim. Each layer takes its own slice and
+returns the updated one, so the data flow is explicit; under a donated jit argument every
+layer's buffers are updated in place.
 """
 
 from __future__ import annotations
@@ -40,20 +41,17 @@ class LayerCache:
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer caches; `lengths` [B] counts the valid slots, the same for every layer.
+    """Per-layer cache slices; `lengths` [B] counts the valid tokens, the same for every layer.
 
-    Lowering `lengths` rolls back (rejected drafts): slots past it are never attended to and are
-    overwritten by the next write.
+    Lowering `lengths` rolls back (rejected drafts): attention slots past it are never attended to
+    and are overwritten by the next write; a mixer with a recurrent state keeps what it needs to
+    restart from any length its last write passed through.
     """
 
-    layers: tuple[LayerCache, ...]
+    layers: tuple  # one slice per layer, as its mixer's `new_cache` made it
     lengths: jax.Array  # [B] int32
+    max_len: int = flax.struct.field(pytree_node=False)  # tokens a row may hold
 
     @classmethod
-    def create(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
-        layers = tuple(LayerCache.create(batch, max_len, num_kv_heads, head_dim, dtype) for _ in range(num_layers))
-        return cls(layers, jnp.zeros((batch,), jnp.int32))
-
-    @property
-    def max_len(self) -> int:
-        return self.layers[0].k.shape[1]
+    def create(cls, layers: tuple, batch: int, max_len: int) -> KVCache:
+        return cls(tuple(layers), jnp.zeros((batch,), jnp.int32), max_len)

@@ -14,6 +14,9 @@ import jax.numpy as jnp
 # Dtype names accepted by configs and command-line flags.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# Token mixers a target layer can have (`TransformerConfig.layer_types`).
+LAYER_TYPES = ("full_attention",)
+
 # Architectures the target loader understands, mapped to whether they use per-head q/k RMSNorm.
 SUPPORTED_TARGET_ARCHITECTURES = {
     "Qwen3ForCausalLM": True,
@@ -83,10 +86,19 @@ class TransformerConfig:
     qk_norm: bool = True
     max_position_embeddings: int = 32768
     architecture: str = "Qwen3ForCausalLM"
+    # The token mixer of every layer, as Hugging Face configs spell it; () = all full attention.
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> TransformerConfig:
@@ -100,22 +112,30 @@ class TransformerConfig:
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ValueError("attention/MLP biases are not supported (Qwen3 and Llama-3 have none)")
         arch = known[0]
-        heads = int(hf["num_attention_heads"])
         return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            **_decoder_fields(hf),
             num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rope=RopeConfig.from_hf(hf),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=SUPPORTED_TARGET_ARCHITECTURES[arch],
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             architecture=arch,
+            layer_types=tuple(hf.get("layer_types") or ()),
         )
+
+
+def _decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The fields target and drafter configs read alike from a Hugging Face config.json."""
+    heads = int(hf["num_attention_heads"])
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        rope=RopeConfig.from_hf(hf),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+    )
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -232,20 +252,11 @@ class DrafterConfig:
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
         if missing:
             raise ValueError(f"drafter config.json lacks dflash_config fields {missing}")
-        heads = int(hf["num_attention_heads"])
         return cls(
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            **_decoder_fields(hf),
             num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rope=RopeConfig.from_hf(hf),
-            vocab_size=int(hf["vocab_size"]),
             num_target_layers=int(hf["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             mask_token_id=int(dflash["mask_token_id"]),
             block_size=int(hf.get("block_size", 16)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         )

@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models import attention
-from dflash_jax.models.cache import KVCache, LayerCache
+from dflash_jax.models.cache import KVCache
 from dflash_jax.models.config import DrafterConfig
-from dflash_jax.models.layers import RMSNorm, Rotary, linear, rotary
-from dflash_jax.models.qwen3 import TransformerBlock
+from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
+from dflash_jax.models.mixers import DFlashAttention, DraftBlocks, DraftStep
 
 INIT_STD = 0.02  # docs/design.md §3.5: drafter init normal(0.02)
 
@@ -29,39 +28,36 @@ INIT_STD = 0.02  # docs/design.md §3.5: drafter init normal(0.02)
 ContextCache = KVCache
 
 
-class DrafterLayer(TransformerBlock):
-    """Queries from the block only; keys/values from the context and from the block (non-causal)."""
-
-    def __call__(
-        self,
-        x: jax.Array,
-        tables: Rotary,
-        ctx: jax.Array,
-        ctx_tables: Rotary,
-        ctx_mask: jax.Array,
-        *,
-        blocks_per_chunk: int,
-    ) -> jax.Array:
-        """x [B, N, L, D], tables of its positions [B, N, L], ctx [B, S, D], tables of the
-        context positions [B, S], ctx_mask [B, N, S] -> [B, N, L, D]."""
-        h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, tables)
-        k_blk, v_blk = self.self_attn.keys_values(h, tables)
-        k_ctx, v_ctx = self.self_attn.keys_values(ctx, ctx_tables)
-        attn = attention.block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk=blocks_per_chunk)
-        return self.mlp_residual(x + self.self_attn.output(attn))
-
-    def decode(self, x: jax.Array, tables: Rotary, cache: LayerCache, cache_lengths: jax.Array) -> jax.Array:
-        """One block x [B, L, D] (tables of its positions) against the cached context -> [B, L, D]."""
-        h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, tables)
-        k, v = self.self_attn.keys_values(h, tables)
-        attn = attention.block_attention_cached(q, cache.k, cache.v, cache_lengths, k, v)
-        return self.mlp_residual(x + self.self_attn.output(attn))
+def drafter_layer(cfg: DrafterConfig, *, attention: str, dtypes: dict, rngs) -> DecoderBlock:
+    mixer = DFlashAttention(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        qk_norm=True,
+        eps=cfg.rms_norm_eps,
+        rngs=rngs,
+        init_std=INIT_STD,
+        implementation=attention,
+        **dtypes,
+    )
+    mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, init_std=INIT_STD, **dtypes)
+    return DecoderBlock(
+        "self_attn", mixer, mlp, hidden_size=cfg.hidden_size, norm_kw=dict(eps=cfg.rms_norm_eps, **dtypes)
+    )
 
 
 class DFlashDrafter(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        *,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+        attention: str = "auto",
+        rngs: nnx.Rngs,
+    ):
+        """`attention`: the training forward's attention code (`attention.IMPLEMENTATIONS`)."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -73,22 +69,9 @@ class DFlashDrafter(nnx.Module):
             **kw,
         )
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.layers = nnx.List(
-            [
-                DrafterLayer(
-                    hidden_size=cfg.hidden_size,
-                    intermediate_size=cfg.intermediate_size,
-                    num_heads=cfg.num_heads,
-                    num_kv_heads=cfg.num_kv_heads,
-                    head_dim=cfg.head_dim,
-                    qk_norm=True,
-                    eps=cfg.rms_norm_eps,
-                    rngs=rngs,
-                    init_std=INIT_STD,
-                    **kw,
-                )
-                for _ in range(cfg.num_layers)
-            ]
+            [drafter_layer(cfg, attention=attention, dtypes=dtypes, rngs=rngs) for _ in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
 
@@ -120,10 +103,16 @@ class DFlashDrafter(nnx.Module):
 
         # Context positions restart in every document (< S); a block's run up to L past its anchor.
         bound = ctx_positions.shape[-1] + block_positions.shape[-1]
-        tables, ctx_tables = self._rotary(block_positions, bound), self._rotary(ctx_positions, bound)
+        blocks = DraftBlocks(
+            self._rotary(block_positions, bound),
+            ctx,
+            self._rotary(ctx_positions, bound),
+            ctx_mask,
+            blocks_per_chunk=blocks_per_chunk,
+        )
 
-        def run_layer(layer: DrafterLayer, x: jax.Array) -> jax.Array:
-            return layer(x, tables, ctx, ctx_tables, ctx_mask, blocks_per_chunk=blocks_per_chunk)
+        def run_layer(layer: DecoderBlock, x: jax.Array) -> jax.Array:
+            return layer(x, blocks)
 
         if remat:
             run_layer = nnx.remat(run_layer)
@@ -134,8 +123,9 @@ class DFlashDrafter(nnx.Module):
             return self.norm(x)
 
     def new_cache(self, batch: int, max_len: int) -> ContextCache:
-        cfg = self.cfg
-        return ContextCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.compute_dtype)
+        return ContextCache.create(
+            tuple(layer.mixer.new_cache(batch, max_len) for layer in self.layers), batch, max_len
+        )
 
     def extend_context(
         self, cache: ContextCache, features: jax.Array, positions: jax.Array, num_valid: jax.Array
@@ -147,17 +137,17 @@ class DFlashDrafter(nnx.Module):
         """
         ctx = self.context(features)
         tables = self._rotary(positions)
-        layer_caches = []
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            k, v = layer.self_attn.keys_values(ctx, tables)
-            layer_caches.append(layer_cache.write(k, v, cache.lengths))
-        return ContextCache(tuple(layer_caches), cache.lengths + num_valid)
+        layer_caches = tuple(
+            layer.mixer.write_context(ctx, tables, layer_cache, cache.lengths)
+            for layer, layer_cache in zip(self.layers, cache.layers)
+        )
+        return cache.replace(layers=layer_caches, lengths=cache.lengths + num_valid)
 
     def decode(self, block_embeds: jax.Array, block_positions: jax.Array, cache: ContextCache) -> jax.Array:
         """One block [B, L, D] at positions [B, L] against the cached context -> final-normed
         hidden [B, L, D]."""
         x = block_embeds.astype(self.compute_dtype)
-        tables = self._rotary(block_positions)
+        step = DraftStep(self._rotary(block_positions), cache.lengths)
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.decode(x, tables, layer_cache, cache.lengths)
+            x, _ = layer.decode(x, step, layer_cache)
         return self.norm(x)

@@ -29,8 +29,8 @@ from safetensors.numpy import save_file
 
 from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.models.sharding import param_sharding
+from dflash_jax.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,15 @@ def load_target(
     param_dtype=jnp.bfloat16,
     compute_dtype=jnp.bfloat16,
     mesh: Mesh | None = None,
+    attention: str = "auto",
 ) -> Transformer:
-    """Load a Hugging Face Qwen3/Llama checkpoint directory into a `Transformer`."""
+    """Load a Hugging Face checkpoint directory into a `Transformer` (`attention`: its packed
+    forward's attention code)."""
     cfg = TransformerConfig.from_hf(read_config(path))
     abstract = nnx.eval_shape(
-        lambda: Transformer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+        lambda: Transformer(
+            cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(0)
+        )
     )
     model, _ = _fill(abstract, "model.", SafetensorsReader(path), mesh, source=str(path))
     return model
@@ -152,11 +156,14 @@ def load_drafter(
     param_dtype=jnp.float32,
     compute_dtype=jnp.float32,
     mesh: Mesh | None = None,
+    attention: str = "auto",
 ) -> DFlashDrafter:
     """Load a drafter in the export format of docs/design.md §5 (ours, or a released one)."""
     cfg = DrafterConfig.from_hf(read_config(path))
     abstract = nnx.eval_shape(
-        lambda: DFlashDrafter(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+        lambda: DFlashDrafter(
+            cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(0)
+        )
     )
     reader = SafetensorsReader(path)
     model, used = _fill(abstract, "", reader, mesh, source=str(path))

@@ -1,8 +1,9 @@
-"""Building blocks shared by the target LM and the drafter: RMSNorm, RoPE, projections, SwiGLU.
+"""Building blocks shared by the target LM and the drafter: RMSNorm, RoPE, projections, SwiGLU,
+and the one decoder-block skeleton both are built of.
 
 Numerics follow the Hugging Face Qwen3/Llama code so that parity holds in fp32: RMSNorm
 normalizes in fp32 and multiplies the weight in the compute dtype, RoPE uses the rotate-half
-layout, and q/k norms act per head before RoPE.
+layout, and q/k norms act per head before RoPE. Shape letters: docs/design.md §9.
 """
 
 from __future__ import annotations
@@ -16,18 +17,24 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.config import RopeConfig
-from dflash_jax.models.sharding import BATCH, EMBED, HEADS, KV_HEADS, MLP, constrain
+from dflash_jax.models.sharding import BATCH, EMBED, MLP, constrain
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    """RMSNorm over the last axis. `zero_centered` (Qwen3.5 / Qwen3-Next) stores w and scales by
+    1 + w, computed in fp32 as those models do."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, zero_centered: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), param_dtype) if zero_centered else jnp.ones((dim,), param_dtype))
         self.eps = eps
         self.compute_dtype = compute_dtype
+        self.zero_centered = zero_centered
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centered:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.compute_dtype)
         return self.weight[...].astype(self.compute_dtype) * normed.astype(self.compute_dtype)
 
 
@@ -39,13 +46,15 @@ class Linear(nnx.Linear):
         return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
-def linear(in_features: int, out_features: int, *, param_dtype, compute_dtype, rngs, init_std=None):
-    """A bias-free projection; kernel stored [in, out] (torch stores the transpose)."""
+def linear(
+    in_features: int, out_features: int, *, param_dtype, compute_dtype, rngs, init_std=None, use_bias: bool = False
+):
+    """A projection, bias-free unless asked; kernel stored [in, out] (torch stores the transpose)."""
     init = nnx.initializers.normal(init_std) if init_std is not None else nnx.initializers.lecun_normal()
     return Linear(
         in_features,
         out_features,
-        use_bias=False,
+        use_bias=use_bias,
         dtype=compute_dtype,
         param_dtype=param_dtype,
         kernel_init=init,
@@ -112,61 +121,6 @@ def apply_rope(x: jax.Array, tables: Rotary) -> jax.Array:
     return (x32 * tables.cos + rotated * tables.sin).astype(x.dtype)
 
 
-class AttentionProjections(nnx.Module):
-    """q/k/v/o projections with optional per-head q/k RMSNorm applied before RoPE.
-
-    The attention pattern itself lives in `attention.py`; target and drafter differ only there.
-    """
-
-    def __init__(
-        self,
-        *,
-        hidden_size,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        qk_norm: bool,
-        eps,
-        param_dtype,
-        compute_dtype,
-        rngs,
-        init_std=None,
-    ):
-        kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
-        self.q_proj = linear(hidden_size, num_heads * head_dim, **kw)
-        self.k_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.v_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
-        self.o_proj = linear(num_heads * head_dim, hidden_size, **kw)
-        norm_kw = dict(eps=eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
-        self.q_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-
-    def queries(self, x: jax.Array, tables: Rotary) -> jax.Array:
-        """x [..., T, H] -> q [..., T, heads, head_dim], normalized and rotated."""
-        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-        q = constrain(q, (BATCH, ..., HEADS, None))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q, tables)
-
-    def keys_values(self, x: jax.Array, tables: Rotary) -> tuple[jax.Array, jax.Array]:
-        """x [..., T, H] -> (k, v) [..., T, kv_heads, head_dim]; k normalized and rotated."""
-        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        k = constrain(self.k_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        v = constrain(self.v_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
-        return apply_rope(k, tables), v
-
-    def output(self, attn: jax.Array) -> jax.Array:
-        """attn [..., T, heads, head_dim] -> [..., T, H]."""
-        out = self.o_proj(attn.reshape(*attn.shape[:-2], self.num_heads * self.head_dim))
-        return constrain(out, (BATCH, ..., EMBED))
-
-
 class SwiGLU(nnx.Module):
     def __init__(self, hidden_size, intermediate_size, *, param_dtype, compute_dtype, rngs, init_std=None):
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
@@ -177,3 +131,39 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         hidden = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), (BATCH, ..., MLP))
         return constrain(self.down_proj(hidden), (BATCH, ..., EMBED))
+
+
+class DecoderBlock(nnx.Module):
+    """The one pre-norm block skeleton of target and drafter:
+    x + mixer(norm(x)), then x + mlp(norm(x)).
+
+    The token mixer (full, sliding or DFlash attention, linear attention) and the MLP (SwiGLU,
+    mixture of experts) are modules chosen per layer; the block only composes them. The mixer is
+    stored under its checkpoint name (`self_attn`, `linear_attn`) so parameter paths mirror the
+    Hugging Face names. A mixer has `__call__(h, inputs)` for the packed (training) forward and
+    `decode(h, inputs, cache) -> (out, cache)` for its cache slice; `inputs` is whatever the model
+    prepared once for all layers (positions, RoPE tables, masks, context).
+    """
+
+    def __init__(self, mixer_name: str, mixer: nnx.Module, mlp: nnx.Module, *, hidden_size: int, norm_kw: dict):
+        self.input_layernorm = RMSNorm(hidden_size, **norm_kw)
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, mixer)
+        self.post_attention_layernorm = RMSNorm(hidden_size, **norm_kw)
+        self.mlp = mlp
+
+    @property
+    def mixer(self) -> nnx.Module:
+        return getattr(self, self.mixer_name)
+
+    def _mlp_residual(self, x: jax.Array) -> jax.Array:
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def __call__(self, x: jax.Array, inputs) -> jax.Array:
+        """x [..., D] -> [..., D] (packed forward)."""
+        return self._mlp_residual(x + self.mixer(self.input_layernorm(x), inputs))
+
+    def decode(self, x: jax.Array, inputs, cache):
+        """x [B, T, D] against the mixer's cache slice -> ([B, T, D], updated slice)."""
+        out, cache = self.mixer.decode(self.input_layernorm(x), inputs, cache)
+        return self._mlp_residual(x + out), cache

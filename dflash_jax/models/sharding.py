@@ -45,7 +45,6 @@ BATCH_MESH_AXES = (DATA_AXIS, FSDP_AXIS)  # batch rows are split over these
 
 # Logical axes.
 BATCH = "batch"  # rows of a batch
-LENGTH = "length"  # tokens of a row (or blocks of a row, slots of a block)
 EMBED = "embed"  # the model dimension
 HEADS = "heads"  # query heads (x head_dim when flattened in a kernel)
 KV_HEADS = "kv_heads"  # key/value heads (x head_dim)
@@ -154,10 +153,6 @@ def param_sharding(mesh: Mesh, path, shape: Sequence[int]) -> NamedSharding:
 def param_shardings(mesh: Mesh, params):
     """NamedShardings for a (abstract) parameter pytree of a model (e.g. the frozen target)."""
     return jax.tree_util.tree_map_with_path(lambda path, x: param_sharding(mesh, path, x.shape), params)
-
-
-target_shardings = param_shardings
-state_shardings = param_shardings  # the name bench/ scripts use
 
 
 def zero_spec(mesh: Mesh | Mapping[str, int], path, shape: Sequence[int]) -> PartitionSpec:

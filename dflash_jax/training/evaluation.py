@@ -19,7 +19,7 @@ from dflash_jax.decoding.acceptance import measure_acceptance
 from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_target
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.drafters import load_any_drafter
 

@@ -28,14 +28,7 @@ from dflash_jax.training.drafters import export_params
 from dflash_jax.training.evaluation import AcceptanceEval
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 from dflash_jax.training.monitoring import Monitor
-from dflash_jax.training.step import (
-    abstract_train_state,
-    drafter_graph,
-    init_train_state,
-    learning_rate_schedule,
-    make_optimizer,
-    make_train_step,
-)
+from dflash_jax.training.step import build_train_step
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +108,16 @@ class TrainingRun:
         self.data = DataPipeline.from_config(setup.data, setup.target_path)
         total = self.data.total_steps(setup.run.num_epochs)
         self.total_steps = min(total, setup.run.max_steps) if setup.run.max_steps else total
-        tx = make_optimizer(setup.optimizer, self.total_steps)
-        self.schedule = learning_rate_schedule(setup.optimizer, self.total_steps)
         self.target = load_target(
             setup.target_path,
             param_dtype=setup.target_dtype,
             compute_dtype=setup.target_dtype,
             mesh=mesh,
+            attention=setup.run.attention,
         )
         target_graphdef, self.target_params = nnx.split(self.target)
+        program = build_train_step(setup, mesh, target_graphdef, self.target_params, total_steps=self.total_steps)
+        self.schedule, self.drafter_graphdef, self.step_fn = program.schedule, program.drafter_graphdef, program.step
         self.iterator = self.data.iterator(sharding=batch_sharding(mesh))
         self.checkpoints = RunCheckpoints(
             workdir.checkpoints,
@@ -131,27 +125,13 @@ class TrainingRun:
             keep=setup.checkpoint.keep,
             async_save=setup.checkpoint.async_save,
         )
-        state_kw = dict(seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
         self.last_saved = self.checkpoints.latest_step()
         if self.last_saved is None:
-            self.state, self.best_tau = init_train_state(setup.drafter, tx, **state_kw), None
+            self.state, self.best_tau = program.init_state(), None
         else:
-            abstract = abstract_train_state(setup.drafter, tx, **state_kw)
-            self.state, meta = self.checkpoints.restore(self.last_saved, abstract, self.iterator)
+            self.state, meta = self.checkpoints.restore(self.last_saved, program.abstract_state, self.iterator)
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
-        self.drafter_graphdef = drafter_graph(setup.drafter, setup.compute_dtype)
-        self.step_fn = make_train_step(
-            drafter_graphdef=self.drafter_graphdef,
-            target_graphdef=target_graphdef,
-            target_params=self.target_params,
-            tx=tx,
-            cfg=setup.objective,
-            grad_accum_steps=setup.run.grad_accum_steps,
-            mesh=mesh,
-            state_sharding=jax.tree.map(lambda x: x.sharding, self.state),
-            attention=setup.run.attention,
-        )
         self.evaluate = AcceptanceEval.for_setup(setup) if setup.eval.during_training else None
         self.best = BestCheckpoint(workdir.best_checkpoint, resumed_step=self.last_saved) if self.evaluate else None
         self.monitor = Monitor(

@@ -14,22 +14,7 @@ import os
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax.models.sharding import BATCH_MESH_AXES, DATA_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
-
-__all__ = [
-    "BATCH_AXES",
-    "DATA_AXIS",
-    "FSDP_AXIS",
-    "TENSOR_AXIS",
-    "batch_sharding",
-    "initialize_distributed",
-    "make_mesh",
-    "mesh_axes_description",
-    "mesh_shape",
-    "replicated",
-]
-
-BATCH_AXES = BATCH_MESH_AXES
+from dflash_jax.models.sharding import BATCH_MESH_AXES, MESH_AXES
 
 
 def mesh_shape(data: int, fsdp: int, num_devices: int, tensor: int = 1) -> tuple[int, int, int]:
@@ -62,11 +47,7 @@ def make_mesh(data: int, fsdp: int, tensor: int = 1, *, devices=None) -> Mesh:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Rows of a [rows, seq_len] batch split over (data, fsdp), the same on every tensor member."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(BATCH_MESH_AXES))
 
 
 def mesh_axes_description(mesh: Mesh) -> str:

@@ -24,7 +24,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax.models import sharding
-from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
@@ -76,13 +75,7 @@ class Plan:
 
 def abstract_target(setup: TrainSetup, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
     """The target's graph and its parameters as ShapeDtypeStructs placed as a run loads them."""
-    graphdef, params = nnx.split(
-        nnx.eval_shape(
-            lambda: Transformer(
-                setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
-            )
-        )
-    )
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: step_lib.new_target(setup)))
     shardings = sharding.param_shardings(mesh, params)
     return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
 
@@ -103,23 +96,12 @@ def bytes_per_device(tree) -> int:
 
 def lower_train_step(setup: TrainSetup, mesh: Mesh):
     """(jit-lowered train step, abstract state, abstract target, abstract batch) of a real run."""
-    tx = step_lib.make_optimizer(setup.optimizer, total_steps=1000)  # the schedule does not matter
-    state = step_lib.abstract_train_state(
-        setup.drafter, tx, seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh
-    )
     graphdef, target = abstract_target(setup, mesh)
+    # The schedule's length does not change the program.
+    program = step_lib.build_train_step(setup, mesh, graphdef, target, total_steps=1000)
     batch = abstract_batch(setup, mesh)
-    train_step = step_lib.make_train_step(
-        drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
-        target_graphdef=graphdef,
-        target_params=target,
-        tx=tx,
-        cfg=setup.objective,
-        grad_accum_steps=setup.run.grad_accum_steps,
-        mesh=mesh,
-        state_sharding=jax.tree.map(lambda x: x.sharding, state),
-    )
-    return train_step.lower(state, target, batch), state, target, batch
+    state = program.abstract_state
+    return program.step.lower(state, target, batch), state, target, batch
 
 
 def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> Plan:

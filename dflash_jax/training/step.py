@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -23,12 +24,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax.models import attention as attention_lib
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.sharding import activation_sharding, train_state_shardings
+from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
-from dflash_jax.training.mesh import BATCH_AXES, batch_sharding
+from dflash_jax.training.mesh import batch_sharding
+
+if TYPE_CHECKING:
+    from dflash_jax.training.config import TrainSetup
 
 
 @flax.struct.dataclass
@@ -73,12 +77,15 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     )
 
 
-def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int) -> DFlashDrafter:
-    return DFlashDrafter(cfg, param_dtype=jnp.float32, compute_dtype=compute_dtype, rngs=nnx.Rngs(seed))
+def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int, attention: str = "auto") -> DFlashDrafter:
+    return DFlashDrafter(
+        cfg, param_dtype=jnp.float32, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(seed)
+    )
 
 
-def drafter_graph(cfg: DrafterConfig, compute_dtype) -> nnx.GraphDef:
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: _new_drafter(cfg, compute_dtype, 0)))
+def drafter_graph(cfg: DrafterConfig, compute_dtype, attention: str = "auto") -> nnx.GraphDef:
+    """The drafter's static graph; `attention` is its training forward's attention code."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: _new_drafter(cfg, compute_dtype, 0, attention)))
     return graphdef
 
 
@@ -127,7 +134,7 @@ def _split_micro_batches(batch: objective.Batch, num_micro: int, mesh: Mesh) -> 
 
     Micro-batch m takes rows m, m + num_micro, …, so the rows each device holds split evenly.
     """
-    spec = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
+    spec = NamedSharding(mesh, PartitionSpec(None, BATCH_MESH_AXES))
 
     def split(x):
         x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
@@ -151,13 +158,10 @@ def make_train_step(
     grad_accum_steps: int,
     mesh: Mesh,
     state_sharding,
-    attention: str = "auto",
 ) -> Callable[[TrainState, nnx.State, objective.Batch], tuple[TrainState, dict]]:
     """Returns jitted `step(state, target_params, batch) -> (state, additive metrics)`.
 
-    `attention` picks the attention code the step is traced with (`models.attention`: 'auto' =
-    fused kernels on GPU, XLA elsewhere; 'xla'; 'fused').
-
+    The attention code is the graphs' own (`Transformer(attention=...)`, `drafter_graph`).
     `batch` is a dict of global int32 [rows, seq_len] arrays sharded with `batch_sharding`.
     Micro-batches accumulate Σ w·CE, its gradient and Σw; both are divided by the global Σw once
     (docs/design.md §3.3), and each row's anchors come from the row's own key, so 1 x 16 rows
@@ -219,8 +223,7 @@ def make_train_step(
         return new_state, metrics
 
     def sharded_step(state: TrainState, target_params: nnx.State, batch: objective.Batch):
-        # Both settings apply while tracing: activations placed by logical names, attention code.
-        with activation_sharding(mesh), attention_lib.implementation(attention):
+        with activation_sharding(mesh):  # activations placed by logical names while tracing
             return step(state, target_params, batch)
 
     target_sharding = jax.tree.map(lambda x: x.sharding, target_params)
@@ -229,4 +232,58 @@ def make_train_step(
         in_shardings=(state_sharding, target_sharding, batch_sharding(mesh)),
         out_shardings=(state_sharding, None),
         donate_argnums=0,
+    )
+
+
+def new_target(setup: TrainSetup, *, seed: int = 0) -> Transformer:
+    """A target of the run's architecture, dtype and attention code, with random weights (plans
+    use its shapes, benchmarks its weights; a run loads the real ones with `hf.load_target`)."""
+    return Transformer(
+        setup.target,
+        param_dtype=setup.target_dtype,
+        compute_dtype=setup.target_dtype,
+        attention=setup.run.attention,
+        rngs=nnx.Rngs(seed),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgram:
+    """A run's jitted train step and what goes with it, built by `build_train_step`."""
+
+    step: Callable[[TrainState, nnx.State, objective.Batch], tuple[TrainState, dict]]
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    drafter_graphdef: nnx.GraphDef
+    abstract_state: TrainState  # ShapeDtypeStructs carrying the state's shardings
+    init_state: Callable[[], TrainState]  # a fresh drafter and optimizer state, created sharded
+
+
+def build_train_step(
+    setup: TrainSetup, mesh: Mesh, target_graphdef: nnx.GraphDef, target_params, *, total_steps: int
+) -> TrainProgram:
+    """The one place a run's setup becomes its jitted step: the training loop, the plan and the
+    benchmarks all call it. `target_params` are real or abstract (ShapeDtypeStructs with
+    shardings); the attention code is the run's (`setup.run.attention`) for target and drafter."""
+    tx = make_optimizer(setup.optimizer, total_steps)
+    state_kw = dict(seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
+    abstract = abstract_train_state(setup.drafter, tx, **state_kw)
+    drafter_graphdef = drafter_graph(setup.drafter, setup.compute_dtype, setup.run.attention)
+    step = make_train_step(
+        drafter_graphdef=drafter_graphdef,
+        target_graphdef=target_graphdef,
+        target_params=target_params,
+        tx=tx,
+        cfg=setup.objective,
+        grad_accum_steps=setup.run.grad_accum_steps,
+        mesh=mesh,
+        state_sharding=jax.tree.map(lambda x: x.sharding, abstract),
+    )
+    return TrainProgram(
+        step=step,
+        tx=tx,
+        schedule=learning_rate_schedule(setup.optimizer, total_steps),
+        drafter_graphdef=drafter_graphdef,
+        abstract_state=abstract,
+        init_state=lambda: init_train_state(setup.drafter, tx, **state_kw),
     )

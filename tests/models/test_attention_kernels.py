@@ -8,6 +8,7 @@ needed to lower) to show they compile there at Qwen3-8B's head layout.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -19,12 +20,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention, kernels
 from dflash_jax.models.config import RopeConfig, TransformerConfig
 from dflash_jax.models.kernels import block as fused_block
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
-from support.synthetic import packed_batch
+from support.reference_attention import packed_causal_mask
 
 
 def _normal(key, shape, dtype=jnp.float32):
@@ -45,22 +47,22 @@ def _qkv(rows, seq_len, heads, kv_heads, head_dim, dtype=jnp.float32):
 
 
 def _packed_causal(impl, q, k, v, segment_ids):
-    with attention.implementation(impl), jax.default_matmul_precision("highest"):
-        return attention.packed_causal_attention(q, k, v, segment_ids)
+    with jax.default_matmul_precision("highest"):
+        return attention.packed_causal_attention(q, k, v, segment_ids, implementation=impl)
 
 
 def _real(segment_ids):
     return np.asarray(segment_ids != 0)[..., None, None]
 
 
-def test_auto_means_xla_on_cpu():
+def test_auto_means_xla_on_cpu_and_fused_on_gpu():
     assert jax.default_backend() == "cpu"
-    with attention.implementation("auto"):
-        assert attention.resolved_implementation() == "xla"
-    with attention.implementation("fused"):
-        assert attention.resolved_implementation() == "fused"
+    assert attention.resolve_implementation("auto") == "xla"
+    assert attention.resolve_implementation("auto", "gpu") == "fused"
+    assert attention.resolve_implementation("fused") == "fused"
+    assert attention.resolve_implementation("xla", "gpu") == "xla"
     with pytest.raises(ValueError, match="not one of"):
-        attention.set_implementation("flash")
+        attention.resolve_implementation("flash")
 
 
 @pytest.mark.parametrize("seq_len", [40, 100, 330, 700])
@@ -68,7 +70,7 @@ def test_tiled_packed_causal_equals_dense_mask(seq_len):
     batch = _packed(2, seq_len, (seq_len // 6, seq_len // 2))
     q, k, v = _qkv(2, seq_len, 4, 2, 16)
     with jax.default_matmul_precision("highest"):
-        dense = attention.attend(q, k, v, attention.packed_causal_mask(batch["segment_ids"]))
+        dense = attention.attend(q, k, v, packed_causal_mask(batch["segment_ids"]))
     tiled = _packed_causal("xla", q, k, v, batch["segment_ids"])
     np.testing.assert_allclose(
         np.where(_real(batch["segment_ids"]), tiled, 0), np.where(_real(batch["segment_ids"]), dense, 0), atol=1e-5
@@ -118,10 +120,10 @@ def _block_inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, head_di
 
 def _block_loss_and_grads(impl, args, mask, cotangent):
     def loss(args):
-        out = attention.block_attention(*args, mask, blocks_per_chunk=3)
+        out = attention.block_attention(*args, mask, blocks_per_chunk=3, implementation=impl)
         return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
-    with attention.implementation(impl), jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"):
         (_, out), grads = jax.value_and_grad(loss, has_aux=True)(args)
     return out.astype(jnp.float32), [g.astype(jnp.float32) for g in grads]
 
@@ -157,7 +159,7 @@ def test_context_spans_are_the_mask():
     assert int((end == 0).sum()) >= 2  # the invalid block and the one anchored at a document start
 
 
-def _tiny_target(head_dim=32):
+def _tiny_target(impl, head_dim=32):
     cfg = TransformerConfig(
         vocab_size=128,
         hidden_size=64,
@@ -168,17 +170,16 @@ def _tiny_target(head_dim=32):
         head_dim=head_dim,
         rope=RopeConfig(10_000.0),
     )
-    return Transformer(cfg, rngs=nnx.Rngs(0))
+    return Transformer(cfg, attention=impl, rngs=nnx.Rngs(0))
 
 
 def test_target_forward_fused_equals_xla():
-    target = _tiny_target()
     batch = _packed(2, 96, (10, 50))
     args = (batch["tokens"], batch["segment_ids"], batch["positions"])
     outs = {}
     for impl in ("xla", "fused"):
-        with attention.implementation(impl), jax.default_matmul_precision("highest"):
-            outs[impl] = target.features(*args, (0, 1))
+        with jax.default_matmul_precision("highest"):
+            outs[impl] = _tiny_target(impl).features(*args, (0, 1))
     real = np.asarray(batch["segment_ids"] != 0)[..., None]
     np.testing.assert_allclose(np.where(real, outs["fused"], 0), np.where(real, outs["xla"], 0), atol=1e-4)
 
@@ -204,12 +205,14 @@ def test_kernels_lower_to_triton_for_gpu():
 
     def drafter_grads(q, k_ctx, v_ctx, k_blk, v_blk, mask):
         def loss(*args):
-            return attention.block_attention(*args, mask, blocks_per_chunk=4).astype(jnp.float32).sum()
+            out = attention.block_attention(*args, mask, blocks_per_chunk=4, implementation="fused")
+            return out.astype(jnp.float32).sum()
 
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k_ctx, v_ctx, k_blk, v_blk)
 
-    with attention.implementation("fused"), kernels.compiled_for_gpu():
-        target = jax.jit(attention.packed_causal_attention).trace(q, kv, kv, segment_ids)
+    fused_target = functools.partial(attention.packed_causal_attention, implementation="fused")
+    with kernels.compiled_for_gpu():
+        target = jax.jit(fused_target).trace(q, kv, kv, segment_ids)
         drafter = jax.jit(drafter_grads).trace(q_blk, kv, kv, kv_blk, kv_blk, mask)
         target_hlo = target.lower(lowering_platforms=("cuda",)).as_text()
         drafter_hlo = drafter.lower(lowering_platforms=("cuda",)).as_text()
@@ -233,12 +236,12 @@ SHARDED_CHECK = textwrap.dedent(
 
     def loss(args, mask):
         with sharding.activation_sharding(mesh):
-            o = attention.block_attention(*args, mask, blocks_per_chunk=3)
+            o = attention.block_attention(*args, mask, blocks_per_chunk=3, implementation="fused")
         return jnp.sum(o * cot), o
 
     rows = NamedSharding(mesh, P(sharding.BATCH_MESH_AXES))
     put = lambda x: jax.device_put(x, rows)
-    with attention.implementation("fused"), jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"):
         f = jax.jit(jax.value_and_grad(loss, has_aux=True))
         (_, sharded), sharded_grads = f(jax.tree.map(put, args), put(mask))
         assert "shard_map" in str(jax.make_jaxpr(loss)(args, mask))

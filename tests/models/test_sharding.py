@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.models import sharding
 from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 
 TARGETS = Path(__file__).resolve().parents[2] / "configs" / "targets"
 QWEN3_8B = TransformerConfig.from_hf(json.loads((TARGETS / "Qwen3-8B.json").read_text()))

@@ -17,7 +17,7 @@ from flax import nnx
 
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 
 VOCAB = 64
 BLOCK = 4
@@ -86,7 +86,7 @@ class OracleDrafter(nnx.Module):
         self.successor = nnx.Variable(jnp.asarray(successor))
 
     def new_cache(self, batch: int, max_len: int) -> ContextCache:
-        return ContextCache.create(1, batch, max_len, self.cfg.num_kv_heads, self.cfg.head_dim, jnp.float32)
+        return ContextCache.create((), batch, max_len)
 
     def extend_context(self, cache: ContextCache, features, positions, num_valid) -> ContextCache:
         return cache.replace(lengths=cache.lengths + num_valid)

@@ -1,5 +1,5 @@
-"""Dense reference for the drafter's chunked block attention (tests only: memory is quadratic in
-the number of blocks)."""
+"""Dense references for the training attentions (tests only: memory is quadratic in the number of
+tokens or blocks)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,11 @@ def block_attention_dense(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask):
     keys = jnp.concatenate([k_ctx, k_blk.reshape(b, n * bk, kvh, d)], axis=1)
     values = jnp.concatenate([v_ctx, v_blk.reshape(b, n * bk, kvh, d)], axis=1)
     return attend(q.reshape(b, n * bk, heads, d), keys, values, mask).reshape(q.shape)
+
+
+def packed_causal_mask(segment_ids):
+    """segment_ids [B, S] (0 = padding) -> [B, S, S] causal mask that never crosses documents."""
+    s = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same_doc & (segment_ids[:, :, None] != 0)

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
-from dflash_jax.models.qwen3 import Transformer
 from dflash_jax.models.sharding import param_shardings
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
-from support.synthetic import packed_batch
 
 # Every split divides: hidden 128 over 8 devices (ZeRO), vocab 256 over fsdp x tensor, 4 heads,
 # 2 kv heads and 512 MLP over tensor=2.

@@ -15,11 +15,11 @@ import optax
 import pytest
 from flax import nnx
 
+from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
-from dflash_jax.training.mesh import batch_sharding, make_mesh, replicated
-from support.synthetic import packed_batch
+from dflash_jax.training.mesh import batch_sharding, make_mesh
 
 HERE = Path(__file__).resolve().parent
 
@@ -71,7 +71,7 @@ def trainer():
     mesh = make_mesh(1, 1)
     graphdef, target_params = nnx.split(nnx.eval_shape(lambda: Transformer(TARGET, rngs=nnx.Rngs(1))))
     target_params = jax.jit(
-        lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(1)))[1], out_shardings=replicated(mesh)
+        lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(1)))[1], out_shardings=NamedSharding(mesh, PartitionSpec())
     )()
     tx = step.make_optimizer(step.OptimizerConfig(learning_rate=3e-2, warmup_fraction=0.1), STEPS)
 

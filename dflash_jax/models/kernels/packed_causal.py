@@ -70,7 +70,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, start_ref, o_ref, *, scal
 def packed_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """q [B, S, K*G, H], k/v [B, S, K, H], segment_ids [B, S] -> [B, S, K*G, H].
 
-    Same result as `attention.attend(q, k, v, attention.packed_causal_mask(segment_ids))` at
+    Same result as `attention.attend` under the causal same-document mask at
     every non-padding position. S is padded to a multiple of the tile sizes inside.
     """
     b, s, heads, head_dim = q.shape

@@ -1,4 +1,4 @@
-"""Synthetic packed batches for tests and benchmarks (no tokenizer, no files).
+"""Synthetic packed batches for benchmarks and tests (no tokenizer, no files).
 
 Rows are filled with documents of random length; the first part of each document is the
 "prompt" (loss_mask 0), the rest the "response" (loss_mask 1), and the tail of a row may be

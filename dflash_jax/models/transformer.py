@@ -1,0 +1,157 @@
+"""The frozen target LM, built layer by layer from its config's per-layer spec, in Flax NNX.
+
+Every layer is a `layers.DecoderBlock`: a token mixer chosen by `cfg.layer_types[i]` and an MLP.
+Two entry points:
+  * `__call__` runs packed rows (tokens, segment_ids, positions); no mixer ever crosses a
+    document, it returns the requested layers' hidden states and can stop after the last of
+    them (DFlash training only needs the context features, not the logits).
+  * `decode` appends tokens to a `KVCache` (prefill and multi-token verification alike); the
+    caller rolls back rejected tokens by lowering `cache.lengths`.
+Module names mirror the Hugging Face checkpoint names, so `hf.py` maps them mechanically.
+Shape letters: docs/design.md §9 (B rows, S tokens, T new tokens, D model dim, V vocab).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.config import TransformerConfig
+from dflash_jax.models.layers import DecoderBlock, RMSNorm, SwiGLU, rotary
+from dflash_jax.models.mixers import DecodeStep, PackedRows, SelfAttention
+
+
+def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: dict, rngs) -> tuple[str, nnx.Module]:
+    """The token mixer of a layer of `layer_type` -> (its checkpoint name, the module)."""
+    if layer_type == "full_attention":
+        return "self_attn", SelfAttention(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            qk_norm=cfg.qk_norm,
+            eps=cfg.rms_norm_eps,
+            rngs=rngs,
+            implementation=attention,
+            **dtypes,
+        )
+    raise ValueError(f"layer type {layer_type!r} is not supported")
+
+
+def _mlp(cfg: TransformerConfig, index: int, *, dtypes: dict, rngs) -> nnx.Module:
+    """The MLP of layer `index`."""
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **dtypes)
+
+
+def decoder_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> DecoderBlock:
+    name, mixer = _mixer(cfg, cfg.layer_types[index], attention=attention, dtypes=dtypes, rngs=rngs)
+    norm_kw = dict(eps=cfg.rms_norm_eps, **dtypes)
+    return DecoderBlock(
+        name, mixer, _mlp(cfg, index, dtypes=dtypes, rngs=rngs), hidden_size=cfg.hidden_size, norm_kw=norm_kw
+    )
+
+
+class Transformer(nnx.Module):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+        attention: str = "auto",
+        rngs: nnx.Rngs,
+    ):
+        """`attention`: the packed forward's attention code (`attention.IMPLEMENTATIONS`)."""
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.layers = nnx.List(
+            [decoder_layer(cfg, i, attention=attention, dtypes=dtypes, rngs=rngs) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Linear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=compute_dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+        )
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [...] -> [..., D]."""
+        return self.embed_tokens(tokens).astype(self.compute_dtype)
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """Normalized hidden states [..., D] -> logits [..., V] with the LM head (tied or not)."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(h.astype(self.compute_dtype))
+        return self.lm_head(h)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.create(tuple(layer.mixer.new_cache(batch, max_len) for layer in self.layers), batch, max_len)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array,
+        positions: jax.Array,
+        *,
+        hidden_layers: Sequence[int] = (),
+        return_logits: bool = True,
+    ) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
+        """Packed forward of [B, S] rows -> (logits [B, S, V] or None, outputs [B, S, D] of
+        `hidden_layers` in that order). With return_logits=False the forward stops after
+        max(hidden_layers). Positions restart in every document, so all lie below S (a
+        position at or past S yields NaN)."""
+        with jax.named_scope("target"):  # names the collectives in `python -m dflash_jax.plan`
+            last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
+            x = self.embed(tokens)
+            rows = PackedRows(segment_ids, self._rotary(positions, num_positions=tokens.shape[-1]))
+            outputs = []
+            for layer in self.layers[: last + 1]:
+                x = layer(x, rows)
+                outputs.append(x)
+            logits = self.unembed(self.norm(x)) if return_logits else None
+            return logits, tuple(outputs[i] for i in hidden_layers)
+
+    def features(self, tokens, segment_ids, positions, layer_ids: Sequence[int]) -> jax.Array:
+        """DFlash context features (docs/design.md §2): the chosen layers' outputs concatenated,
+        [B, S, k·D]."""
+        _, hidden = self(tokens, segment_ids, positions, hidden_layers=layer_ids, return_logits=False)
+        return jnp.concatenate(hidden, axis=-1)
+
+    def decode(
+        self, tokens: jax.Array, cache: KVCache, *, feature_layers: Sequence[int] = ()
+    ) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        """Append tokens [B, T] after `cache.lengths` -> (logits [B, T, V], features, new cache).
+
+        Positions continue from each row's cache length. Features (concat of `feature_layers`
+        outputs, [B, T, k·D]) are what the drafter's context cache needs for these tokens.
+        """
+        num_new = tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
+        step = DecodeStep(cache.lengths, self._rotary(positions))
+        x = self.embed(tokens)
+        outputs, layer_caches = [], []
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x, layer_cache = layer.decode(x, step, layer_cache)
+            outputs.append(x)
+            layer_caches.append(layer_cache)
+        logits = self.unembed(self.norm(x))
+        features = jnp.concatenate([outputs[i] for i in feature_layers], axis=-1) if feature_layers else None
+        return logits, features, cache.replace(layers=tuple(layer_caches), lengths=cache.lengths + num_new)
+
+    def _rotary(self, positions: jax.Array, num_positions: int | None = None):
+        return rotary(positions, self.cfg.rope, self.cfg.head_dim, num_positions=num_positions)
