@@ -7,11 +7,14 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from dflash_jax.errors import ConfigError
 from dflash_jax.training import planning
+from dflash_jax.training import step as step_lib
 from dflash_jax.training.config import load_config_file, resolve, target_for_plan
+from dflash_jax.training.mesh import make_mesh
 from support import training_runs as testing
 
 HLO = textwrap.dedent(
@@ -165,3 +168,23 @@ def test_plan_command_on_the_tiny_config(tmp_path):
     ]
     assert lm_head_gathers, "no collectives named lm_head: the named scope is gone?"
     assert all(c.bytes < lm_head_bytes / 4 for c in lm_head_gathers), lm_head_gathers
+
+
+def test_plan_and_device_check_trace_the_attention_they_name():
+    """The plan and the device check's 'fused' and 'xla' rows build their steps through
+    `build_train_step` with the setup's attention: the fused row must trace the Pallas kernels
+    (target and drafter) and the xla row none, whatever the backend's 'auto' would pick."""
+    sys.path.insert(0, str(testing.REPO / "bench"))
+    from train_step import with_attention
+
+    setup = resolve(load_config_file(str(testing.REPO / "configs" / "default.py")), num_devices=1)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    kernels = {}
+    for impl in ("xla", "fused"):
+        chosen = with_attention(setup, impl)
+        graphdef, target = planning.abstract_target(chosen, mesh)
+        program = step_lib.build_train_step(chosen, mesh, graphdef, target, total_steps=10)
+        traced = program.step.trace(program.abstract_state, target, planning.abstract_batch(chosen, mesh))
+        kernels[impl] = str(traced.jaxpr).count("pallas_call")
+    assert kernels["xla"] == 0
+    assert kernels["fused"] >= 2, kernels  # the target's packed causal kernel and the drafter's block kernel
