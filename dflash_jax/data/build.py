@@ -33,12 +33,14 @@ from dflash_jax.data import cache as cache_lib
 from dflash_jax.data.chat import SampleEncoder, tokenizer_fingerprint
 from dflash_jax.data.config import DataConfig
 from dflash_jax.data.formats import SKIP_REASONS, BadSample, decode_json_line, normalize_record
+from dflash_jax.data.heldout import first_prompt, prompt_key
 from dflash_jax.data.sources import RawChunk, describe_sources, iter_chunks, resolve_sources
 from dflash_jax.errors import DataError
 
 # Bump when the cache's contents change meaning (masking rules, layout): old caches go stale.
 # 2: control-token text skipped, <think> blocks split out, assistant-first conversations kept.
-CACHE_FORMAT_VERSION = 2
+# 3: samples.npy (each sample's source row and prompt key, for the held-out split).
+CACHE_FORMAT_VERSION = 3
 ROWS_PER_CHUNK = 256
 EXAMPLES_PER_REASON = 5
 BYTES_PER_WORKER = 32 << 20
@@ -61,9 +63,12 @@ def ensure_cache(data: DataConfig, target_path: str, *, rebuild: bool = False) -
 def resolve_cache_dir(data: DataConfig, target_path: str) -> str:
     if data.cache_dir:
         return os.path.abspath(os.path.expanduser(data.cache_dir))
-    key = hashlib.sha256(json.dumps([data.train, os.path.abspath(target_path)]).encode()).hexdigest()[:12]
-    name = f"{os.path.basename(os.path.normpath(target_path))}-{key}"
-    return os.path.join(os.path.expanduser("~/.cache/dflash_jax/tokenized"), name)
+    target = os.path.abspath(target_path)
+    key = hashlib.sha256(json.dumps([data.train, target]).encode()).hexdigest()[:12]
+    parent, name = os.path.split(target)
+    if os.path.basename(parent) == "snapshots":  # a hub snapshot, models--org--name/snapshots/<commit>
+        name = os.path.basename(os.path.dirname(parent)).removeprefix("models--")
+    return os.path.join(os.path.expanduser("~/.cache/dflash_jax/tokenized"), f"{name}-{key}")
 
 
 def cache_inputs(data: DataConfig, target_path: str) -> dict:
@@ -115,6 +120,7 @@ def build_cache(data: DataConfig, target_path: str, cache_dir: str, inputs: dict
     total_bytes = sum(s["size"] for s in inputs["sources"])
     processes = data.tokenize_processes or _default_processes(total_bytes)
     counts = _Counts()
+    source_of = {path: i for i, path in enumerate(paths)}
     removed = cache_lib.remove_abandoned_partials(cache_dir)
     if removed:
         logging.warning("removed %d abandoned partial build(s) of %s: %s", len(removed), cache_dir, "; ".join(removed))
@@ -127,7 +133,8 @@ def build_cache(data: DataConfig, target_path: str, cache_dir: str, inputs: dict
                 if data.on_bad_sample == "error" and result.examples:
                     raise DataError(_bad_sample_message(*result.examples[0]))
                 counts.add(result)
-                writer.add(result.tokens, result.loss_mask, result.lengths)
+                result.samples["source"] = source_of[result.path]
+                writer.add(result.tokens, result.loss_mask, result.lengths, result.samples)
                 bar.update(result.nbytes)
                 bar.set_postfix(samples=counts.samples, skipped=sum(counts.skipped.values()), refresh=False)
         if counts.samples == 0:
@@ -171,9 +178,11 @@ def summarize(manifest: dict) -> str:
 
 @dataclasses.dataclass
 class ChunkResult:
+    path: str
     tokens: np.ndarray
     loss_mask: np.ndarray
     lengths: np.ndarray
+    samples: np.ndarray  # cache.SAMPLE_FIELDS of each sample (`source` is the builder's to set)
     rows: int
     nbytes: int
     truncated: int
@@ -195,7 +204,7 @@ class ChunkTokenizer:
 
     def __call__(self, chunk: RawChunk) -> ChunkResult:
         encoder = _encoder(self.tokenizer_dir, self.enable_thinking)
-        tokens, masks = [], []
+        tokens, masks, samples = [], [], []
         rows = truncated = 0
         skipped: collections.Counter = collections.Counter()
         examples: list[tuple[str, str]] = []
@@ -205,7 +214,8 @@ class ChunkTokenizer:
             rows += 1
             try:
                 record = decode_json_line(row) if isinstance(row, bytes) else row
-                ids, mask = encoder.encode(normalize_record(record, self.data_format), max_len=self.seq_len)
+                sample = normalize_record(record, self.data_format)
+                ids, mask = encoder.encode(sample, max_len=self.seq_len)
                 if len(ids) > self.seq_len:
                     ids, mask = self._fit(ids, mask)
                     truncated += 1
@@ -216,10 +226,14 @@ class ChunkTokenizer:
                 continue
             tokens.append(ids)
             masks.append(mask)
+            prompt = first_prompt(sample)
+            samples.append((0, chunk.first_row + i, prompt_key(prompt) if prompt else 0, prompt is not None))
         return ChunkResult(
+            path=chunk.path,
             tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
             loss_mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
             lengths=np.array([len(t) for t in tokens], np.int64),
+            samples=np.array(samples, cache_lib.SAMPLE_FIELDS),
             rows=rows,
             nbytes=chunk.nbytes,
             truncated=truncated,

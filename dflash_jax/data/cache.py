@@ -4,6 +4,9 @@ memory maps, and a JSON manifest.
     tokens.u32     all samples' token ids, concatenated (uint32)
     loss_mask.u8   1 where the token is trained on (uint8), aligned with tokens
     offsets.npy    int64 [num_samples + 1]: sample i is tokens[offsets[i]:offsets[i+1]]
+    samples.npy    per sample (SAMPLE_FIELDS): its source file and row, and its prompt's key
+                   (for the held-out split, data/heldout.py); not in the content digest, so
+                   caches rebuilt only to add it keep the digest runs resume with
     manifest.json  written last: what the cache was built from, counts, skips by reason
 
 A cache is built in a hidden sibling directory and renamed into place, so a directory with a
@@ -31,6 +34,10 @@ MANIFEST = "manifest.json"
 TOKENS = "tokens.u32"
 LOSS_MASK = "loss_mask.u8"
 OFFSETS = "offsets.npy"
+SAMPLES = "samples.npy"
+# source: index into the manifest's inputs.sources; row: 0-based line (JSON Lines) or row
+# (Parquet) in it; prompt_key: `heldout.prompt_key` of its prompt, when has_prompt.
+SAMPLE_FIELDS = np.dtype([("source", "<u4"), ("row", "<i8"), ("prompt_key", "<u8"), ("has_prompt", "?")])
 BUILDER = "builder.json"
 # A partial directory this old is abandoned whoever built it (its builder may be on another host).
 ABANDONED_AFTER_S = 24 * 3600
@@ -61,16 +68,19 @@ class CacheWriter:
         self._tokens = open(os.path.join(directory, TOKENS), "wb")
         self._mask = open(os.path.join(directory, LOSS_MASK), "wb")
         self._lengths: list[np.ndarray] = []
+        self._samples: list[np.ndarray] = []
         self._digest = hashlib.sha256()
 
     @_writing
-    def add(self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
-        """Appends samples given concatenated, with their lengths."""
+    def add(self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, samples: np.ndarray | None = None):
+        """Appends samples given concatenated, with their lengths (and `SAMPLE_FIELDS` of each)."""
         tokens, loss_mask = tokens.astype(np.uint32), loss_mask.astype(np.uint8)
         for array, f in ((tokens, self._tokens), (loss_mask, self._mask)):
             f.write(array.tobytes())
             self._digest.update(array.tobytes())
         self._lengths.append(np.asarray(lengths, np.int64))
+        if samples is not None:
+            self._samples.append(np.asarray(samples, SAMPLE_FIELDS))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -85,6 +95,11 @@ class CacheWriter:
         offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         np.save(os.path.join(self.directory, OFFSETS), offsets)
         self._digest.update(offsets.tobytes())
+        if self._samples:
+            samples = np.concatenate(self._samples)
+            if len(samples) != len(offsets) - 1:
+                raise ValueError(f"{len(samples)} sample records for {len(offsets) - 1} samples")
+            np.save(os.path.join(self.directory, SAMPLES), samples)
         manifest = {**manifest, "content_sha256": self._digest.hexdigest(), "complete": True}
         write_json_atomically(os.path.join(self.directory, MANIFEST), manifest)
         return manifest
@@ -107,6 +122,9 @@ class TokenizedCache:
         self.lengths = np.diff(self.offsets)
         self.tokens = np.memmap(os.path.join(directory, TOKENS), np.uint32, mode="r")
         self.loss_mask = np.memmap(os.path.join(directory, LOSS_MASK), np.uint8, mode="r")
+        samples = os.path.join(directory, SAMPLES)
+        # None in caches written without it (by hand, in tests): they cannot hold rows out.
+        self.samples = np.load(samples) if os.path.isfile(samples) else None
 
     @property
     def num_samples(self) -> int:

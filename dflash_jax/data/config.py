@@ -37,6 +37,9 @@ class DataConfig:
     global_batch_rows: int = 16
     # Seed of the per-epoch global permutation.
     seed: int = 0
+    # Prompts held out of training to measure τ on (data/heldout.py: chosen by a hash of their
+    # text; every conversation opening with one is left out); 0 = train on every conversation.
+    heldout_rows: int = 0
     # Open rows the best-fit packer chooses among; more = fuller rows, still random composition.
     pack_window: int = 64
     # Grain read threads and batches prefetched per process (0 threads = load on the caller).
@@ -56,6 +59,7 @@ class DataConfig:
             "pack_window": 1,
             "tokenize_processes": 0,
             "seed": 0,
+            "heldout_rows": 0,
             "read_threads": 0,
             "prefetch_batches": 0,
         }

@@ -26,13 +26,15 @@ Batch layout per row: documents packed back to back; `segment_ids` 1, 2, ... per
 0 on padding; `positions` restart at 0 in every document (0 on padding); `loss_mask` 1 on
 assistant tokens (all tokens of plain-text documents). Attention and labels must never cross a
 segment boundary. The last batch of an epoch is completed with documents moved out of fuller
-rows, so every sample is used exactly once per epoch.
+rows, so every sample is used exactly once per epoch, except the samples the held-out split keeps
+out of training (`heldout_rows`, see `data.heldout`), which are never used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import Any
 
 import grain
@@ -43,6 +45,7 @@ import orbax.checkpoint as ocp
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.cache import TokenizedCache
 from dflash_jax.data.config import DataConfig
+from dflash_jax.data.heldout import heldout_samples
 from dflash_jax.data.packing import EpochPlan, plan_epoch
 
 FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -61,8 +64,13 @@ class DataPipeline:
         pack_window: int = 64,
         read_threads: int = 1,
         prefetch_batches: int = 2,
+        heldout_rows: int = 0,
     ):
         self.cache = cache
+        self.heldout_rows = heldout_rows
+        self.heldout = heldout_samples(cache, heldout_rows)
+        # The samples epochs are planned over; a plan's document d is sample train_samples[d].
+        self.train_samples = np.setdiff1d(np.arange(cache.num_samples), self.heldout)
         self.seq_len = seq_len
         self.global_batch_rows = global_batch_rows
         self.seed = seed
@@ -83,6 +91,7 @@ class DataPipeline:
             pack_window=data.pack_window,
             read_threads=data.read_threads,
             prefetch_batches=data.prefetch_batches,
+            heldout_rows=data.heldout_rows,
         )
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -118,13 +127,17 @@ class DataPipeline:
     @property
     def fingerprint(self) -> dict[str, Any]:
         """What must be unchanged for a saved iterator state to mean the same batches."""
-        return {
+        fingerprint = {
             "data_sha256": self.cache.manifest["content_sha256"],
             "seq_len": self.seq_len,
             "global_batch_rows": self.global_batch_rows,
             "seed": self.seed,
             "pack_window": self.pack_window,
         }
+        if self.heldout_rows:  # absent otherwise, so runs saved before the split still resume
+            fingerprint["heldout_rows"] = self.heldout_rows
+            fingerprint["heldout_sha256"] = hashlib.sha256(self.heldout.astype(np.int64).tobytes()).hexdigest()
+        return fingerprint
 
     def epoch_batches(self, epoch: int, rows: range) -> grain.MapDataset:
         """Batch b of the epoch → rows `rows` of global batch b, materialized from the cache."""
@@ -133,9 +146,10 @@ class DataPipeline:
         return grain.MapDataset.range(plan.num_batches * len(rows)).map(loader).batch(len(rows))
 
     def _plan(self, epoch: int) -> EpochPlan:
-        plan = plan_epoch(self.cache.lengths, self.seq_len, self.global_batch_rows, self.seed, epoch, self.pack_window)
+        lengths = self.cache.lengths[self.train_samples]
+        plan = plan_epoch(lengths, self.seq_len, self.global_batch_rows, self.seed, epoch, self.pack_window)
         self._steps_in_epoch[epoch] = plan.num_batches
-        return plan
+        return dataclasses.replace(plan, doc_ids=self.train_samples[plan.doc_ids])
 
 
 class DataIterator:

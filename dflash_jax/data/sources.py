@@ -1,5 +1,8 @@
 """Finding the source files and streaming their rows in chunks, never the whole file at once.
 
+Sources are local files, directories and globs, or files of a Hugging Face dataset
+(`hf://datasets/org/name[@revision]/<glob>`, found through the hub cache: `models.hub`).
+
 A problem with a whole file (missing, unreadable, not JSON Lines, not UTF-8 by its byte-order
 mark, damaged Parquet) is a `DataError` naming the file; a problem with one row is the row's
 (see `formats`), counted or reported with its 1-based line (JSONL) or 0-based row (Parquet).
@@ -18,8 +21,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_jax.data.formats import FORMATS, UTF8_BOM
+from dflash_jax.data.formats import FORMATS, UTF8_BOM, decode_json_line
 from dflash_jax.errors import DataError
+from dflash_jax.models.hub import HF_DATASETS, resolve_dataset_files
 
 SOURCE_SUFFIXES = (".jsonl", ".parquet")
 _EXPECTED = " or ".join(SOURCE_SUFFIXES)
@@ -54,11 +58,16 @@ class RawChunk:
 
 def resolve_sources(spec: str) -> list[str]:
     """Files named by `spec`: comma-separated files, directories (searched recursively, hidden
-    files and directories left out) or globs. Suffixes match in any case (.JSONL too)."""
+    files and directories left out), globs or hub datasets (hf://datasets/...). Suffixes match in
+    any case (.JSONL too)."""
     paths: list[str] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         part = os.path.expanduser(part)
-        if os.path.isdir(part):
+        if part.startswith(HF_DATASETS):
+            found = [str(p) for p in resolve_dataset_files(part) if _is_source(p.name)]
+            if not found:
+                raise DataError(f"{part}: the dataset files it names hold no {_EXPECTED} file")
+        elif os.path.isdir(part):
             found = _files_under(part)
             if not found:
                 raise DataError(f"{part}: no {_EXPECTED} file in this directory{_other_files(part)}")
@@ -183,7 +192,7 @@ def _parquet_chunks(path: str, rows_per_chunk: int, data_format: str) -> Iterato
     try:
         parquet = pq.ParquetFile(path)
         names = set(parquet.schema_arrow.names)
-        wanted = FORMATS[1:] if data_format == "auto" else (data_format,)
+        wanted = _format_columns(data_format)
         columns = [c for c in wanted if c in names]
         if not columns:
             have = ", ".join(sorted(names)[:8]) or "none"
@@ -200,3 +209,39 @@ def _parquet_chunks(path: str, rows_per_chunk: int, data_format: str) -> Iterato
         size = os.path.getsize(path) if os.path.isfile(path) else -1
         problem = "the file is empty (0 bytes)" if size == 0 else " ".join(str(e).split())[:300]
         raise DataError(f"{path}: cannot read the Parquet file: {problem}") from None
+
+
+def _format_columns(data_format: str) -> tuple[str, ...]:
+    """The Parquet columns a record of `data_format` may come from."""
+    return FORMATS[1:] if data_format == "auto" else (data_format,)
+
+
+def read_rows(path: str, rows: list[int], data_format: str = "auto") -> list[Any]:
+    """The records at 0-based `rows` of one source file (JSON Lines: line index; Parquet: row),
+    in the order asked, reading only what holds them: the lines up to the last row asked, the
+    Parquet row groups holding a row asked."""
+    wanted = sorted(set(rows))
+    found: dict[int, Any] = {}
+    if _is_jsonl(path):
+        lines = set(wanted)
+        with open(path, "rb") as f:
+            for i, line in enumerate(f):
+                if i in lines:
+                    found[i] = decode_json_line(line)
+                if i == wanted[-1]:
+                    break
+    else:
+        parquet = pq.ParquetFile(path)
+        columns = [c for c in _format_columns(data_format) if c in parquet.schema_arrow.names]
+        start = 0
+        for group in range(parquet.num_row_groups):
+            size = parquet.metadata.row_group(group).num_rows
+            inside = [r for r in wanted if start <= r < start + size]
+            if inside:
+                table = parquet.read_row_group(group, columns=columns)
+                found.update((r, table.slice(r - start, 1).to_pylist()[0]) for r in inside)
+            start += size
+    missing = [r for r in wanted if r not in found]
+    if missing:
+        raise DataError(f"{path}: has no row {missing[0]}; it changed since it was tokenized")
+    return [found[r] for r in rows]

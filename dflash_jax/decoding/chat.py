@@ -1,9 +1,18 @@
-"""Chat prompts for decoding: JSONL conversations -> token ids, rendered as a serving engine would.
+"""Prompt sets for decoding, rendered with the target's own chat template as a serving engine would.
 
-Rows are OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value). The prompt of
-a row is its conversation without trailing assistant turns, rendered with the target's own chat
-template and a generation prompt. Bundled held-out sets are named by their file stem in
-`assets/data/` (e.g. `heldout_prompts`).
+A prompt set is named by a spec (`resolve_prompt_set`):
+
+    heldout_prompts, stdlib_heldout       bundled chat JSONL sets (assets/data/<name>.jsonl)
+    path/to/prompts.jsonl                 chat JSONL rows; the set is named by the file stem
+    gsm8k, math500, humaneval, mbpp,      standard benchmarks from the Hugging Face hub cache,
+    mt-bench                              in their published formats (data/benchmarks.py)
+    gsm8k=path/to/test.parquet            a local copy of a benchmark, in its published format
+
+or is the held-out split of the training data (`HeldoutPrompts`, named `heldout:<N> of
+<data.train>`). Chat rows are OpenAI `messages` (role/content) or ShareGPT `conversations`
+(from/value); a row's prompt is its conversation without trailing assistant turns. A multi-turn
+benchmark row (mt-bench) is several user turns, each asked after the target's own answer to the
+ones before.
 
 Prompt files are read as the training data is (`dflash_jax.data`): a UTF-8 byte-order mark is
 ignored, a file in another encoding or that is not JSON Lines is refused, and a row that cannot
@@ -13,6 +22,7 @@ as <|im_end|>) stops loading with one line naming `file:line`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +31,10 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from dflash_jax.data.benchmarks import BENCHMARKS, read_benchmark
+from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.chat import control_tokens
+from dflash_jax.data.config import DataConfig
 from dflash_jax.data.formats import (
     UTF8_BOM,
     BadSample,
@@ -31,11 +44,14 @@ from dflash_jax.data.formats import (
     find_control_text,
     split_think_block,
 )
+from dflash_jax.data.heldout import heldout_prompts
 from dflash_jax.data.sources import check_jsonl_start
 from dflash_jax.errors import DataError
+from dflash_jax.models.hub import resolve_dataset_files
 
 BUNDLED_DATA = Path(__file__).resolve().parents[2] / "assets" / "data"
 BUNDLED_SETS = ("heldout_prompts", "stdlib_heldout")
+Messages = list[dict[str, str]]
 ROLES = {
     "system": "system",
     "user": "user",
@@ -46,15 +62,52 @@ ROLES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    """Rows to decode. A row lists the messages to send before each of its answers: one entry
+    for a single-turn row; in a multi-turn row each later entry (a user turn) follows the
+    target's own answer to the entries before it."""
+
+    name: str
+    rows: list[list[Messages]]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldoutPrompts:
+    """The prompts `data.heldout_rows` keeps out of training (data/heldout.py), read back from
+    the tokenized cache of `data` for the target in `target_path` (built first if missing)."""
+
+    data: DataConfig
+    target_path: str
+
+    @property
+    def name(self) -> str:
+        return f"heldout:{self.data.heldout_rows} of {self.data.train}"
+
+    def prompts(self) -> list[Messages]:
+        cache = ensure_cache(self.data, self.target_path)
+        return heldout_prompts(cache, self.data.heldout_rows, self.data.format)
+
+
 def resolve_prompt_set(spec: str) -> tuple[str, str]:
-    """A bundled set name or a JSONL path -> (display name, path)."""
+    """(display name, what `load_prompt_set` reads) of a prompt set spec, checked: a file must
+    exist, and a benchmark be in the hub cache (downloaded when the hub can be reached)."""
     if os.path.isfile(spec):
         return Path(spec).stem, spec
     bundled = BUNDLED_DATA / f"{spec}.jsonl"
     if bundled.is_file():
         return spec, str(bundled)
+    if spec in BENCHMARKS:
+        resolve_dataset_files(BENCHMARKS[spec].dataset)
+        return spec, spec
+    name, is_copy, path = spec.partition("=")
+    if is_copy and name in BENCHMARKS:
+        if not os.path.isfile(path):
+            raise PromptSetNotFound(f"{spec}: no such file (a local copy of {name} in its published format)")
+        return name, spec
     raise PromptSetNotFound(
-        f"prompt set {spec!r} is neither a file nor a bundled set (bundled: {', '.join(BUNDLED_SETS)})"
+        f"prompt set {spec!r} is neither a file, a bundled set nor a benchmark (bundled: {', '.join(BUNDLED_SETS)}; "
+        f"benchmarks: {', '.join(BENCHMARKS)}; a local copy of a benchmark: NAME=PATH)"
     )
 
 
@@ -180,26 +233,58 @@ def _stop_tokens(tokenizer_dir: str, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def load_prompts(spec: str, chat: ChatTokenizer, *, limit: int = 0) -> tuple[str, list[np.ndarray]]:
-    """(set name, chat-templated prompt token arrays) of a bundled set or JSONL file."""
-    name, path = resolve_prompt_set(spec)
+def load_prompt_set(spec: str | HeldoutPrompts, chat: ChatTokenizer, *, limit: int = 0) -> PromptSet:
+    """The first `limit` rows (0: all) of a prompt set. Every row's first turn is rendered here,
+    so that a row the template cannot render is an error naming it before anything is decoded."""
     tokens = control_tokens(chat.tokenizer)
     pattern = control_token_pattern(tokens)
-    split_think = {"<think>", "</think>"} <= set(tokens)
-    prompts = []
+    if isinstance(spec, HeldoutPrompts):
+        name = spec.name
+        rows = [(f"{name}, prompt {i + 1}", [p]) for i, p in enumerate(spec.prompts()[: limit or None])]
+    else:
+        name, source = resolve_prompt_set(spec)
+        benchmark, is_copy, path = source.partition("=")
+        if benchmark in BENCHMARKS:
+            questions = read_benchmark(benchmark, path if is_copy else None, limit=limit)
+            rows = [(where, [[{"role": "user", "content": turn}] for turn in turns]) for where, turns in questions]
+        else:
+            rows = list(_chat_rows(source, limit, split_think={"<think>", "</think>"} <= set(tokens)))
+    checked = []
+    for where, turns in rows:
+        try:
+            for turn in turns:
+                found = find_control_text(turn, pattern) if pattern else None
+                if found:
+                    raise ValueError(f"{found}, a control token of the tokenizer")
+            chat.prompt_ids(turns[0])
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise BadRow(f"{where}: {' '.join(str(e).split())}") from None
+        checked.append(turns)
+    return PromptSet(name, checked)
+
+
+def _chat_rows(path: str, limit: int, *, split_think: bool) -> Iterator[tuple[str, list[Messages]]]:
+    """(path:line, [prompt]) of the rows of a chat JSONL file. With `split_think` (a tokenizer
+    with <think> tokens), earlier assistant turns keep their reasoning apart, as the training
+    data has it."""
+    count = 0
     for number, text in jsonl_lines(path):
-        if limit and len(prompts) == limit:
-            break
+        if limit and count == limit:
+            return
         try:
             messages = prompt_messages(conversation(decode_row(text)))
-            if split_think:  # reasoning of earlier assistant turns, as the training data has it
+            if split_think:
                 messages = [split_think_block(m) for m in messages]
-            found = find_control_text(messages, pattern) if pattern else None
-            if found:
-                raise ValueError(f"{found}, a control token of the tokenizer")
-            prompts.append(chat.prompt_ids(messages))
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
+        except (ValueError, TypeError) as e:
             raise BadRow(f"{path}:{number}: {' '.join(str(e).split())}") from None
-    if not prompts:
+        count += 1
+        yield f"{path}:{number}", [messages]
+    if not count:
         raise BadRow(f"{path}: the file holds no prompt (it is empty or blank)")
-    return name, prompts
+
+
+def load_prompts(spec: str | HeldoutPrompts, chat: ChatTokenizer, *, limit: int = 0) -> tuple[str, list[np.ndarray]]:
+    """(set name, chat-templated token ids of each row's first turn): what the in-training τ
+    decodes (`evaluate` answers every turn of multi-turn rows)."""
+    prompt_set = load_prompt_set(spec, chat, limit=limit)
+    return prompt_set.name, [chat.prompt_ids(row[0]) for row in prompt_set.rows]

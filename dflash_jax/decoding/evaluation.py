@@ -2,7 +2,9 @@
 
 For every prompt set, the same prompts are decoded by DFlash speculative decoding and by the
 target alone (after compiling both), and the result holds τ (docs/design.md §4), its histogram,
-per-slot acceptance rates, tokens/s, time per output token and the speed ratio.
+per-slot acceptance rates, tokens/s, time per output token and the speed ratio. Multi-turn rows
+(mt-bench) are decoded turn by turn: each later user turn follows the target's own answer to the
+earlier ones, and every answered turn counts as one generation in τ, as in the DFlash benchmark.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from tqdm import tqdm
 
 from dflash_jax.decoding import report
 from dflash_jax.decoding.acceptance import acceptance_stats
-from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
+from dflash_jax.decoding.chat import ChatTokenizer, PromptSet, load_prompt_set
 from dflash_jax.decoding.generate import Decoder, TargetDecoder
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.qwen3 import Transformer
+from dflash_jax.models.transformer import Transformer
 
 
 def timed_generate(decoder: Decoder, prompts, *, seed: int, desc: str) -> list[tuple[float, list]]:
@@ -47,7 +49,56 @@ def speed(batches: list[tuple[float, list]]) -> dict:
     }
 
 
-def evaluate_set(target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed) -> dict:
+def evaluate_set(
+    target, drafter, chat: ChatTokenizer, prompt_set: PromptSet, *, max_new_tokens, batch_size, sampling, seed
+) -> dict:
+    """DFlash against the target alone on every turn of every row. Turn k of every row that has
+    one is decoded together, after turn k-1: a row's history holds its earlier turns and the
+    target-alone answers to them (its own greedy output, which greedy DFlash reproduces)."""
+    rows = prompt_set.rows
+    turns = max(map(len, rows))
+    histories: list[list[dict]] = [[] for _ in rows]
+    spec, ref = [], []
+    for turn in range(turns):
+        active = [i for i, row in enumerate(rows) if turn < len(row)]
+        for i in active:
+            histories[i] = histories[i] + rows[i][turn]
+        prompts = [chat.prompt_ids(histories[i]) for i in active]
+        label = f", turn {turn + 1}" if turns > 1 else ""
+        turn_spec, turn_ref = _decode_both(
+            target,
+            drafter,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            sampling=sampling,
+            stop_tokens=chat.stop_tokens,
+            seed=seed + turn * len(rows),  # every batch of every turn its own seed
+            label=label,
+        )
+        answers = [g for _, gens in turn_ref for g in gens]
+        for i, answer in zip(active, answers):
+            histories[i] = histories[i] + [{"role": "assistant", "content": chat.response_text(answer.tokens)}]
+        spec += turn_spec
+        ref += turn_ref
+    spec_gens = [g for _, gens in spec for g in gens]
+    ref_gens = [g for _, gens in ref for g in gens]
+    result = acceptance_stats(spec_gens, drafter.cfg.block_size)
+    result["num_prompts"] = len(rows)
+    result["num_turns"] = len(spec_gens)
+    result["dflash"] = speed(spec)
+    result["target"] = speed(ref)
+    result["speedup"] = result["dflash"]["tokens_per_s"] / result["target"]["tokens_per_s"]
+    if sampling.greedy:
+        # Greedy DFlash is lossless in exact arithmetic; in bf16 a near-tie can still flip.
+        result["identical_outputs"] = float(
+            np.mean([np.array_equal(a.tokens, b.tokens) for a, b in zip(spec_gens, ref_gens)])
+        )
+    return result
+
+
+def _decode_both(target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed, label):
+    """(DFlash, target alone) timed batches of the same prompts, each decoder compiled first."""
     kw = dict(
         max_prompt_len=max(len(p) for p in prompts),
         max_new_tokens=max_new_tokens,
@@ -60,20 +111,10 @@ def evaluate_set(target, drafter, prompts, *, max_new_tokens, batch_size, sampli
     lengths = [len(p) for p in prompts]
     dflash.warmup(lengths)  # compile outside the timed runs
     alone.warmup(lengths)
-    spec = timed_generate(dflash, prompts, seed=seed, desc="DFlash")
-    ref = timed_generate(alone, prompts, seed=seed, desc="target alone")
-    spec_gens = [g for _, gens in spec for g in gens]
-    ref_gens = [g for _, gens in ref for g in gens]
-    result = acceptance_stats(spec_gens, drafter.cfg.block_size)
-    result["dflash"] = speed(spec)
-    result["target"] = speed(ref)
-    result["speedup"] = result["dflash"]["tokens_per_s"] / result["target"]["tokens_per_s"]
-    if sampling.greedy:
-        # Greedy DFlash is lossless in exact arithmetic; in bf16 a near-tie can still flip.
-        result["identical_outputs"] = float(
-            np.mean([np.array_equal(a.tokens, b.tokens) for a, b in zip(spec_gens, ref_gens)])
-        )
-    return result
+    return (
+        timed_generate(dflash, prompts, seed=seed, desc=f"DFlash{label}"),
+        timed_generate(alone, prompts, seed=seed, desc=f"target alone{label}"),
+    )
 
 
 def evaluate(
@@ -88,19 +129,21 @@ def evaluate(
     sampling: SamplingConfig = GREEDY,
     seed: int = 0,
 ) -> dict:
-    """Evaluate every prompt set (bundled names or JSONL paths); {"run": settings, "sets": {...}}."""
-    prompt_sets = dict(load_prompts(spec, chat, limit=num_prompts) for spec in prompt_specs)
+    """Evaluate every prompt set (specs as `chat.resolve_prompt_set` reads them, or
+    `HeldoutPrompts`); {"run": settings, "sets": {name: result}}."""
+    prompt_sets = [load_prompt_set(spec, chat, limit=num_prompts) for spec in prompt_specs]
     sets = {}
-    for name, prompts in prompt_sets.items():
-        print(f"{name}: {len(prompts)} prompts")
-        sets[name] = evaluate_set(
+    for prompt_set in prompt_sets:
+        turns = sum(map(len, prompt_set.rows))
+        print(f"{prompt_set.name}: {len(prompt_set.rows)} prompts, {turns} turns to answer")
+        sets[prompt_set.name] = evaluate_set(
             target,
             drafter,
-            prompts,
+            chat,
+            prompt_set,
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
             sampling=sampling,
-            stop_tokens=chat.stop_tokens,
             seed=seed,
         )
     run = {

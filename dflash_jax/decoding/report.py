@@ -1,10 +1,11 @@
-"""Presenting evaluation results: a terminal table and a PNG (histogram, per-slot rates)."""
+"""Presenting evaluation results: a terminal table and a PNG (τ per set, histogram, per-slot rates)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-# (title, width, value format); the first column is left-aligned, the others right-aligned.
+# (title, width, value format); the first column is left-aligned and as wide as the longest set
+# name (at least its width here), the others right-aligned.
 COLUMNS = (
     ("set", 18, "s"),
     ("prompts", 7, "d"),
@@ -17,17 +18,19 @@ COLUMNS = (
 )
 
 
-def _row(cells: list[str]) -> str:
-    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, (_, w, _)) in enumerate(zip(cells, COLUMNS)))
+def _row(cells: list[str], name_width: int) -> str:
+    widths = [name_width] + [w for _, w, _ in COLUMNS[1:]]
+    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
 def table(results: dict[str, dict]) -> str:
     """One row per prompt set, then each set's acceptance-length histogram as fractions."""
-    header = _row([title for title, _, _ in COLUMNS])
+    name_width = max([COLUMNS[0][1], *map(len, results)])
+    header = _row([title for title, _, _ in COLUMNS], name_width)
     lines = [header, "-" * len(header)]
     for name, r in results.items():
         values = (
-            name[:18],
+            name,
             r["num_prompts"],
             r["tau"],
             r["dflash"]["tokens_per_s"],
@@ -36,7 +39,7 @@ def table(results: dict[str, dict]) -> str:
             r["target"]["ms_per_token"],
             r["speedup"],
         )
-        lines.append(_row([format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)]))
+        lines.append(_row([format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)], name_width))
     for name, r in results.items():
         hist = np.asarray(r["histogram"], float)
         fractions = hist / max(hist.sum(), 1)
@@ -50,7 +53,15 @@ def plot(results: dict[str, dict], block_size: int, path: str) -> None:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    fig, (ax_hist, ax_slots) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_tau, ax_hist, ax_slots) = plt.subplots(
+        1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [max(2, len(results)), 4, 4]}
+    )
+    names = list(results)
+    taus = [results[name]["tau"] for name in names]
+    bars = ax_tau.bar(range(len(names)), taus, color=[f"C{i}" for i in range(len(names))])
+    ax_tau.bar_label(bars, fmt="%.2f")
+    ax_tau.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax_tau.set(ylabel="mean acceptance length", title="τ per prompt set", ylim=(0, block_size))
     lengths = np.arange(1, block_size + 1)
     width = 0.8 / max(len(results), 1)
     for i, (name, r) in enumerate(results.items()):

@@ -81,5 +81,5 @@ def test_bad_prompt_files_are_one_line_errors_naming_file_and_line(tmp_path, tok
 
 
 def test_a_missing_prompt_set_is_a_data_error(tokenizer):
-    with pytest.raises(DataError, match="neither a file nor a bundled set"):
+    with pytest.raises(DataError, match="neither a file, a bundled set nor a benchmark"):
         load_prompts("no_such_set", tokenizer)

@@ -1,10 +1,12 @@
-"""`python -m dflash_jax.evaluate`: a workdir checkpoint and its export evaluate identically."""
+"""`python -m dflash_jax.evaluate`: a workdir checkpoint and its export evaluate identically; hub
+ids and the standard benchmarks (multi-turn ones turn by turn) on the bundled tiny target."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,20 +16,26 @@ from absl import flags
 from flax import nnx
 
 from dflash_jax import evaluate
-from dflash_jax.decoding.chat import BadRow, ChatTokenizer, load_prompts
+from dflash_jax.decoding.chat import BadRow, ChatTokenizer, PromptSet, load_prompts
+from dflash_jax.decoding.evaluation import evaluate_set
+from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import DrafterConfig, TransformerConfig
-from dflash_jax.models.hf import read_config
+from dflash_jax.models.hf import export_drafter, load_drafter, load_target, read_config
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import export_checkpoint, load_any_drafter
 from dflash_jax.training.evaluation import run_evaluation
 from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.step import OptimizerConfig, init_train_state, make_optimizer
 from dflash_jax.training.workdir import Workdir
+from support.benchmark_files import HUMANEVAL, MT_BENCH, PUBLISHED, published_bytes, write_published
 from support.chat_data import chat, write_jsonl
-from support.decoding_models import CHAT_VOCAB
+from support.decoding_models import CHAT_VOCAB, make_drafter
+from support.hub_cache import add_to_hub_cache, directory_files, use_hub_cache
 
 SETTINGS = dict(num_prompts=3, max_new_tokens=12)
+TINY_TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen3"
 
 
 class _IteratorState:
@@ -135,3 +143,80 @@ def test_bad_inputs_are_clear_errors(chat_target, tmp_path):
         load_prompts("no_such_set", tokenizer)
     with pytest.raises(UserError, match="neither a drafter export directory"):
         load_any_drafter(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def tiny_hub(tmp_path_factory):
+    """A hub cache holding the bundled tiny target, a one-layer drafter for it and two benchmarks.
+    (Their prompts are 33-64 tokens long, so every set and turn below runs the same compiled steps.)"""
+    cache = tmp_path_factory.mktemp("hub")
+    add_to_hub_cache(cache, "tiny/qwen3", directory_files(TINY_TARGET))
+    target = load_target(TINY_TARGET, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    export = export_drafter(
+        make_drafter(target, seed=3), tmp_path_factory.mktemp("drafter") / "export", dtype=jnp.float32
+    )
+    add_to_hub_cache(cache, "tiny/drafter", directory_files(export))
+    for name in ("gsm8k", "mt-bench"):
+        add_to_hub_cache(cache, PUBLISHED[name][0], published_bytes(name), repo_type="dataset")
+    return cache
+
+
+def test_benchmarks_from_the_hub_cache_report_tau_per_benchmark(tiny_hub, tmp_path, monkeypatch, capsys):
+    use_hub_cache(monkeypatch, tiny_hub)
+    humaneval = write_published(HUMANEVAL, tmp_path / "humaneval.parquet")
+    out_dir = tmp_path / "eval"
+    run_cli(
+        evaluate,
+        [
+            "--target=tiny/qwen3",
+            "--drafter=tiny/drafter",
+            f"--prompts=gsm8k,mt-bench,humaneval={humaneval}",
+            "--num_prompts=2",
+            "--max_new_tokens=4",
+            "--dtype=float32",
+            f"--out_dir={out_dir}",
+        ],
+    )
+    sets = json.loads((out_dir / "eval.json").read_text())["sets"]
+    assert list(sets) == ["gsm8k", "mt-bench", "humaneval"]
+    assert [(r["num_prompts"], r["num_turns"]) for r in sets.values()] == [(2, 2), (2, 4), (2, 2)]
+    for result in sets.values():
+        assert result["identical_outputs"] == 1.0 and 1 <= result["tau"] <= 4
+    table = capsys.readouterr().out
+    for name, result in sets.items():
+        assert any(line.split()[:3] == [name, "2", f"{result['tau']:.2f}"] for line in table.splitlines()), table
+    assert (out_dir / "eval.png").stat().st_size > 0
+
+
+def test_each_later_turn_follows_the_targets_own_answer(tiny_hub, monkeypatch):
+    use_hub_cache(monkeypatch, tiny_hub)
+    chat = ChatTokenizer(str(TINY_TARGET))
+    target = load_target(TINY_TARGET, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    drafter = load_drafter(next((tiny_hub / "models--tiny--drafter" / "snapshots").iterdir()))
+    first, second = ([{"role": "user", "content": turn}] for turn in MT_BENCH["prompt"][0].as_py())
+    rendered = []
+    monkeypatch.setattr(
+        chat, "prompt_ids", lambda messages: rendered.append(messages) or ChatTokenizer.prompt_ids(chat, messages)
+    )
+    result = evaluate_set(
+        target,
+        drafter,
+        chat,
+        PromptSet("mt", [[first, second]]),
+        max_new_tokens=4,
+        batch_size=1,
+        sampling=GREEDY,
+        seed=0,
+    )
+    alone = TargetDecoder(target, max_prompt_len=64, max_new_tokens=4, stop_tokens=chat.stop_tokens)
+    [answer] = alone.generate([ChatTokenizer.prompt_ids(chat, first)])
+    assert rendered == [first, first + [{"role": "assistant", "content": chat.response_text(answer.tokens)}] + second]
+    assert (result["num_prompts"], result["num_turns"], result["identical_outputs"]) == (1, 2, 1.0)
+
+
+def test_hub_ids_that_are_not_cached_are_one_line_errors(tiny_hub, monkeypatch):
+    use_hub_cache(monkeypatch, tiny_hub)
+    with pytest.raises(UserError) as raised:
+        run_cli(evaluate, ["--target=tiny/other", "--drafter=tiny/drafter"])
+    assert str(raised.value).startswith("--target=tiny/other: not in the Hugging Face cache")
+    assert str(raised.value).endswith("hf download tiny/other")
