@@ -41,7 +41,8 @@ def resolve_model(spec: str) -> Path:
     repo_id, revision = _split_revision(spec)
     if not _is_repo_id(repo_id):
         raise UserError(f"{spec}: no such directory, and not a Hugging Face model id (org/name or org/name@revision)")
-    return _snapshot(spec, repo_id, "model", revision, MODEL_FILES, MODEL_FILES_IGNORED)
+    # A path that reads like an id (runs/export) may be a mistyped directory: the error says both.
+    return _snapshot(spec, repo_id, "model", revision, MODEL_FILES, MODEL_FILES_IGNORED, "no such directory, and ")
 
 
 def resolve_dataset_files(spec: str) -> list[Path]:
@@ -54,7 +55,7 @@ def resolve_dataset_files(spec: str) -> list[Path]:
     repo_id, revision = _split_revision(f"{org}/{name}")
     if not _is_repo_id(repo_id):
         raise UserError(f"{spec}: {repo_id!r} is not a Hugging Face dataset id (org/name)")
-    snapshot = _snapshot(spec, repo_id, "dataset", revision, pattern or None, None)
+    snapshot = _snapshot(spec, repo_id, "dataset", revision, pattern or None, None, "")
     files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
     found = [snapshot / f for f in filter_repo_objects(files, allow_patterns=pattern or None)]
     if not found:
@@ -81,9 +82,10 @@ def _is_repo_id(repo_id: str) -> bool:
     return True
 
 
-def _snapshot(spec: str, repo_id: str, repo_type: str, revision: str | None, patterns, ignored) -> Path:
+def _snapshot(spec: str, repo_id: str, repo_type: str, revision: str | None, patterns, ignored, missing: str) -> Path:
     """The snapshot directory of the repository in the cache, downloaded first when the hub can
-    be reached (and HF_HUB_OFFLINE is not set). Errors start with `spec`."""
+    be reached (and HF_HUB_OFFLINE is not set). Errors start with `spec`, then `missing` when the
+    repository is not cached."""
     kwargs = dict(repo_type=repo_type, revision=revision, allow_patterns=patterns, ignore_patterns=ignored)
     try:
         return Path(snapshot_download(repo_id, local_files_only=constants.HF_HUB_OFFLINE, **kwargs))
@@ -101,11 +103,11 @@ def _snapshot(spec: str, repo_id: str, repo_type: str, revision: str | None, pat
             return Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
         except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError):
             raise UserError(
-                f"{spec}: not in the Hugging Face cache, and downloading failed ({_first_line(e)})"
+                f"{spec}: {missing}not in the Hugging Face cache, and downloading failed ({_first_line(e)})"
             ) from None
     why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
     hint = _offline_hint(repo_id, repo_type, revision, patterns if repo_type == "dataset" else None)
-    raise UserError(f"{spec}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}; {hint}")
+    raise UserError(f"{spec}: {missing}not in the Hugging Face cache ({constants.HF_HUB_CACHE}) while {why}; {hint}")
 
 
 def _offline_hint(repo_id: str, repo_type: str, revision: str | None, pattern: str | None) -> str:

@@ -218,5 +218,5 @@ def test_hub_ids_that_are_not_cached_are_one_line_errors(tiny_hub, monkeypatch):
     use_hub_cache(monkeypatch, tiny_hub)
     with pytest.raises(UserError) as raised:
         run_cli(evaluate, ["--target=tiny/other", "--drafter=tiny/drafter"])
-    assert str(raised.value).startswith("--target=tiny/other: not in the Hugging Face cache")
+    assert str(raised.value).startswith("--target=tiny/other: no such directory, and not in the Hugging Face cache")
     assert str(raised.value).endswith("hf download tiny/other")

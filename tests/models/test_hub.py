@@ -49,13 +49,13 @@ def test_model_ids_resolve_to_their_cached_snapshots(hub, tmp_path, monkeypatch)
     [
         (
             "org/missing",
-            "org/missing: not in the Hugging Face cache ({hub}) and HF_HUB_OFFLINE is set; fetch it on a machine "
-            "with network access: hf download org/missing",
+            "org/missing: no such directory, and not in the Hugging Face cache ({hub}) while HF_HUB_OFFLINE is set; "
+            "fetch it on a machine with network access: hf download org/missing",
         ),
         (
             "org/model@v2",
-            "org/model@v2: not in the Hugging Face cache ({hub}) and HF_HUB_OFFLINE is set; fetch it on a machine "
-            "with network access: hf download org/model --revision v2",
+            "org/model@v2: no such directory, and not in the Hugging Face cache ({hub}) while HF_HUB_OFFLINE is set; "
+            "fetch it on a machine with network access: hf download org/model --revision v2",
         ),
         (
             "/no/such/dir",
