@@ -27,12 +27,13 @@ from dflash_jax.errors import UserError
 HF_DATASETS = "hf://datasets/"
 # What loading a target or a drafter reads: configs, weights, tokenizer and chat template; not
 # the other formats some repositories also carry (.bin, .gguf, original/ checkpoints).
-MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
-MODEL_FILES_IGNORED = ["original/*"]
+MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt")
+MODEL_FILES_IGNORED = ("original/*",)
 
 
-def resolve_model(spec: str) -> Path:
-    """A local model directory, or the cached snapshot of hub model `org/name[@revision]`."""
+def resolve_model(spec: str, *, files: tuple[str, ...] = MODEL_FILES) -> Path:
+    """A local model directory, or the cached snapshot of hub model `org/name[@revision]` with
+    (at least) the files matching `files` (globs; the memory plan needs only config.json)."""
     path = Path(os.path.expanduser(spec))
     if path.is_dir():
         return path
@@ -42,7 +43,7 @@ def resolve_model(spec: str) -> Path:
     if not _is_repo_id(repo_id):
         raise UserError(f"{spec}: no such directory, and not a Hugging Face model id (org/name or org/name@revision)")
     # A path that reads like an id (runs/export) may be a mistyped directory: the error says both.
-    return _snapshot(spec, repo_id, "model", revision, MODEL_FILES, MODEL_FILES_IGNORED, "no such directory, and ")
+    return _snapshot(spec, repo_id, "model", revision, files, MODEL_FILES_IGNORED, "no such directory, and ")
 
 
 def resolve_dataset_files(spec: str) -> list[Path]:
@@ -55,7 +56,7 @@ def resolve_dataset_files(spec: str) -> list[Path]:
     repo_id, revision = _split_revision(f"{org}/{name}")
     if not _is_repo_id(repo_id):
         raise UserError(f"{spec}: {repo_id!r} is not a Hugging Face dataset id (org/name)")
-    snapshot = _snapshot(spec, repo_id, "dataset", revision, pattern or None, None, "")
+    snapshot = _snapshot(spec, repo_id, "dataset", revision, (pattern,) if pattern else None, None, "")
     files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
     found = [snapshot / f for f in filter_repo_objects(files, allow_patterns=pattern or None)]
     if not found:
@@ -82,11 +83,24 @@ def _is_repo_id(repo_id: str) -> bool:
     return True
 
 
-def _snapshot(spec: str, repo_id: str, repo_type: str, revision: str | None, patterns, ignored, missing: str) -> Path:
+def _snapshot(
+    spec: str,
+    repo_id: str,
+    repo_type: str,
+    revision: str | None,
+    patterns: tuple[str, ...] | None,
+    ignored: tuple[str, ...] | None,
+    missing: str,
+) -> Path:
     """The snapshot directory of the repository in the cache, downloaded first when the hub can
     be reached (and HF_HUB_OFFLINE is not set). Errors start with `spec`, then `missing` when the
     repository is not cached."""
-    kwargs = dict(repo_type=repo_type, revision=revision, allow_patterns=patterns, ignore_patterns=ignored)
+    kwargs = dict(
+        repo_type=repo_type,
+        revision=revision,
+        allow_patterns=list(patterns) if patterns else None,
+        ignore_patterns=list(ignored) if ignored else None,
+    )
     try:
         return Path(snapshot_download(repo_id, local_files_only=constants.HF_HUB_OFFLINE, **kwargs))
     except (errors.RepositoryNotFoundError, errors.GatedRepoError) as e:
@@ -106,7 +120,7 @@ def _snapshot(spec: str, repo_id: str, repo_type: str, revision: str | None, pat
                 f"{spec}: {missing}not in the Hugging Face cache, and downloading failed ({_first_line(e)})"
             ) from None
     why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
-    hint = _offline_hint(repo_id, repo_type, revision, patterns if repo_type == "dataset" else None)
+    hint = _offline_hint(repo_id, repo_type, revision, patterns[0] if repo_type == "dataset" and patterns else None)
     raise UserError(f"{spec}: {missing}not in the Hugging Face cache ({constants.HF_HUB_CACHE}) while {why}; {hint}")
 
 

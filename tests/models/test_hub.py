@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from huggingface_hub import constants
 
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.errors import UserError
+from dflash_jax.models import hub as hub_lib
 from dflash_jax.models.hub import resolve_dataset_files, resolve_model
 from support.hub_cache import add_to_hub_cache, use_hub_cache
 
@@ -95,3 +97,32 @@ def test_the_environment_variables_alone_point_a_new_process_at_the_cache(hub):
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert run.stdout.strip() == str(hub / "models--org--model" / "snapshots" / MAIN), run.stderr[-2000:]
+
+
+def test_online_only_what_loading_needs_is_downloaded_and_a_failed_download_falls_back_to_the_cache(hub, monkeypatch):
+    cached = hub_lib.snapshot_download
+    requests = []
+
+    def flaky_download(repo_id, *, local_files_only, **kwargs):
+        requests.append((repo_id, local_files_only, kwargs["allow_patterns"], kwargs["ignore_patterns"]))
+        if not local_files_only:
+            raise ConnectionResetError("connection reset by peer")
+        return cached(repo_id, local_files_only=True, **kwargs)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub_lib, "snapshot_download", flaky_download)
+    assert resolve_model("org/model").name == MAIN
+    assert len(resolve_dataset_files("hf://datasets/org/chats/data/*.jsonl")) == 2
+    weights = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
+    assert requests == [
+        ("org/model", False, weights, ["original/*"]),
+        ("org/model", True, weights, ["original/*"]),
+        ("org/chats", False, ["data/*.jsonl"], None),
+        ("org/chats", True, ["data/*.jsonl"], None),
+    ]
+    with pytest.raises(UserError) as raised:
+        resolve_model("org/absent")
+    assert str(raised.value) == (
+        "org/absent: no such directory, and not in the Hugging Face cache, and downloading failed "
+        "(connection reset by peer)"
+    )
