@@ -50,7 +50,7 @@ from flax import nnx
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models import attention
+from dflash_jax.models import attention, block_attention
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
@@ -139,7 +139,7 @@ def parity(cfg: TransformerConfig, *, rows: int, seq_len: int, num_blocks: int, 
     seg = np.asarray(batch["segment_ids"])
     anchors = np.stack([np.sort(rng.choice(np.flatnonzero(s), num_blocks, replace=False)) for s in seg])
     anchors = jnp.asarray(anchors, jnp.int32)
-    ctx_mask = attention.block_context_mask(batch["segment_ids"], anchors)
+    ctx_mask = block_attention.block_context_mask(batch["segment_ids"], anchors)
     block_positions = jnp.take_along_axis(batch["positions"], anchors, 1)[..., None] + jnp.arange(block_size)
     block_tokens = (
         jnp.full((rows, num_blocks, block_size), cfg.vocab_size - 1)

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.models.config import MoeConfig
 from dflash_jax.models.layers import SwiGLU
-from dflash_jax.models.moe import MoE, MoeConfig
+from dflash_jax.models.moe import MoE
 
 
 def compiled_forward(module: nnx.Module, x: jax.Array):

@@ -5,9 +5,11 @@
     python -m dflash_jax.plan --config=configs/qwen3.py:8b    # will it fit? (no weights needed)
 
 The variant string picks the target size and options, comma-separated (big_vision style):
-  size      4b | 8b (default) | 32b: the drafter's depth, and the public config.json the memory
-            plan reads (configs/targets/); 32b also splits the target over mesh.tensor=4
-            (data=2 x tensor=4; with fsdp: fsdp=2 x tensor=4) and accumulates 4 micro-batches
+  size      4b | 8b (default) | 32b | 30b-a3b: the drafter's depth, and the public config.json the
+            memory plan reads (configs/targets/); 32b also splits the target over mesh.tensor=4
+            (data=2 x tensor=4; with fsdp: fsdp=2 x tensor=4) and accumulates 4 micro-batches;
+            30b-a3b (Qwen3-30B-A3B and Qwen3-Coder-30B-A3B: 48 layers, 128 experts, top-8) splits
+            its experts over mesh.fsdp=4 (expert-parallel weights)
   block     b16 (default) | b10 | b8: the drafter's block size, with the paper's loss decay γ
   fsdp      split the frozen target's weights over 4 devices (mesh data=2 x fsdp=4); the
             drafter's weights and optimizer state are split over every device in any case
@@ -29,6 +31,9 @@ SIZES = {
     # 64 GiB of bf16 weights: heads, kv heads and MLP split over 4 devices (8 kv heads allow 8).
     # Rows are split over data x fsdp only, so 4 micro-batches keep 2 rows per device at a time.
     "32b": dict(drafter_layers=5, plan_config="Qwen3-32B.json", tensor=4, fsdp=2, grad_accum_steps=4),
+    # 57 GiB of bf16 weights, 54 of them experts: split over fsdp=4 (each device holds 32 experts
+    # of every layer); the drafter reads layers [1, 12, 24, 35, 46] of the 48.
+    "30b-a3b": dict(drafter_layers=5, plan_config="Qwen3-30B-A3B.json", fsdp=4, always_fsdp=True),
 }
 BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 FSDP_DEVICES = 4
@@ -60,6 +65,7 @@ def get_config(variants: str = "8b"):
     c.log.every_steps = 20
     c.mesh.tensor = size.get("tensor", 1)
     c.train.grad_accum_steps = size.get("grad_accum_steps", 1)
-    if "fsdp" in chosen:
+    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
+    if "fsdp" in chosen or size.get("always_fsdp"):
         c.mesh.fsdp = size.get("fsdp", FSDP_DEVICES)
     return c

@@ -69,7 +69,7 @@ def prefill(target: Transformer, tokens, lengths, cache: KVCache, key, sampling,
 
     The cache is rolled back to each prompt's true length, so padding is never attended to.
     """
-    logits, features, cache = target.decode(tokens, cache, feature_layers=feature_layers)
+    logits, features, cache = target.decode(tokens, cache, feature_layers=feature_layers, num_valid=lengths)
     last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
     return choose(last, sampling, key), features, cache.replace(lengths=lengths)
 

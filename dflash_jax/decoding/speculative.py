@@ -54,7 +54,7 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
     def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
         target, drafter = nnx.merge(graphdef, state)
         batch, prompt_len = tokens.shape
-        cache = target.new_cache(batch, cache_len)
+        cache = target.new_cache(batch, cache_len, max_step=drafter.cfg.block_size)
         key, prefill_key = jax.random.split(key)
         first, features, cache = prefill(
             target, tokens, lengths, cache, prefill_key, sampling, feature_layers=drafter.cfg.target_layer_ids

@@ -1,4 +1,5 @@
-"""Attention patterns: packed causal (target), cached (decoding), DFlash block attention.
+"""Attention: the target's patterns (packed causal, cached for decoding) and the ops every pattern
+shares; the drafter's DFlash block attention is in `block_attention.py`.
 
 Shape letters (docs/design.md §9): B batch rows, T queries, S keys, N blocks per row, L block
 length, M cache slots, K kv heads, G query heads per kv head (GQA), H head dim. Queries arrive as
@@ -21,7 +22,7 @@ it to every call, like maxtext's `AttentionOp` holds its kernel:
   tests, elsewhere).
 * "auto" (the config's default) resolves to "fused" on GPU, "xla" otherwise.
 
-Decoding (`attend` with a cache mask, `block_attention_cached`) always uses XLA.
+Decoding (`attend` with a cache mask, `block_attention.block_attention_cached`) always uses XLA.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models import sharding
-from dflash_jax.models.chunking import map_block_chunks
 from dflash_jax.models.kernels import MASKED
 
 IMPLEMENTATIONS = ("auto", "xla", "fused")
@@ -48,26 +48,26 @@ def resolve_implementation(name: str, backend: str | None = None) -> str:
     return name
 
 
-def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
+def grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
     """[..., T, K*G, H] -> [..., T, K, G, H]."""
     *lead, t, heads, h = q.shape
     return q.reshape(*lead, t, num_kv_heads, heads // num_kv_heads, h)
 
 
-def _scores(qg: jax.Array, k: jax.Array, spec: str) -> jax.Array:
+def scaled_scores(qg: jax.Array, k: jax.Array, spec: str) -> jax.Array:
     """fp32 scores scaled by head_dim**-0.5."""
     return jnp.einsum(spec, qg, k, preferred_element_type=jnp.float32) * (qg.shape[-1] ** -0.5)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """q [B, T, K*G, H], k/v [B, S, K, H], mask [B, T, S] (True = visible) -> [B, T, K*G, H]."""
-    qg = _grouped(q, k.shape[-2])
-    scores = jnp.where(mask[:, None, None], _scores(qg, k, "BTKGH,BSKH->BKGTS"), MASKED)
+    qg = grouped(q, k.shape[-2])
+    scores = jnp.where(mask[:, None, None], scaled_scores(qg, k, "BTKGH,BSKH->BKGTS"), MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(q.shape)
 
 
-def _unnormalized_softmax(*parts: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
+def unnormalized_softmax(*parts: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """Softmax over the concatenation of score arrays [..., S_i] along their last axis, left
     unnormalized: (exp(part - max) for each part, their common denominator [..., 1]).
 
@@ -80,7 +80,7 @@ def _unnormalized_softmax(*parts: jax.Array) -> tuple[tuple[jax.Array, ...], jax
     return exps, sum(e.sum(-1, keepdims=True) for e in exps)
 
 
-def _weighted_values(weights: jax.Array, v: jax.Array, spec: str) -> jax.Array:
+def weighted_values(weights: jax.Array, v: jax.Array, spec: str) -> jax.Array:
     """Σ weights · v in fp32 (weights cast to the values' dtype for the matmul)."""
     return jnp.einsum(spec, weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
@@ -110,14 +110,14 @@ def packed_causal_attention(
     Equals `attend` under the causal same-document mask (outputs at padding positions are
     unspecified on the fused path). `implementation`: 'xla' or 'fused' (resolved).
     """
-    if implementation == "fused" and _fused_supported(q):
+    if implementation == "fused" and fused_supported(q):
         from dflash_jax.models.kernels import packed_causal
 
-        return _per_shard(
+        return per_shard(
             packed_causal.packed_causal_attention,
             (q, k, v, segment_ids),
-            (_HEADS_SPEC, _KV_SPEC, _ROWS_SPEC),
-            _HEADS_SPEC,
+            (HEADS_SPEC, KV_SPEC, ROWS_SPEC),
+            HEADS_SPEC,
         )
     return _packed_causal_xla(q, k, v, segment_ids)
 
@@ -132,12 +132,12 @@ def _packed_causal_xla(q, k, v, segment_ids):
     outs = []
     for lo, hi in packed_causal_tiles(s):
         t = hi - lo
-        scores = _scores(qh[:, :, :, lo:hi].reshape(b, kv, g * t, h), kh[:, :, :hi], "BKMH,BKSH->BKMS")
+        scores = scaled_scores(qh[:, :, :, lo:hi].reshape(b, kv, g * t, h), kh[:, :, :hi], "BKMH,BKSH->BKMS")
         causal = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]
         mask = same_doc[:, lo:hi, :hi] & causal
         scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, t, hi), MASKED)
-        (weights,), denominator = _unnormalized_softmax(scores.reshape(b, kv, g * t, hi))
-        out = _weighted_values(weights, vh[:, :, :hi], "BKMS,BKSH->BKMH") / denominator
+        (weights,), denominator = unnormalized_softmax(scores.reshape(b, kv, g * t, hi))
+        out = weighted_values(weights, vh[:, :, :hi], "BKMS,BKSH->BKMH") / denominator
         outs.append(out.astype(v.dtype).reshape(b, kv, g, t, h))
     out = jnp.concatenate(outs, axis=3)  # [B, K, G, S, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
@@ -153,93 +153,19 @@ def cached_causal_mask(lengths: jax.Array, num_new: int, cache_size: int) -> jax
     return jnp.arange(cache_size)[None, None, :] <= query_slot[:, :, None]
 
 
-def block_context_mask(
-    segment_ids: jax.Array, anchor_index: jax.Array, anchor_valid: jax.Array | None = None
-) -> jax.Array:
-    """docs/design.md §3.2: block n sees the context strictly before its anchor, in its document.
-
-    segment_ids [B, S], anchor_index [B, N] (row index of each anchor) -> [B, N, S].
-    `<` and not `<=`: the anchor's own features would leak the token the block must predict.
-    """
-    s = segment_ids.shape[-1]
-    anchor_segment = jnp.take_along_axis(segment_ids, anchor_index, axis=1)
-    before = jnp.arange(s)[None, None, :] < anchor_index[:, :, None]
-    same_doc = segment_ids[:, None, :] == anchor_segment[:, :, None]
-    mask = before & same_doc & (anchor_segment[:, :, None] != 0)
-    if anchor_valid is not None:
-        mask = mask & anchor_valid[:, :, None]
-    return mask
-
-
-def block_attention(
-    q: jax.Array,
-    k_ctx: jax.Array,
-    v_ctx: jax.Array,
-    k_blk: jax.Array,
-    v_blk: jax.Array,
-    ctx_mask: jax.Array,
-    *,
-    blocks_per_chunk: int,
-    implementation: str,
-) -> jax.Array:
-    """DFlash training attention (docs/design.md §2): every query of block n sees its own block's
-    L keys and the context keys `ctx_mask[:, n]` allows.
-
-    q [B, N, L, K*G, H]; k_blk, v_blk [B, N, L, K, H]; k_ctx, v_ctx [B, S, K, H]; ctx_mask
-    [B, N, S] -> [B, N, L, K*G, H]. The XLA path runs `blocks_per_chunk` blocks at a time, each
-    chunk rematerialized in the backward pass, so no [N·L, S] score tensor for all blocks ever
-    lives. `implementation`: 'xla' or 'fused' (resolved). The fused path reads each block's mask as one span [start, end) (what
-    `block_context_mask` gives for contiguous documents) and visits only those keys.
-    """
-    if implementation == "fused" and _fused_supported(q):
-        from dflash_jax.models.kernels import block as fused_block
-
-        start, end = fused_block.context_spans(ctx_mask)
-        return _per_shard(
-            fused_block.block_attention,
-            (q, k_ctx, v_ctx, k_blk, v_blk, start, end),
-            (_HEADS_SPEC, _KV_SPEC, _KV_SPEC, _KV_SPEC, _KV_SPEC, _ROWS_SPEC, _ROWS_SPEC),
-            _HEADS_SPEC,
-        )
-    return _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk)
-
-
-def _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk):
-    b, _, block_len, heads, h = q.shape
-    kv = k_ctx.shape[2]
-    g = heads // kv
-    kc, vc = k_ctx.transpose(0, 2, 1, 3), v_ctx.transpose(0, 2, 1, 3)  # [B, K, S, H]
-
-    def chunk(qc, kb, vb, mc):  # the same arrays, N cut to a chunk of c blocks
-        c = qc.shape[1]
-        qh = qc.reshape(b, c, block_len, kv, g, h).transpose(0, 3, 1, 4, 2, 5)  # [B, K, c, G, L, H]
-        kbh, vbh = kb.transpose(0, 3, 1, 2, 4), vb.transpose(0, 3, 1, 2, 4)  # [B, K, c, L, H]
-        s_ctx = _scores(qh.reshape(b, kv, c * g * block_len, h), kc, "BKMH,BKSH->BKMS")
-        s_ctx = s_ctx.reshape(b, kv, c, g, block_len, -1)
-        s_ctx = jnp.where(mc[:, None, :, None, None, :], s_ctx, MASKED).reshape(b, kv, c, g * block_len, -1)
-        s_blk = _scores(qh.reshape(b, kv, c, g * block_len, h), kbh, "BKCQH,BKCPH->BKCQP")  # P: own keys
-        (w_ctx, w_blk), denominator = _unnormalized_softmax(s_ctx, s_blk)
-        out = _weighted_values(w_ctx.reshape(b, kv, c * g * block_len, -1), vc, "BKMS,BKSH->BKMH")
-        out = out.reshape(b, kv, c, g * block_len, h) + _weighted_values(w_blk, vbh, "BKCQP,BKCPH->BKCQH")
-        out = (out / denominator).astype(qc.dtype)
-        return out.reshape(b, kv, c, g, block_len, h).transpose(0, 2, 4, 1, 3, 5).reshape(qc.shape)
-
-    return map_block_chunks(chunk, (q, k_blk, v_blk, ctx_mask), blocks_per_chunk)
-
-
 # The fused kernels run per shard: rows split as the activations' batch axis, heads as theirs.
-_HEADS_SPEC = (sharding.BATCH, ..., sharding.HEADS, None)
-_KV_SPEC = (sharding.BATCH, ..., sharding.KV_HEADS, None)
-_ROWS_SPEC = (sharding.BATCH, ...)
+HEADS_SPEC = (sharding.BATCH, ..., sharding.HEADS, None)
+KV_SPEC = (sharding.BATCH, ..., sharding.KV_HEADS, None)
+ROWS_SPEC = (sharding.BATCH, ...)
 
 
-def _fused_supported(q: jax.Array) -> bool:
+def fused_supported(q: jax.Array) -> bool:
     from dflash_jax.models.kernels import supported_head_dim
 
     return supported_head_dim(q.shape[-1])
 
 
-def _per_shard(fn, args, logical_specs, out_logical_spec):
+def per_shard(fn, args, logical_specs, out_logical_spec):
     """fn(*args) on each device's rows (and heads) under `sharding.activation_sharding`, where
     XLA cannot split a custom kernel call by itself; fn(*args) directly outside it."""
     mesh = sharding.active_mesh()
@@ -261,26 +187,3 @@ def _without_heads(spec, x):
     parts = list(spec) + [None] * (x.ndim - len(spec))
     parts[-2] = None
     return jax.sharding.PartitionSpec(*parts)
-
-
-def block_attention_cached(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    cache_lengths: jax.Array,
-    k_blk: jax.Array,
-    v_blk: jax.Array,
-) -> jax.Array:
-    """One block per row against its cached context, the cache attended in place.
-
-    q [B, L, K*G, H]; k_blk, v_blk [B, L, K, H]; k_cache, v_cache [B, M, K, H] of which the
-    first cache_lengths[b] slots are context -> [B, L, K*G, H]. Scores against the cache and
-    against the block share one softmax; the cache is never concatenated with the block.
-    """
-    qg = _grouped(q, k_cache.shape[-2])
-    visible = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, M]
-    s_ctx = jnp.where(visible[:, None, None, None, :], _scores(qg, k_cache, "BLKGH,BMKH->BKGLM"), MASKED)
-    s_blk = _scores(qg, k_blk, "BLKGH,BPKH->BKGLP")
-    (w_ctx, w_blk), denominator = _unnormalized_softmax(s_ctx, s_blk)  # [B, K, G, L, ·]
-    out = _weighted_values(w_ctx, v_cache, "BKGLM,BMKH->BLKGH") + _weighted_values(w_blk, v_blk, "BKGLP,BPKH->BLKGH")
-    return (out / denominator.transpose(0, 3, 1, 2, 4)).astype(q.dtype).reshape(q.shape)

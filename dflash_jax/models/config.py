@@ -7,6 +7,7 @@ checkpoint directory fully determines the model that reads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -15,24 +16,50 @@ import jax.numpy as jnp
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Token mixers a target layer can have (`TransformerConfig.layer_types`).
-LAYER_TYPES = ("full_attention",)
+LAYER_TYPES = ("full_attention", "linear_attention")
 
-# Architectures the target loader understands, mapped to whether they use per-head q/k RMSNorm.
-SUPPORTED_TARGET_ARCHITECTURES = {
-    "Qwen3ForCausalLM": True,
-    "LlamaForCausalLM": False,
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a target architecture's layers look like beyond its config.json numbers."""
+
+    name: str
+    qk_norm: bool = True  # per-head RMSNorm on q and k before RoPE
+    zero_centered_norm: bool = False  # every RMSNorm but the linear-attention one scales by 1 + w
+    attention_output_gate: bool = False  # q_proj twice as wide: per head, q then a sigmoid output gate
+    weight_prefix: str = "model."  # where the decoder's tensors live in the checkpoint (not lm_head)
+
+
+_QWEN3_5 = dict(zero_centered_norm=True, attention_output_gate=True)
+_QWEN3_5_MULTIMODAL = dict(**_QWEN3_5, weight_prefix="model.language_model.")
+
+# The target architectures the loader understands (a checkpoint's `architectures`).
+TARGET_ARCHITECTURES = {
+    "Qwen3ForCausalLM": Family("qwen3"),
+    "LlamaForCausalLM": Family("llama", qk_norm=False),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe"),
+    "Qwen3_5ForCausalLM": Family("qwen3_5", **_QWEN3_5),
+    "Qwen3_5ForConditionalGeneration": Family("qwen3_5", **_QWEN3_5_MULTIMODAL),
+    "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", **_QWEN3_5),
+    "Qwen3_5MoeForConditionalGeneration": Family("qwen3_5_moe", **_QWEN3_5_MULTIMODAL),
+    "Qwen3NextForCausalLM": Family("qwen3_next", **_QWEN3_5),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    # "default" or "llama3"; the llama3 fields are only read for that type.
+    # "default", "llama3" or "yarn"; the other fields are read by the kinds that use them.
     kind: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin are scaled by it
+    partial_factor: float = 1.0  # the share of each head's dimensions that rotates (Qwen3.5: 0.25)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
@@ -42,22 +69,47 @@ class RopeConfig:
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
         merged = {**scaling, **params}
         kind = merged.get("rope_type", merged.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope type {kind!r} (supported: default, llama3)")
+        partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
         if kind == "default":
-            return cls(theta=float(theta))
-        return cls(
-            theta=float(theta),
-            kind="llama3",
-            factor=float(merged["factor"]),
-            low_freq_factor=float(merged["low_freq_factor"]),
-            high_freq_factor=float(merged["high_freq_factor"]),
-            original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
-        )
+            return cls(theta=float(theta), partial_factor=partial)
+        if kind == "llama3":
+            return cls(
+                theta=float(theta),
+                kind="llama3",
+                factor=float(merged["factor"]),
+                low_freq_factor=float(merged["low_freq_factor"]),
+                high_freq_factor=float(merged["high_freq_factor"]),
+                original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+                partial_factor=partial,
+            )
+        if kind == "yarn":
+            original = int(merged.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+            factor = merged.get("factor") or hf["max_position_embeddings"] / original
+            attention_factor = merged.get("attention_factor")
+            if attention_factor is None:  # as the YaRN paper (and transformers) infer it
+                mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+                if mscale and mscale_all_dim:
+                    attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                else:
+                    attention_factor = _yarn_mscale(factor)
+            return cls(
+                theta=float(theta),
+                kind="yarn",
+                factor=float(factor),
+                original_max_position_embeddings=original,
+                beta_fast=float(merged.get("beta_fast") or 32.0),
+                beta_slow=float(merged.get("beta_slow") or 1.0),
+                truncate=bool(merged.get("truncate", True)),
+                attention_factor=float(attention_factor),
+                partial_factor=partial,
+            )
+        raise ValueError(f"unsupported rope type {kind!r} (supported: default, llama3, yarn)")
 
     def to_hf(self) -> dict[str, Any]:
         """The `rope_theta` / `rope_scaling` fields as serving engines read them."""
         out: dict[str, Any] = {"rope_theta": self.theta}
+        if self.partial_factor != 1.0:
+            out["partial_rotary_factor"] = self.partial_factor
         if self.kind == "llama3":
             out["rope_scaling"] = {
                 "rope_type": "llama3",
@@ -66,16 +118,150 @@ class RopeConfig:
                 "high_freq_factor": self.high_freq_factor,
                 "original_max_position_embeddings": self.original_max_position_embeddings,
             }
+        elif self.kind == "yarn":
+            out["rope_scaling"] = {
+                "rope_type": "yarn",
+                "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+                "truncate": self.truncate,
+                "attention_factor": self.attention_factor,
+            }
         return out
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3.5 / Qwen3-Next): K key heads of H, K·G value heads of U."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel_size: int = 4
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LinearAttentionConfig:
+        return cls(
+            num_k_heads=int(hf["linear_num_key_heads"]),
+            num_v_heads=int(hf["linear_num_value_heads"]),
+            head_k_dim=int(hf["linear_key_head_dim"]),
+            head_v_dim=int(hf["linear_value_head_dim"]),
+            conv_kernel_size=int(hf.get("linear_conv_kernel_dim", 4)),
+        )
+
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+GATE_UP_LAYOUTS = ("concatenated", "interleaved")
+# The router's name in each kind's checkpoints (Qwen: `mlp.gate`, gpt-oss: `mlp.router`).
+ROUTER_NAMES = {"softmax_topk": "gate", "topk_softmax": "router"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The MoE settings of a layer. Letters as in shape comments: E experts, A chosen per token,
+    I expert intermediate size."""
+
+    num_experts: int  # E
+    num_experts_per_token: int  # A
+    expert_intermediate_size: int  # I
+    # 'softmax_topk' (Qwen): softmax over all experts, top-k, renormalized when norm_topk_prob;
+    # 'topk_softmax' (gpt-oss): top-k of the logits, softmax over the chosen.
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "swiglu"  # or 'clamped_swiglu' (gpt-oss), with the two settings below
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # How a fused checkpoint tensor holds gate and up: 'concatenated' (Qwen3.5: `gate_up_proj`
+    # [E, 2I, D], gate rows first) or 'interleaved' (gpt-oss: [E, D, 2I], gate and up columns alternate).
+    gate_up_layout: str = "concatenated"
+
+    def __post_init__(self):
+        for name, value, allowed in (
+            ("router", self.router, ROUTERS),
+            ("activation", self.activation, ACTIVATIONS),
+            ("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"MoE {name} {value!r} is not supported (supported: {', '.join(allowed)})")
+        if not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_token={self.num_experts_per_token} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+        if self.expert_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"expert_intermediate_size={self.expert_intermediate_size} must be positive and "
+                f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} not negative"
+            )
+
+    @property
+    def router_name(self) -> str:
+        return ROUTER_NAMES[self.router]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MoeConfig:
+        """The MoE settings of a Hugging Face (text) config.json: qwen3_moe, qwen3_next,
+        qwen3_5_moe(_text) or gpt_oss."""
+        kind = hf.get("model_type")
+        if kind == "gpt_oss":
+            return cls(
+                num_experts=int(hf["num_local_experts"]),
+                num_experts_per_token=int(hf.get("num_experts_per_tok") or hf["experts_per_token"]),
+                expert_intermediate_size=int(hf["intermediate_size"]),
+                router="topk_softmax",
+                router_bias=True,
+                expert_bias=True,
+                activation="clamped_swiglu",
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                gate_up_layout="interleaved",
+            )
+        if kind in ("qwen3_5_moe", "qwen3_5_moe_text"):
+            norm_topk_prob = True  # Qwen3.5-MoE always renormalizes: its config has no norm_topk_prob
+        elif kind in ("qwen3_moe", "qwen3_next"):
+            # transformers' defaults where a config leaves the field out.
+            norm_topk_prob = bool(hf.get("norm_topk_prob", kind == "qwen3_next"))
+        else:
+            raise ValueError(
+                f"model_type {kind!r} has no MoE settings here (qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss)"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"MoE hidden_act {hf['hidden_act']!r} is not supported (silu)")
+        return cls(
+            # Hub configs say num_experts; transformers 5 writes num_local_experts for qwen3_moe.
+            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+            num_experts_per_token=int(hf["num_experts_per_tok"]),
+            expert_intermediate_size=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=norm_topk_prob,
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+def moe_layer_indices(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers whose MLP is the mixture of experts: every `decoder_sparse_step`-th layer not in
+    `mlp_only_layers` (qwen3_moe, qwen3_next; 1 and [] where a config leaves them out)."""
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """A dense decoder-only LM of the Qwen3 or Llama-3 family."""
+    """A decoder-only LM built from per-layer specs: the families of `TARGET_ARCHITECTURES`."""
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's (layers without experts)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -83,43 +269,66 @@ class TransformerConfig:
     rope: RopeConfig
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    qk_norm: bool = True
     max_position_embeddings: int = 32768
     architecture: str = "Qwen3ForCausalLM"
     # The token mixer of every layer, as Hugging Face configs spell it; () = all full attention.
     layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None  # for the 'linear_attention' layers
+    moe: MoeConfig | None = None
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
 
     def __post_init__(self):
+        if self.architecture not in TARGET_ARCHITECTURES:
+            raise ValueError(_unsupported(self.architecture))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"layer types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+        if "linear_attention" in self.layer_types and self.linear_attention is None:
+            raise ValueError("linear_attention layers need the linear_* fields of the config")
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers need the MoE fields of the config")
+
+    @property
+    def family(self) -> Family:
+        return TARGET_ARCHITECTURES[self.architecture]
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> TransformerConfig:
         archs = hf.get("architectures") or []
-        known = [a for a in archs if a in SUPPORTED_TARGET_ARCHITECTURES]
+        known = [a for a in archs if a in TARGET_ARCHITECTURES]
         if not known:
-            raise ValueError(
-                f"unsupported target architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {sorted(SUPPORTED_TARGET_ARCHITECTURES)}"
-            )
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError("attention/MLP biases are not supported (Qwen3 and Llama-3 have none)")
+            raise ValueError(_unsupported(archs or hf.get("model_type")))
         arch = known[0]
+        text = {**hf, **(hf.get("text_config") or {})}  # multimodal checkpoints nest the LM's fields
+        if text.get("attention_bias") or text.get("mlp_bias"):
+            raise ValueError(f"{arch}: attention/MLP biases are not supported for this family")
+        num_layers = int(text["num_hidden_layers"])
+        has_moe = bool(text.get("num_experts") or text.get("num_local_experts"))
         return cls(
-            **_decoder_fields(hf),
-            num_layers=int(hf["num_hidden_layers"]),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=SUPPORTED_TARGET_ARCHITECTURES[arch],
+            **_decoder_fields(text),
+            num_layers=num_layers,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             architecture=arch,
-            layer_types=tuple(hf.get("layer_types") or ()),
+            layer_types=tuple(text.get("layer_types") or ()),
+            linear_attention=LinearAttentionConfig.from_hf(text) if "linear_num_key_heads" in text else None,
+            moe=MoeConfig.from_hf(text) if has_moe else None,
+            moe_layers=moe_layer_indices(text, num_layers) if has_moe else (),
         )
+
+
+def _unsupported(architecture) -> str:
+    return f"unsupported target architecture {architecture!r}; supported: {', '.join(TARGET_ARCHITECTURES)}"
 
 
 def _decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +337,7 @@ def _decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
+        intermediate_size=int(hf.get("intermediate_size") or 0),
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
@@ -138,11 +347,11 @@ def _decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """docs/design.md §2: one drafter layer reads the middle layer; k layers are spread from 1 to L-3."""
-    if num_draft_layers == 1:
+def default_target_layer_ids(num_target_layers: int, num_context_layers: int) -> tuple[int, ...]:
+    """docs/design.md §2: one layer read is the middle one; k layers are spread from 1 to L-3."""
+    if num_context_layers == 1:
         return (num_target_layers // 2,)
-    k = num_draft_layers
+    k = num_context_layers
     return tuple(int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k))
 
 
@@ -196,19 +405,29 @@ class DrafterConfig:
         block_size: int = 16,
         target_layer_ids: tuple[int, ...] | None = None,
         intermediate_size: int | None = None,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        num_context_layers: int | None = None,
     ) -> DrafterConfig:
-        """The paper's default: the target's hidden size and head layout."""
+        """The target's hidden size (the drafter shares its embedding and LM head) and, unless
+        given, its head layout and MLP width (the paper's default). The default target layers
+        read are `num_context_layers` (default: one per drafter layer) spread over the target.
+        RoPE is the target's, without partial rotation (the drafter's layers are Qwen3's)."""
+        if target.intermediate_size == 0 and not intermediate_size:
+            raise ValueError("the target has no dense MLP width to copy: set the drafter's intermediate_size")
+        context_layers = num_context_layers or num_layers
         return cls(
             hidden_size=target.hidden_size,
             intermediate_size=intermediate_size or target.intermediate_size,
             num_layers=num_layers,
-            num_heads=target.num_heads,
-            num_kv_heads=target.num_kv_heads,
-            head_dim=target.head_dim,
-            rope=target.rope,
+            num_heads=num_heads or target.num_heads,
+            num_kv_heads=num_kv_heads or target.num_kv_heads,
+            head_dim=head_dim or target.head_dim,
+            rope=dataclasses.replace(target.rope, partial_factor=1.0),
             vocab_size=target.vocab_size,
             num_target_layers=target.num_layers,
-            target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)),
+            target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target.num_layers, context_layers)),
             mask_token_id=mask_token_id,
             block_size=block_size,
             rms_norm_eps=target.rms_norm_eps,

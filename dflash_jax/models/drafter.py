@@ -13,19 +13,74 @@ S context positions, D model dim, F = k·D target features.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.cache import KVCache
+from dflash_jax.models import block_attention
+from dflash_jax.models.cache import KVCache, LayerCache
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
-from dflash_jax.models.mixers import DFlashAttention, DraftBlocks, DraftStep
+from dflash_jax.models.mixers import AttentionProjections
 
 INIT_STD = 0.02  # docs/design.md §3.5: drafter init normal(0.02)
 
 # The drafter caches the k/v projections of the context: the same layout as the target's cache.
 ContextCache = KVCache
+
+
+@flax.struct.dataclass
+class DraftBlocks:
+    """What the drafter's mixers read in training: many blocks per packed row."""
+
+    rotary: Rotary  # tables of the block positions [B, N, L]
+    ctx: jax.Array  # [B, S, D]: hidden_norm(fc(target features)), shared by every layer
+    ctx_rotary: Rotary  # tables of the context positions [B, S]
+    ctx_mask: jax.Array  # [B, N, S]: the context each block sees (`block_attention.block_context_mask`)
+    blocks_per_chunk: int = flax.struct.field(pytree_node=False, default=32)
+
+
+@flax.struct.dataclass
+class DraftStep:
+    """What the drafter's mixers read when one block per row is drafted against their caches."""
+
+    rotary: Rotary  # tables of the block positions [B, L]
+    lengths: jax.Array  # [B]: context slots of each row's cache
+
+
+class DFlashAttention(AttentionProjections):
+    """The drafter's attention: queries from the block only; keys/values from the context (the
+    layer's own k/v projections of ctx) and from the block itself (non-causal)."""
+
+    def __call__(self, h: jax.Array, blocks: DraftBlocks) -> jax.Array:
+        """h [B, N, L, D] -> [B, N, L, D]."""
+        q, _ = self.queries(h, blocks.rotary)
+        k_blk, v_blk = self.keys_values(h, blocks.rotary)
+        k_ctx, v_ctx = self.keys_values(blocks.ctx, blocks.ctx_rotary)
+        attn = block_attention.block_attention(
+            q,
+            k_ctx,
+            v_ctx,
+            k_blk,
+            v_blk,
+            blocks.ctx_mask,
+            blocks_per_chunk=blocks.blocks_per_chunk,
+            implementation=self.implementation,
+        )
+        return self.output(attn)
+
+    def decode(self, h: jax.Array, step: DraftStep, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+        """One block h [B, L, D] against the cached context -> ([B, L, D], the cache unchanged)."""
+        q, _ = self.queries(h, step.rotary)
+        k, v = self.keys_values(h, step.rotary)
+        attn = block_attention.block_attention_cached(q, cache.k, cache.v, step.lengths, k, v)
+        return self.output(attn), cache
+
+    def write_context(self, ctx: jax.Array, tables: Rotary, cache: LayerCache, start: jax.Array) -> LayerCache:
+        """The k/v of context ctx [B, T, D] (tables of its positions) written at slots start [B]."""
+        k, v = self.keys_values(ctx, tables)
+        return cache.write(k, v, start)
 
 
 def drafter_layer(cfg: DrafterConfig, *, attention: str, dtypes: dict, rngs) -> DecoderBlock:
@@ -96,7 +151,7 @@ class DFlashDrafter(nnx.Module):
         """Training forward over many blocks of a packed batch.
 
         block_embeds [B, N, L, D], block_positions [B, N, L], ctx [B, S, D], ctx_positions [B, S],
-        ctx_mask [B, N, S] (see `attention.block_context_mask`) -> final-normed hidden
+        ctx_mask [B, N, S] (see `block_attention.block_context_mask`) -> final-normed hidden
         [B, N, L, D]. remat=True recomputes each layer in the backward pass, so only one layer's
         activations are stored.
         """

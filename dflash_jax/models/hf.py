@@ -1,9 +1,9 @@
 """Hugging Face checkpoints: import a target LM, import/export DFlash drafters.
 
 NNX parameter paths mirror checkpoint names (`layers.3.self_attn.q_proj.kernel` <->
-`layers.3.self_attn.q_proj.weight`), so the mapping is mechanical: `kernel` and `embedding`
-become `weight`, Linear kernels are transposed ([in, out] here, [out, in] in torch), and target
-names carry the `model.` prefix except `lm_head`.
+`layers.3.self_attn.q_proj.weight`), so the mapping is mechanical for drafters and mostly so for
+targets: `weight_maps.py` says where each target family's tensors live (prefix, stacked experts,
+fused projections).
 
 Loading builds the model abstractly, then reads one tensor at a time, converts it to the
 parameter dtype and places it (optionally on a mesh, where `models/sharding.py` puts that
@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -31,6 +32,7 @@ from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import param_sharding
 from dflash_jax.models.transformer import Transformer
+from dflash_jax.models.weight_maps import checkpoint_name, target_tensor
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +78,6 @@ class SafetensorsReader:
             return handle.get_tensor(name)
 
 
-def checkpoint_name(path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
-    """NNX param path -> (checkpoint tensor name, whether the tensor is transposed)."""
-    parts = [str(p) for p in path]
-    transposed = parts[-1] == "kernel"
-    if parts[-1] in ("kernel", "embedding"):
-        parts[-1] = "weight"
-    name = ".".join(parts)
-    if prefix and not name.startswith("lm_head"):
-        name = prefix + name
-    return name, transposed
-
-
 def _param_paths(state) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
     pure = nnx.to_pure_dict(state)
     return [
@@ -96,31 +86,38 @@ def _param_paths(state) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
     ]
 
 
-def _fill(abstract_model, prefix: str, reader: SafetensorsReader, mesh: Mesh | None, source: str):
-    """Replace every abstract parameter by its tensor from the checkpoint."""
+def _fill(abstract_model, read: Callable, mesh: Mesh | None, source: str):
+    """Replace every abstract parameter by its tensor: `read(path, numpy dtype)` -> (tensor in our
+    layout, its checkpoint name). Returns (model, the names read)."""
     graphdef, state = nnx.split(abstract_model)
-    loaded = {}
+    loaded, names = {}, set()
     for path, leaf in _param_paths(state):
-        name, transposed = checkpoint_name(path, prefix)
         try:
-            tensor = reader.get(name)
-        except KeyError:
-            raise ValueError(f"{source}: missing tensor {name!r}") from None
-        if transposed:
-            tensor = tensor.T
+            tensor, name = read(path, _NUMPY_DTYPES[jnp.dtype(leaf.dtype)])
+        except KeyError as e:
+            raise ValueError(f"{source}: missing tensor {e.args[0]!r}") from None
         if tuple(tensor.shape) != tuple(leaf.shape):
             raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                f"{tuple(leaf.shape)}{' (after transposing)' if transposed else ''}"
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)} in our layout, expected {tuple(leaf.shape)}"
             )
         host = np.ascontiguousarray(tensor.astype(_NUMPY_DTYPES[jnp.dtype(leaf.dtype)]))
         sharding = param_sharding(mesh, path, leaf.shape) if mesh is not None else None
         loaded[path] = jax.device_put(host, sharding)
+        names.add(name)
         del tensor, host
     pure = nnx.to_pure_dict(state)
     pure = _set_leaves(pure, loaded)
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state), set(checkpoint_name(p, prefix)[0] for p in loaded)
+    return nnx.merge(graphdef, state), names
+
+
+def _mechanical(reader: SafetensorsReader, prefix: str) -> Callable:
+    def read(path, dtype):
+        name, transposed = checkpoint_name(path, prefix)
+        tensor = reader.get(name)
+        return (tensor.T if transposed else tensor), name
+
+    return read
 
 
 def _set_leaves(tree: dict, values: dict[tuple, jax.Array], prefix: tuple = ()) -> dict:
@@ -146,7 +143,8 @@ def load_target(
             cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(0)
         )
     )
-    model, _ = _fill(abstract, "model.", SafetensorsReader(path), mesh, source=str(path))
+    reader = SafetensorsReader(path)
+    model, _ = _fill(abstract, lambda p, dtype: target_tensor(reader, p, cfg, dtype), mesh, source=str(path))
     return model
 
 
@@ -166,7 +164,7 @@ def load_drafter(
         )
     )
     reader = SafetensorsReader(path)
-    model, used = _fill(abstract, "", reader, mesh, source=str(path))
+    model, used = _fill(abstract, _mechanical(reader, ""), mesh, source=str(path))
     extra = sorted(reader.names() - used)
     if extra:  # released drafters sometimes ship unused tensors; they are not ours to train
         log.warning("%s: ignoring %d tensors the drafter does not use: %s", path, len(extra), extra[:5])

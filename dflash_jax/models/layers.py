@@ -63,10 +63,14 @@ def linear(
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies [head_dim/2], including Llama-3's long-context rescaling."""
-    inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    """Inverse frequencies [R/2] of the R = head_dim·partial_factor rotating dimensions, with
+    Llama-3's or YaRN's long-context rescaling."""
+    dim = int(head_dim * rope.partial_factor)
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     if rope.kind == "default":
         return inv_freq.astype(np.float32)
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, inv_freq, dim)
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
     # interpolated smoothly.
     old_len = rope.original_max_position_embeddings
@@ -80,8 +84,29 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, dim: int) -> np.ndarray:
+    """YaRN: dimensions that rotate fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those rotating more than `beta_fast` times kept, a linear
+    ramp between."""
+
+    def dimension_of(rotations):  # the dimension that rotates `rotations` times over the context
+        context = rope.original_max_position_embeddings
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension_of(rope.beta_fast), dimension_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (inv_freq / rope.factor * (1 - kept) + inv_freq * kept).astype(np.float32)
+
+
 class Rotary(NamedTuple):
-    """cos and sin of the RoPE angles, [..., T, 1, head_dim] fp32 (broadcast over heads).
+    """cos and sin of the RoPE angles, [..., T, 1, R] fp32 (broadcast over heads), R the rotating
+    dimensions (the head dim unless partial rotary).
 
     Computed once per forward, for every layer and for queries and keys alike.
     """
@@ -91,7 +116,8 @@ class Rotary(NamedTuple):
 
 
 def rotary(positions: jax.Array, rope: RopeConfig, head_dim: int, *, num_positions: int | None = None) -> Rotary:
-    """positions [..., T] -> the RoPE tables of those positions (rotate-half layout).
+    """positions [..., T] -> the RoPE tables of those positions (rotate-half layout), scaled by
+    YaRN's attention factor where it applies.
 
     `num_positions`, a static bound (every position below it), evaluates cos and sin once per
     position 0 .. num_positions-1 and gathers the rows: XLA:CPU fuses a table computed from
@@ -100,25 +126,32 @@ def rotary(positions: jax.Array, rope: RopeConfig, head_dim: int, *, num_positio
     the bound gives NaN.
     """
     inv_freq = jnp.asarray(rope_inv_freq(rope, head_dim))
+    scale = rope.attention_factor if rope.kind == "yarn" else 1.0
 
-    def angles(p):  # [...] -> [..., head_dim]
+    def tables(p):  # [...] -> cos, sin [..., R]
         freqs = p.astype(jnp.float32)[..., None] * inv_freq
-        return jnp.concatenate([freqs, freqs], axis=-1)
+        angles = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
     if num_positions is None:
-        a = angles(positions)
-        return Rotary(jnp.cos(a)[..., None, :], jnp.sin(a)[..., None, :])
-    a = angles(jnp.arange(num_positions))
-    cos, sin = (jnp.take(t, positions, axis=0, mode="fill", fill_value=jnp.nan) for t in (jnp.cos(a), jnp.sin(a)))
+        cos, sin = tables(positions)
+    else:
+        cos, sin = (
+            jnp.take(t, positions, axis=0, mode="fill", fill_value=jnp.nan) for t in tables(jnp.arange(num_positions))
+        )
     return Rotary(cos[..., None, :], sin[..., None, :])
 
 
 def apply_rope(x: jax.Array, tables: Rotary) -> jax.Array:
-    """x [..., T, heads, head_dim] -> rotated x (rotate-half layout)."""
+    """x [..., T, heads, H] -> rotated x (rotate-half layout over the first R dimensions; the rest
+    pass unrotated)."""
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * tables.cos + rotated * tables.sin).astype(x.dtype)
+    dim = tables.cos.shape[-1]
+    rot, rest = x32[..., :dim], x32[..., dim:]
+    half = dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out = rot * tables.cos + rotated * tables.sin
+    return (jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out).astype(x.dtype)
 
 
 class SwiGLU(nnx.Module):

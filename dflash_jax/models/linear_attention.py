@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import RMSNorm, linear
+from dflash_jax.models.mixers import DecodeStep, PackedRows
 
 CHUNK = 64  # tokens per chunk of the packed forward, as transformers
 L2_EPS = 1e-6  # q/k L2 normalization, as transformers (and the FLA kernels)
@@ -243,7 +244,11 @@ class GatedDeltaNet(nnx.Module):
         out = self.norm(o.astype(self.compute_dtype), z)
         return self.out_proj(out.reshape(*out.shape[:2], -1))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: PackedRows) -> jax.Array:
+        """The block skeleton's packed forward (`mixers.PackedRows`)."""
+        return self.packed(x, rows.segment_ids)
+
+    def packed(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """Packed rows: x [B, S, D], segment_ids [B, S] (0 = padding, documents contiguous) -> [B, S, D].
 
         Padding positions give finite values of no meaning.
@@ -258,7 +263,12 @@ class GatedDeltaNet(nnx.Module):
         o, _, _ = gated_delta_rule(q, k, v, g, beta, resets, state)
         return self._output(o, z)
 
-    def new_cache(self, batch: int, max_new: int) -> LinearCache:
+    def new_cache(self, batch: int, max_len: int, max_step: int = 1) -> LinearCache:
+        """An empty cache for rows of `batch`, rolling back over at most `max_step` tokens (the
+        decoder's block); a recurrent state needs no slots per token, so `max_len` is unused."""
+        return self.empty_cache(batch, max_step)
+
+    def empty_cache(self, batch: int, max_new: int) -> LinearCache:
         """An empty cache for rows of `batch`, rolling back over at most `max_new` tokens."""
         g_heads = self.num_v_heads // self.num_k_heads
         heads = (batch, max_new, self.num_k_heads, g_heads)
@@ -271,7 +281,41 @@ class GatedDeltaNet(nnx.Module):
             base=jnp.zeros((batch,), jnp.int32),
         )
 
-    def decode(self, x: jax.Array, cache: LinearCache, start: jax.Array) -> tuple[jax.Array, LinearCache]:
+    def decode(self, x: jax.Array, step: DecodeStep, cache: LinearCache) -> tuple[jax.Array, LinearCache]:
+        """The block skeleton's decode (`mixers.DecodeStep`): a prefill of padded rows
+        (`step.num_valid`) or new tokens that a later call may roll back."""
+        if step.num_valid is not None:
+            return self.prefill(x, cache, step.start, step.num_valid)
+        return self.extend(x, cache, step.start)
+
+    def prefill(
+        self, x: jax.Array, cache: LinearCache, start: jax.Array, num_valid: jax.Array
+    ) -> tuple[jax.Array, LinearCache]:
+        """x [B, T, D] of which the first num_valid [B] tokens of each row are real, the rest
+        padding that never touches the state (decay 0, no write) -> ([B, T, D], a cache as of
+        start + num_valid, from which later calls go on; nothing of this call can be rolled back).
+        """
+        t = x.shape[1]
+        r = start - cache.base
+        inputs = jnp.concatenate([cache.window_after(r), self.in_proj_qkv(x).astype(cache.inputs.dtype)], axis=1)
+        q, k, v, z, g, beta = self._heads(x, self.conv1d(inputs))
+        real = (jnp.arange(t)[None, :] < num_valid[:, None])[..., None, None]  # [B, T, 1, 1]
+        g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+        resets = jnp.zeros(x.shape[:2], bool)
+        o, _, state = gated_delta_rule(q, k, v, g, beta, resets, cache.state_after(r))
+        width = self.conv_kernel_size - 1
+        window = jnp.take_along_axis(inputs, (num_valid[:, None] + jnp.arange(width))[..., None], axis=1)
+        cache = LinearCache(
+            state=state,
+            inputs=jnp.pad(window, ((0, 0), (0, cache.keys.shape[1]), (0, 0))),
+            keys=jnp.zeros_like(cache.keys),
+            deltas=jnp.zeros_like(cache.deltas),
+            decays=jnp.zeros_like(cache.decays),
+            base=start + num_valid,
+        )
+        return self._output(o, z), cache
+
+    def extend(self, x: jax.Array, cache: LinearCache, start: jax.Array) -> tuple[jax.Array, LinearCache]:
         """x [B, T, D], the tokens after the first start [B] of each row -> ([B, T, D], cache).
 
         `start` may roll back into the previous call's tokens (rejected drafts are forgotten).

@@ -1,17 +1,19 @@
-"""Attention token mixers: the target's causal self-attention and the drafter's DFlash attention.
+"""The target's attention token mixer, and the q/k/v/o projections every attention mixer shares.
 
 A mixer is the first half of a `layers.DecoderBlock`: `__call__(h, inputs)` runs the packed
 (training) forward, `decode(h, inputs, cache)` runs new tokens against the mixer's own cache
 slice. `inputs` is prepared once per forward by the model and shared by every layer:
-`PackedRows` / `DecodeStep` for the target, `DraftBlocks` / `DraftStep` for the drafter. The
-attention patterns themselves are in `attention.py`; Gated DeltaNet, the other target mixer, is
-in `linear_attention.py`. Shape letters: docs/design.md §9.
+`PackedRows` / `DecodeStep` for the target (`drafter.py` has the drafter's). The attention
+patterns themselves are in `attention.py`; Gated DeltaNet, the other target mixer, is in
+`linear_attention.py`; the drafter's DFlash attention in `drafter.py`. Shape letters:
+docs/design.md §9.
 """
 
 from __future__ import annotations
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models import attention
@@ -34,25 +36,10 @@ class DecodeStep:
 
     start: jax.Array  # [B] int32: tokens of each row already in the caches (the new ones follow)
     rotary: Rotary  # tables of the new tokens' positions [B, T]
-
-
-@flax.struct.dataclass
-class DraftBlocks:
-    """What the drafter's mixers read in training: many blocks per packed row."""
-
-    rotary: Rotary  # tables of the block positions [B, N, L]
-    ctx: jax.Array  # [B, S, D]: hidden_norm(fc(target features)), shared by every layer
-    ctx_rotary: Rotary  # tables of the context positions [B, S]
-    ctx_mask: jax.Array  # [B, N, S]: the context each block sees (`attention.block_context_mask`)
-    blocks_per_chunk: int = flax.struct.field(pytree_node=False, default=32)
-
-
-@flax.struct.dataclass
-class DraftStep:
-    """What the drafter's mixers read when one block per row is drafted against their caches."""
-
-    rotary: Rotary  # tables of the block positions [B, L]
-    lengths: jax.Array  # [B]: context slots of each row's cache
+    # [B] int32: the real new tokens of each row, the rest padding (a prefill of padded prompts);
+    # None: all T. Attention rolls padding back by the caller's lengths; a recurrent state must
+    # never take it in.
+    num_valid: jax.Array | None = None
 
 
 class AttentionProjections(nnx.Module):
@@ -75,13 +62,18 @@ class AttentionProjections(nnx.Module):
         rngs,
         init_std=None,
         implementation: str = "xla",
+        output_gate: bool = False,
+        zero_centered_norm: bool = False,
     ):
+        """`output_gate` (Qwen3.5 / Qwen3-Next): q_proj also yields, per head after its queries, a
+        gate whose sigmoid scales the attention output."""
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
-        self.q_proj = linear(hidden_size, num_heads * head_dim, **kw)
+        self.output_gate = output_gate
+        self.q_proj = linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), **kw)
         self.k_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
         self.v_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
         self.o_proj = linear(num_heads * head_dim, hidden_size, **kw)
-        norm_kw = dict(eps=eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        norm_kw = dict(eps=eps, param_dtype=param_dtype, compute_dtype=compute_dtype, zero_centered=zero_centered_norm)
         self.q_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
         self.num_heads = num_heads
@@ -91,13 +83,17 @@ class AttentionProjections(nnx.Module):
         # Training's attention code, 'xla' or 'fused' (resolved); decoding always runs XLA.
         self.implementation = attention.resolve_implementation(implementation)
 
-    def queries(self, x: jax.Array, tables: Rotary) -> jax.Array:
-        """x [..., T, D] -> q [..., T, K*G, H], normalized and rotated."""
-        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+    def queries(self, x: jax.Array, tables: Rotary) -> tuple[jax.Array, jax.Array | None]:
+        """x [..., T, D] -> (q [..., T, K*G, H] normalized and rotated, the output gate
+        [..., T, K*G, H] or None)."""
+        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, -1)
         q = constrain(q, (BATCH, ..., HEADS, None))
+        gate = None
+        if self.output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, tables)
+        return apply_rope(q, tables), gate
 
     def keys_values(self, x: jax.Array, tables: Rotary) -> tuple[jax.Array, jax.Array]:
         """x [..., T, D] -> (k, v) [..., T, K, H]; k normalized and rotated."""
@@ -108,12 +104,15 @@ class AttentionProjections(nnx.Module):
         v = constrain(self.v_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
         return apply_rope(k, tables), v
 
-    def output(self, attn: jax.Array) -> jax.Array:
-        """attn [..., T, K*G, H] -> [..., T, D]."""
+    def output(self, attn: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+        """attn [..., T, K*G, H] (times sigmoid(gate), where there is one) -> [..., T, D]."""
+        if gate is not None:
+            attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
         out = self.o_proj(attn.reshape(*attn.shape[:-2], self.num_heads * self.head_dim))
         return constrain(out, (BATCH, ..., EMBED))
 
-    def new_cache(self, batch: int, max_len: int) -> LayerCache:
+    def new_cache(self, batch: int, max_len: int, max_step: int = 1) -> LayerCache:
+        """Slots for `max_len` tokens a row (attention rolls back any number of them)."""
         return LayerCache.create(batch, max_len, self.num_kv_heads, self.head_dim, self.compute_dtype)
 
 
@@ -123,50 +122,16 @@ class SelfAttention(AttentionProjections):
 
     def __call__(self, h: jax.Array, rows: PackedRows) -> jax.Array:
         """h [B, S, D] -> [B, S, D]."""
-        q = self.queries(h, rows.rotary)
+        q, gate = self.queries(h, rows.rotary)
         k, v = self.keys_values(h, rows.rotary)
         out = attention.packed_causal_attention(q, k, v, rows.segment_ids, implementation=self.implementation)
-        return self.output(out)
+        return self.output(out, gate)
 
     def decode(self, h: jax.Array, step: DecodeStep, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
         """h [B, T, D] appended at slots step.start -> ([B, T, D], updated cache)."""
-        q = self.queries(h, step.rotary)
+        q, gate = self.queries(h, step.rotary)
         k, v = self.keys_values(h, step.rotary)
         cache = cache.write(k, v, step.start)
         mask = attention.cached_causal_mask(step.start, h.shape[1], cache.k.shape[1])
         attn = attention.attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask)
-        return self.output(attn), cache
-
-
-class DFlashAttention(AttentionProjections):
-    """The drafter's attention: queries from the block only; keys/values from the context (the
-    layer's own k/v projections of ctx) and from the block itself (non-causal)."""
-
-    def __call__(self, h: jax.Array, blocks: DraftBlocks) -> jax.Array:
-        """h [B, N, L, D] -> [B, N, L, D]."""
-        q = self.queries(h, blocks.rotary)
-        k_blk, v_blk = self.keys_values(h, blocks.rotary)
-        k_ctx, v_ctx = self.keys_values(blocks.ctx, blocks.ctx_rotary)
-        attn = attention.block_attention(
-            q,
-            k_ctx,
-            v_ctx,
-            k_blk,
-            v_blk,
-            blocks.ctx_mask,
-            blocks_per_chunk=blocks.blocks_per_chunk,
-            implementation=self.implementation,
-        )
-        return self.output(attn)
-
-    def decode(self, h: jax.Array, step: DraftStep, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
-        """One block h [B, L, D] against the cached context -> ([B, L, D], the cache unchanged)."""
-        q = self.queries(h, step.rotary)
-        k, v = self.keys_values(h, step.rotary)
-        attn = attention.block_attention_cached(q, cache.k, cache.v, step.lengths, k, v)
-        return self.output(attn), cache
-
-    def write_context(self, ctx: jax.Array, tables: Rotary, cache: LayerCache, start: jax.Array) -> LayerCache:
-        """The k/v of context ctx [B, T, D] (tables of its positions) written at slots start [B]."""
-        k, v = self.keys_values(ctx, tables)
-        return cache.write(k, v, start)
+        return self.output(attn, gate), cache

@@ -28,108 +28,17 @@ the router and the shared expert are plain Linears named as in the checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.models.config import MoeConfig
 from dflash_jax.models.layers import Linear, SwiGLU, linear
 from dflash_jax.models.mxfp4 import mxfp4_expert_weight
 from dflash_jax.models.sharding import BATCH, EMBED, constrain
-
-ROUTERS = ("softmax_topk", "topk_softmax")
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
-GATE_UP_LAYOUTS = ("concatenated", "interleaved")
-# The router's name in each kind's checkpoints (Qwen: `mlp.gate`, gpt-oss: `mlp.router`).
-ROUTER_NAMES = {"softmax_topk": "gate", "topk_softmax": "router"}
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeConfig:
-    """The MoE settings of a layer. Letters as in shape comments: E experts, A chosen per token,
-    I expert intermediate size."""
-
-    num_experts: int  # E
-    num_experts_per_token: int  # A
-    expert_intermediate_size: int  # I
-    # 'softmax_topk' (Qwen): softmax over all experts, top-k, renormalized when norm_topk_prob;
-    # 'topk_softmax' (gpt-oss): top-k of the logits, softmax over the chosen.
-    router: str = "softmax_topk"
-    norm_topk_prob: bool = True
-    router_bias: bool = False
-    expert_bias: bool = False
-    activation: str = "swiglu"  # or 'clamped_swiglu' (gpt-oss), with the two settings below
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    # How a fused checkpoint tensor holds gate and up: 'concatenated' (Qwen3.5: `gate_up_proj`
-    # [E, 2I, D], gate rows first) or 'interleaved' (gpt-oss: [E, D, 2I], gate and up columns alternate).
-    gate_up_layout: str = "concatenated"
-
-    def __post_init__(self):
-        for name, value, allowed in (
-            ("router", self.router, ROUTERS),
-            ("activation", self.activation, ACTIVATIONS),
-            ("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"MoE {name} {value!r} is not supported (supported: {', '.join(allowed)})")
-        if not 1 <= self.num_experts_per_token <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_token={self.num_experts_per_token} must be between 1 and "
-                f"num_experts={self.num_experts}"
-            )
-        if self.expert_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
-            raise ValueError(
-                f"expert_intermediate_size={self.expert_intermediate_size} must be positive and "
-                f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} not negative"
-            )
-
-    @property
-    def router_name(self) -> str:
-        return ROUTER_NAMES[self.router]
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> MoeConfig:
-        """The MoE settings of a Hugging Face (text) config.json: qwen3_moe, qwen3_next,
-        qwen3_5_moe(_text) or gpt_oss."""
-        kind = hf.get("model_type")
-        if kind == "gpt_oss":
-            return cls(
-                num_experts=int(hf["num_local_experts"]),
-                num_experts_per_token=int(hf.get("num_experts_per_tok") or hf["experts_per_token"]),
-                expert_intermediate_size=int(hf["intermediate_size"]),
-                router="topk_softmax",
-                router_bias=True,
-                expert_bias=True,
-                activation="clamped_swiglu",
-                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-                gate_up_layout="interleaved",
-            )
-        if kind in ("qwen3_5_moe", "qwen3_5_moe_text"):
-            norm_topk_prob = True  # Qwen3.5-MoE always renormalizes: its config has no norm_topk_prob
-        elif kind in ("qwen3_moe", "qwen3_next"):
-            # transformers' defaults where a config leaves the field out.
-            norm_topk_prob = bool(hf.get("norm_topk_prob", kind == "qwen3_next"))
-        else:
-            raise ValueError(
-                f"model_type {kind!r} has no MoE settings here (qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss)"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"MoE hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        return cls(
-            # Hub configs say num_experts; transformers 5 writes num_local_experts for qwen3_moe.
-            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
-            num_experts_per_token=int(hf["num_experts_per_tok"]),
-            expert_intermediate_size=int(hf["moe_intermediate_size"]),
-            norm_topk_prob=norm_topk_prob,
-            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-        )
-
 
 # ---------------------------------------------------------------------------------------------
 # Grouped matmul: rows sorted by expert, group_sizes[e] rows for expert e.

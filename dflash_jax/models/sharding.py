@@ -5,9 +5,10 @@ the main activations (`constrain`). A rules table maps logical names to mesh axe
 table per layout, and the layout follows from the mesh shape (`layout_of`):
 
     data    data=N              the frozen target whole on every device
-    fsdp    data x fsdp         the target split over `fsdp` (embed; the LM head and embedding by vocab)
+    fsdp    data x fsdp         the target split over `fsdp` (embed; the LM head and embedding by vocab;
+                                a mixture of experts by expert: expert-parallel weights)
     tensor  data x fsdp x tensor  the target's heads, kv heads and MLP split over `tensor` (Megatron
-                                style), vocab over (fsdp, tensor), embed over fsdp
+                                style), vocab and experts over (fsdp, tensor), embed over fsdp
 
 Batch rows are split over (data, fsdp) in every layout, never over `tensor`. The trained state
 (the drafter's fp32 master weights and the AdamW moments) is split ZeRO-style over every device
@@ -51,10 +52,25 @@ KV_HEADS = "kv_heads"  # key/value heads (x head_dim)
 MLP = "mlp"  # the SwiGLU intermediate dimension
 VOCAB = "vocab"
 FEATURES = "features"  # the drafter's input: k target layers' hidden states, concatenated
+EXPERTS = "experts"  # the experts of a mixture-of-experts MLP
 NORM = "norm"  # RMSNorm scales: never split (tiny, and used everywhere)
 
 # Every parameter of the target and the drafter, by the end of its path (`layers.3.mlp.up_proj.kernel`).
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # Mixture of experts (models/moe.py): stacked expert weights, router, shared expert's gate.
+    (r"experts\.(gate|up)_proj", (EXPERTS, EMBED, MLP)),
+    (r"experts\.down_proj", (EXPERTS, MLP, EMBED)),
+    (r"experts\.(gate|up)_proj_bias", (EXPERTS, MLP)),
+    (r"experts\.down_proj_bias", (EXPERTS, EMBED)),
+    (r"mlp\.(gate|router)\.kernel", (EMBED, None)),
+    (r"mlp\.router\.bias", (None,)),
+    (r"shared_expert_gate\.kernel", (EMBED, None)),
+    # Gated DeltaNet (models/linear_attention.py): q, k, v concatenated in one projection, so its
+    # outputs do not split by head; small per-head vectors stay whole.
+    (r"linear_attn\.in_proj_(qkv|z|b|a)\.kernel", (EMBED, None)),
+    (r"linear_attn\.out_proj\.kernel", (None, EMBED)),
+    (r"linear_attn\.conv1d\.weight", (None, None, None)),
+    (r"linear_attn\.(dt_bias|A_log)", (NORM,)),
     (r"embed_tokens\.embedding", (VOCAB, EMBED)),
     (r"lm_head\.kernel", (EMBED, VOCAB)),
     (r"q_proj\.kernel", (EMBED, HEADS)),
@@ -73,11 +89,13 @@ RULES: dict[str, Rules] = {
     "data": ((BATCH, BATCH_MESH_AXES),),
     "fsdp": (
         (VOCAB, (FSDP_AXIS,)),
+        (EXPERTS, (FSDP_AXIS,)),
         (BATCH, BATCH_MESH_AXES),
         (EMBED, (FSDP_AXIS,)),
     ),
     "tensor": (
         (VOCAB, (FSDP_AXIS, TENSOR_AXIS)),
+        (EXPERTS, (FSDP_AXIS, TENSOR_AXIS)),
         (HEADS, (TENSOR_AXIS,)),
         (KV_HEADS, (TENSOR_AXIS,)),
         (MLP, (TENSOR_AXIS,)),

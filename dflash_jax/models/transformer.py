@@ -22,37 +22,56 @@ from flax import nnx
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.config import TransformerConfig
 from dflash_jax.models.layers import DecoderBlock, RMSNorm, SwiGLU, rotary
+from dflash_jax.models.linear_attention import GatedDeltaNet
 from dflash_jax.models.mixers import DecodeStep, PackedRows, SelfAttention
+from dflash_jax.models.moe import MoE
 
 
 def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: dict, rngs) -> tuple[str, nnx.Module]:
     """The token mixer of a layer of `layer_type` -> (its checkpoint name, the module)."""
-    if layer_type == "full_attention":
-        return "self_attn", SelfAttention(
+    if layer_type == "linear_attention":
+        lin = cfg.linear_attention
+        return "linear_attn", GatedDeltaNet(
             hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            qk_norm=cfg.qk_norm,
+            num_k_heads=lin.num_k_heads,
+            num_v_heads=lin.num_v_heads,
+            head_k_dim=lin.head_k_dim,
+            head_v_dim=lin.head_v_dim,
+            conv_kernel_size=lin.conv_kernel_size,
             eps=cfg.rms_norm_eps,
             rngs=rngs,
-            implementation=attention,
             **dtypes,
         )
-    raise ValueError(f"layer type {layer_type!r} is not supported")
+    return "self_attn", SelfAttention(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        qk_norm=cfg.qk_norm,
+        eps=cfg.rms_norm_eps,
+        rngs=rngs,
+        implementation=attention,
+        output_gate=cfg.family.attention_output_gate,
+        zero_centered_norm=cfg.family.zero_centered_norm,
+        **dtypes,
+    )
 
 
 def _mlp(cfg: TransformerConfig, index: int, *, dtypes: dict, rngs) -> nnx.Module:
-    """The MLP of layer `index`."""
+    """The MLP of layer `index`: the mixture of experts where the config says so, else SwiGLU."""
+    if index in cfg.moe_layers:
+        return MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes)
     return SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **dtypes)
 
 
 def decoder_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> DecoderBlock:
     name, mixer = _mixer(cfg, cfg.layer_types[index], attention=attention, dtypes=dtypes, rngs=rngs)
-    norm_kw = dict(eps=cfg.rms_norm_eps, **dtypes)
-    return DecoderBlock(
-        name, mixer, _mlp(cfg, index, dtypes=dtypes, rngs=rngs), hidden_size=cfg.hidden_size, norm_kw=norm_kw
-    )
+    mlp = _mlp(cfg, index, dtypes=dtypes, rngs=rngs)
+    return DecoderBlock(name, mixer, mlp, hidden_size=cfg.hidden_size, norm_kw=_norm_kw(cfg, dtypes))
+
+
+def _norm_kw(cfg: TransformerConfig, dtypes: dict) -> dict:
+    return dict(eps=cfg.rms_norm_eps, zero_centered=cfg.family.zero_centered_norm, **dtypes)
 
 
 class Transformer(nnx.Module):
@@ -75,7 +94,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List(
             [decoder_layer(cfg, i, attention=attention, dtypes=dtypes, rngs=rngs) for i in range(cfg.num_layers)]
         )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, **_norm_kw(cfg, dtypes))
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -99,8 +118,11 @@ class Transformer(nnx.Module):
             return self.embed_tokens.attend(h.astype(self.compute_dtype))
         return self.lm_head(h)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.create(tuple(layer.mixer.new_cache(batch, max_len) for layer in self.layers), batch, max_len)
+    def new_cache(self, batch: int, max_len: int, *, max_step: int = 1) -> KVCache:
+        """Room for `max_len` tokens a row; a `decode` call that a later call may roll back adds at
+        most `max_step` tokens (the speculative block; a prefill may add more)."""
+        layers = tuple(layer.mixer.new_cache(batch, max_len, max_step) for layer in self.layers)
+        return KVCache.create(layers, batch, max_len)
 
     def __call__(
         self,
@@ -133,16 +155,23 @@ class Transformer(nnx.Module):
         return jnp.concatenate(hidden, axis=-1)
 
     def decode(
-        self, tokens: jax.Array, cache: KVCache, *, feature_layers: Sequence[int] = ()
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        *,
+        feature_layers: Sequence[int] = (),
+        num_valid: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """Append tokens [B, T] after `cache.lengths` -> (logits [B, T, V], features, new cache).
 
         Positions continue from each row's cache length. Features (concat of `feature_layers`
         outputs, [B, T, k·D]) are what the drafter's context cache needs for these tokens.
+        `num_valid` [B]: right-padded rows (a prefill), only the first num_valid tokens are real;
+        the caller then sets `lengths` to start + num_valid.
         """
         num_new = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
-        step = DecodeStep(cache.lengths, self._rotary(positions))
+        step = DecodeStep(cache.lengths, self._rotary(positions), num_valid)
         x = self.embed(tokens)
         outputs, layer_caches = [], []
         for layer, layer_cache in zip(self.layers, cache.layers):

@@ -28,10 +28,11 @@ import ml_collections
 from dflash_jax.data.chat import MASK_TOKEN
 from dflash_jax.data.config import DataConfig
 from dflash_jax.data.sources import resolve_sources
-from dflash_jax.decoding.chat import resolve_prompt_set
+from dflash_jax.decoding.chat import HeldoutPrompts, resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import read_config
+from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.mesh import mesh_shape
 from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
 from dflash_jax.training.sections import (
@@ -144,8 +145,9 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     train, mesh = _section(config, "train"), _section(config, "mesh")
     if check_files:
         _require(bool(top.workdir), "workdir is empty: set --config.workdir=/path/to/run")
+    target_path = _target_path(target_section.path) if check_files or target is None else target_section.path
     if target is None:
-        target = _target_config(target_section.path)
+        target = _target_config(target_path)
     data = _data(config, check_files)
 
     block_size, seq_len = drafter_section.block_size, data.seq_len
@@ -157,7 +159,7 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
         f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})",
     )
-    mask_token_id = _mask_token_id(drafter_section.mask_token_id, target_section.path)
+    mask_token_id = _mask_token_id(drafter_section.mask_token_id, target_path)
     _require(
         0 <= mask_token_id < target.vocab_size,
         f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
@@ -198,8 +200,12 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     if evaluation.prompts and check_files:
         try:
             evaluation = dataclasses.replace(evaluation, prompts=resolve_prompt_set(evaluation.prompts)[1])
-        except (FileNotFoundError, UserError):
+        except FileNotFoundError:
             raise ConfigError(f"eval.prompts={evaluation.prompts!r} does not exist ('' turns evaluation off)") from None
+        except UserError as e:  # keeps the hub-cache hint
+            raise ConfigError(f"eval.prompts: {e} ('' turns evaluation off)") from None
+    elif data.heldout_rows:
+        evaluation = dataclasses.replace(evaluation, prompts=HeldoutPrompts(data, target_path))
 
     drafter = DrafterConfig.for_target(
         target,
@@ -208,10 +214,14 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         block_size=block_size,
         target_layer_ids=layer_ids or None,
         intermediate_size=drafter_section.intermediate_size or None,
+        num_heads=drafter_section.num_heads or None,
+        num_kv_heads=drafter_section.num_kv_heads or None,
+        head_dim=drafter_section.head_dim or None,
+        num_context_layers=drafter_section.num_context_layers or None,
     )
     return TrainSetup(
         workdir=Workdir.at(top.workdir) if top.workdir else None,
-        target_path=target_section.path,
+        target_path=target_path,
         target=target,
         target_dtype=DTYPES[target_section.dtype],
         compute_dtype=DTYPES[train.compute_dtype],
@@ -250,8 +260,7 @@ def resolve_data(config: ml_collections.ConfigDict) -> tuple[DataConfig, str]:
     `python -m dflash_jax.prepare` needs (no devices, no model weights)."""
     try:
         check_field_names(config)
-        target_path = _section(config, "target").path
-        _target_dir(target_path)
+        target_path = _target_path(_section(config, "target").path)
         return _data(config, check_files=True), target_path
     except ConfigError:
         raise
@@ -353,6 +362,11 @@ def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tu
         "no target to plan for: set --target_config=configs/targets/Qwen3-8B.json (or another config.json) "
         "or --config.target.path=/path/to/hf_model_dir",
     )
+    if not os.path.exists(path):
+        try:
+            path = str(resolve_model(path, files=("config.json",)))
+        except UserError as e:
+            raise ConfigError(f"{field}: {e}") from None
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(config_file, encoding="utf-8") as f:
@@ -361,13 +375,17 @@ def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tu
         raise ConfigError(f"{field}={path!r}: {e}") from None
 
 
-def _target_dir(path: str) -> None:
-    _require(bool(path), "target.path is empty: set --config.target.path=/path/to/hf_model_dir")
-    _require(os.path.isdir(path), f"target.path={path!r} does not exist or is not a directory")
+def _target_path(spec: str) -> str:
+    """target.path as a local directory: a directory, or a hub id `org/name[@revision]` resolved
+    through the Hugging Face cache."""
+    _require(bool(spec), "target.path is empty: set --config.target.path=/path/to/hf_model_dir or org/name")
+    try:
+        return str(resolve_model(spec))
+    except UserError as e:
+        raise ConfigError(f"target.path={e}") from None
 
 
 def _target_config(path: str) -> TransformerConfig:
-    _target_dir(path)
     try:
         return TransformerConfig.from_hf(read_config(path))
     except (FileNotFoundError, ValueError, KeyError) as e:

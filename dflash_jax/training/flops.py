@@ -10,6 +10,7 @@ Recomputation in the backward pass is not counted here; `remat_flops_per_step` c
 from __future__ import annotations
 
 from dflash_jax.models.attention import packed_causal_pairs
+from dflash_jax.models.config import TransformerConfig
 from dflash_jax.training.config import TrainSetup
 
 
@@ -25,26 +26,46 @@ def remat_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
     return layers if setup.objective.remat else attention
 
 
+def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: int) -> float:
+    """Forward matmul FLOPs of target layer `index` over [rows, seq_len] packed rows: its mixer
+    (attention by the tiles below the diagonal; Gated DeltaNet's projections and chunked delta
+    rule) and its MLP (the chosen experts only, plus router and shared expert)."""
+    h, tokens = cfg.hidden_size, rows * seq_len
+    if cfg.layer_types[index] == "linear_attention":
+        lin = cfg.linear_attention
+        key, value = lin.num_k_heads * lin.head_k_dim, lin.num_v_heads * lin.head_v_dim
+        projections = h * (2 * key + 2 * value + 2 * lin.num_v_heads) + value * h
+        # Per value head and chunk of L tokens: scores and decay-masked k·k (2·L·L·H), the solve
+        # and the intra-chunk outputs (2·L·L·U), the state read, correction and update (3·L·H·U).
+        chunk = 64
+        per_token = lin.num_v_heads * (
+            2 * chunk * (lin.head_k_dim + lin.head_v_dim) + 3 * lin.head_k_dim * lin.head_v_dim
+        )
+        mixer = tokens * (projections + per_token)
+    else:
+        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.family.attention_output_gate else 1)
+        weights = h * (q_width + 2 * cfg.num_kv_heads * cfg.head_dim) + cfg.num_heads * cfg.head_dim * h
+        mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len) * cfg.num_heads * cfg.head_dim
+    if index in cfg.moe_layers:
+        moe = cfg.moe
+        mlp = h * moe.num_experts + 3 * h * moe.expert_intermediate_size * moe.num_experts_per_token
+        mlp += 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_intermediate_size else 0)
+    else:
+        mlp = 3 * h * cfg.intermediate_size
+    return 2.0 * (mixer + tokens * mlp)
+
+
 def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, float, float]:
     """(target forward, drafter forward + backward, drafter layers' forward, drafter attention
     forward)."""
     t, d, obj = setup.target, setup.drafter, setup.objective
-    h, hd = t.hidden_size, t.head_dim
+    h, hd = t.hidden_size, d.head_dim
 
     def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
         return hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
 
-    # Target: forward through the last feature layer, causal attention by tiles below the diagonal.
-    target_layers = max(obj.target_layer_ids) + 1
-    target = (
-        2
-        * rows
-        * target_layers
-        * (
-            seq_len * layer_weights(h, t.intermediate_size, t.num_heads, t.num_kv_heads)
-            + 2 * packed_causal_pairs(seq_len) * t.num_heads * hd
-        )
-    )
+    # Target: forward through the last feature layer.
+    target = sum(target_layer_flops(t, i, rows, seq_len) for i in range(max(obj.target_layer_ids) + 1))
     # Drafter: fc on context features; per layer, context k/v and the block tokens' layer, each
     # block query attending to S context keys and its Bk block keys.
     tokens = rows * obj.num_anchors * obj.block_size

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from dflash_jax.models.attention import block_context_mask
+from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.chunking import map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, constrain_spec

@@ -35,7 +35,8 @@ class TopLevelSettings:
 class TargetSettings:
     """The frozen target LLM."""
 
-    # Hugging Face model directory (config.json, safetensors, tokenizer).
+    # Hugging Face model directory (config.json, safetensors, tokenizer), or a hub id
+    # `org/name[@revision]` read through the Hugging Face cache (HF_HUB_OFFLINE=1 works offline).
     path: str = ""
     # Weights and compute of the frozen target.
     dtype: str = "bfloat16"
@@ -60,9 +61,27 @@ class DrafterSettings:
     mask_token_id: int = -1
     # MLP width; 0 = the target's.
     intermediate_size: int = 0
+    # Attention shape, independent of the target's (released drafters for Qwen3.5 use 32 x 128
+    # over 8 kv heads on targets with 24 x 256 over 4); 0 = the target's.
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    # How many target layers the default spread reads when target_layer_ids is (); 0 = num_layers.
+    num_context_layers: int = 0
 
     def problems(self) -> list[str]:
-        return _at_least("drafter", self, num_layers=1, block_size=2, mask_token_id=-1, intermediate_size=0)
+        return _at_least(
+            "drafter",
+            self,
+            num_layers=1,
+            block_size=2,
+            mask_token_id=-1,
+            intermediate_size=0,
+            num_heads=0,
+            num_kv_heads=0,
+            head_dim=0,
+            num_context_layers=0,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +207,9 @@ class LogSettings:
 class EvalSettings:
     """Acceptance evaluation: speculative decoding of held-out prompts (docs/design.md §7.4)."""
 
-    # JSONL of chat prompts or a bundled set name; '' = no acceptance evaluation.
+    # JSONL of chat prompts, a bundled set or benchmark name (evaluate --help); '' = the prompts
+    # data.heldout_rows keeps out of training ("heldout:<N> of <data.train>") when it is > 0, else
+    # no acceptance evaluation. Resolved, it can also be a `decoding.chat.HeldoutPrompts`.
     prompts: str = ""
     # 0 = only the closing evaluation.
     every_steps: int = 1000

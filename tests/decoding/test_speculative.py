@@ -12,7 +12,7 @@ from dflash_jax.decoding import generate as generate_lib
 from dflash_jax.decoding import speculative
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.attention import block_context_mask
+from dflash_jax.models.block_attention import block_context_mask
 from support.decoding_models import (
     BLOCK,
     MASK_ID,

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models import attention, kernels
+from dflash_jax.models import attention, block_attention, kernels
 from dflash_jax.models.config import RopeConfig, TransformerConfig
 from dflash_jax.models.kernels import block as fused_block
 from dflash_jax.models.transformer import Transformer
@@ -104,7 +104,7 @@ def _blocks(rows, seq_len, num_blocks, seed=0):
     keys = objective.row_keys(jax.random.key(seed), jnp.arange(rows))
     index, valid = objective.sample_anchors(keys, batch["segment_ids"], batch["loss_mask"], num_blocks, "row")
     index, valid = index.at[0, 0].set(0), valid.at[0, 1].set(False)
-    return attention.block_context_mask(batch["segment_ids"], index, valid)
+    return block_attention.block_context_mask(batch["segment_ids"], index, valid)
 
 
 def _block_inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, head_dim, dtype):
@@ -120,7 +120,7 @@ def _block_inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, head_di
 
 def _block_loss_and_grads(impl, args, mask, cotangent):
     def loss(args):
-        out = attention.block_attention(*args, mask, blocks_per_chunk=3, implementation=impl)
+        out = block_attention.block_attention(*args, mask, blocks_per_chunk=3, implementation=impl)
         return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
     with jax.default_matmul_precision("highest"):
@@ -205,7 +205,7 @@ def test_kernels_lower_to_triton_for_gpu():
 
     def drafter_grads(q, k_ctx, v_ctx, k_blk, v_blk, mask):
         def loss(*args):
-            out = attention.block_attention(*args, mask, blocks_per_chunk=4, implementation="fused")
+            out = block_attention.block_attention(*args, mask, blocks_per_chunk=4, implementation="fused")
             return out.astype(jnp.float32).sum()
 
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k_ctx, v_ctx, k_blk, v_blk)
@@ -224,7 +224,7 @@ SHARDED_CHECK = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from dflash_jax.models import attention, sharding
+    from dflash_jax.models import block_attention, sharding
     from dflash_jax.training.mesh import make_mesh
     import test_attention_kernels as t
 
@@ -236,7 +236,7 @@ SHARDED_CHECK = textwrap.dedent(
 
     def loss(args, mask):
         with sharding.activation_sharding(mesh):
-            o = attention.block_attention(*args, mask, blocks_per_chunk=3, implementation="fused")
+            o = block_attention.block_attention(*args, mask, blocks_per_chunk=3, implementation="fused")
         return jnp.sum(o * cot), o
 
     rows = NamedSharding(mesh, P(sharding.BATCH_MESH_AXES))

@@ -13,8 +13,8 @@ from flax import nnx
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from dflash_jax.models.hf import checkpoint_name
 from dflash_jax.models.linear_attention import GatedDeltaNet, next_in_proj_to_qwen3_5
+from dflash_jax.models.weight_maps import checkpoint_name
 
 # Distinct sizes everywhere (G = 2 value heads per key head, H != U), so no transposed or
 # regrouped axis can pass by accident.
@@ -93,12 +93,12 @@ def layer():
 
 @nnx.jit
 def _forward(layer, x, segment_ids):
-    return layer(x, segment_ids)
+    return layer.packed(x, segment_ids)
 
 
 @nnx.jit
 def _decode(layer, x, cache, start):
-    return layer.decode(x, cache, start)
+    return layer.extend(x, cache, start)
 
 
 def _run(fn, *args):
@@ -174,7 +174,7 @@ def test_packed_documents_equal_documents_alone(layer):
 def test_decoding_in_blocks_equals_the_packed_forward(layer, block):
     length = 20
     x = _inputs(3, ROWS, length)
-    cache = layer.new_cache(ROWS, block)
+    cache = layer.empty_cache(ROWS, block)
     outputs = []
     for begin in range(0, length, block):
         start = jnp.full((ROWS,), begin, jnp.int32)
@@ -191,7 +191,7 @@ def test_rollback_is_lossless(layer):
     x_prompt = _inputs(4, ROWS, prompt)
     drafts = [_inputs(5 + i, ROWS, block) for i in range(3)]
     kept = [[2, 0], [5, 3]]
-    cache = layer.new_cache(ROWS, block)
+    cache = layer.empty_cache(ROWS, block)
     start = np.zeros(ROWS, np.int32)
     out, cache = _run(_decode, layer, jnp.asarray(x_prompt), cache, jnp.asarray(start))
     history = [[x_prompt[row]] for row in range(ROWS)]

@@ -15,7 +15,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from dflash_jax.models.moe import TILE_ROWS, MoE, MoeConfig, expert_weight, grouped_matmul
+from dflash_jax.models.config import MoeConfig
+from dflash_jax.models.moe import TILE_ROWS, MoE, expert_weight, grouped_matmul
 
 HIDDEN, EXPERTS, EXPERT_DIM = 64, 8, 32
 SMALL = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64)

@@ -105,3 +105,37 @@ class OracleDrafter(nnx.Module):
 def random_prompts(seed: int, lengths, vocab: int = VOCAB - 1) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+
+
+class ScriptedDrafter(nnx.Module):
+    """Drafts a known continuation, deliberately wrong at every position p with p % `miss_every`
+    == 0: acceptance lengths then vary from step to step, so verification rolls every cache back
+    by different amounts. `sequences` [B, P]: each row's prompt followed by the target's own
+    greedy output (row b of every batch the decoder runs)."""
+
+    def __init__(self, target: Transformer, sequences: np.ndarray, block_size: int = BLOCK, miss_every: int = 5):
+        self.cfg = DrafterConfig.for_target(
+            target.cfg, num_layers=1, mask_token_id=0, block_size=block_size, target_layer_ids=(0,)
+        )
+        self.compute_dtype = jnp.float32
+        # The hidden state that makes the target's LM head pick token t: a large multiple of its row.
+        head = target.lm_head.kernel[...].T if target.lm_head is not None else target.embed_tokens.embedding[...]
+        self.head_rows = nnx.Variable(100.0 * head / jnp.linalg.norm(head, axis=-1, keepdims=True))
+        self.sequences = nnx.Variable(jnp.asarray(sequences, jnp.int32))
+        self.miss_every = miss_every
+
+    def new_cache(self, batch: int, max_len: int) -> ContextCache:
+        return ContextCache.create((), batch, max_len)
+
+    def extend_context(self, cache: ContextCache, features, positions, num_valid) -> ContextCache:
+        return cache.replace(lengths=cache.lengths + num_valid)
+
+    def decode(self, block_embeds, block_positions, cache: ContextCache):
+        """Slot k of a block anchored at position p drafts the token at p + k (slot 0 unused)."""
+        seq = self.sequences[...]
+        width = seq.shape[1]
+        index = jnp.clip(block_positions, 0, width - 1)
+        tokens = jnp.take_along_axis(seq[: index.shape[0]], index, axis=1)
+        wrong = (tokens + 1) % self.head_rows.shape[0]
+        tokens = jnp.where(block_positions % self.miss_every == 0, wrong, tokens)
+        return self.head_rows[...][tokens]

@@ -10,7 +10,7 @@ from dflash_jax.models.attention import attend
 
 def block_attention_dense(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask):
     """One dense mask over [context ‖ every block's keys]: a query sees its own block and the
-    context its block's mask allows. Shapes as `attention.block_attention`."""
+    context its block's mask allows. Shapes as `block_attention.block_attention`."""
     b, n, bk, heads, d = q.shape
     kvh = k_ctx.shape[-2]
     own_block = jnp.repeat(jnp.repeat(jnp.eye(n, dtype=bool), bk, 0), bk, 1)  # [N·L, N·L]

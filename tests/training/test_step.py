@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
@@ -168,10 +169,10 @@ def test_the_configured_attention_code_is_what_the_step_traces(attention, kernel
     target_cfg = dataclasses.replace(TARGET, head_dim=16)  # the fused kernels need head_dim >= 16
     drafter_cfg = DrafterConfig.for_target(target_cfg, num_layers=1, mask_token_id=VOCAB - 1, block_size=4)
     mesh = make_mesh(1, 1)
-    graphdef, target_params = nnx.split(Transformer(target_cfg, rngs=nnx.Rngs(1)))
+    graphdef, target_params = nnx.split(Transformer(target_cfg, attention=attention, rngs=nnx.Rngs(1)))
     state = step.init_train_state(drafter_cfg, optax.sgd(1.0), seed=0, compute_dtype=jnp.float32, mesh=mesh)
     train_step = step.make_train_step(
-        drafter_graphdef=step.drafter_graph(drafter_cfg, jnp.float32),
+        drafter_graphdef=step.drafter_graph(drafter_cfg, jnp.float32, attention),
         target_graphdef=graphdef,
         target_params=target_params,
         tx=optax.sgd(1.0),
@@ -179,7 +180,6 @@ def test_the_configured_attention_code_is_what_the_step_traces(attention, kernel
         grad_accum_steps=1,
         mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),
-        attention=attention,
     )
     batch = jax.device_put(packed_batch(np.random.default_rng(0), 4, 64, VOCAB - 1), batch_sharding(mesh))
     assert ("pallas_call" in str(jax.make_jaxpr(train_step)(state, target_params, batch))) == kernels

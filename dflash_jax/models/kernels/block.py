@@ -286,7 +286,7 @@ def block_attention(
     start: jax.Array,
     end: jax.Array,
 ) -> jax.Array:
-    """Shapes as `attention.block_attention`: q [B, N, L, K*G, H]; k_ctx, v_ctx [B, S, K, H];
+    """Shapes as `block_attention.block_attention`: q [B, N, L, K*G, H]; k_ctx, v_ctx [B, S, K, H];
     k_blk, v_blk [B, N, L, K, H]; block n's context span [start, end) [B, N] -> [B, N, L, K*G, H].
 
     Differentiable in q and every key/value (custom VJP with the kernels above).

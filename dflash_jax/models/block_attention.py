@@ -1,0 +1,129 @@
+"""DFlash block attention (docs/design.md §2, §3.2): the drafter's queries come from a block of
+L tokens and see their own block (non-causal) plus the context before the block's anchor.
+
+Training runs many blocks per packed row (`block_attention`: the XLA reference, a chunk of
+blocks at a time, or the fused Pallas kernel, as `attention.py` describes); decoding runs one
+block per row against a cache of context keys (`block_attention_cached`). Shape letters
+(docs/design.md §9): B rows, N blocks per row, L block length, S context positions, M cache
+slots, K kv heads, G query heads per kv head, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.models import attention
+from dflash_jax.models.chunking import map_block_chunks
+from dflash_jax.models.kernels import MASKED
+
+
+def block_context_mask(
+    segment_ids: jax.Array, anchor_index: jax.Array, anchor_valid: jax.Array | None = None
+) -> jax.Array:
+    """docs/design.md §3.2: block n sees the context strictly before its anchor, in its document.
+
+    segment_ids [B, S], anchor_index [B, N] (row index of each anchor) -> [B, N, S].
+    `<` and not `<=`: the anchor's own features would leak the token the block must predict.
+    """
+    s = segment_ids.shape[-1]
+    anchor_segment = jnp.take_along_axis(segment_ids, anchor_index, axis=1)
+    before = jnp.arange(s)[None, None, :] < anchor_index[:, :, None]
+    same_doc = segment_ids[:, None, :] == anchor_segment[:, :, None]
+    mask = before & same_doc & (anchor_segment[:, :, None] != 0)
+    if anchor_valid is not None:
+        mask = mask & anchor_valid[:, :, None]
+    return mask
+
+
+def block_attention(
+    q: jax.Array,
+    k_ctx: jax.Array,
+    v_ctx: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
+    ctx_mask: jax.Array,
+    *,
+    blocks_per_chunk: int,
+    implementation: str,
+) -> jax.Array:
+    """DFlash training attention (docs/design.md §2): every query of block n sees its own block's
+    L keys and the context keys `ctx_mask[:, n]` allows.
+
+    q [B, N, L, K*G, H]; k_blk, v_blk [B, N, L, K, H]; k_ctx, v_ctx [B, S, K, H]; ctx_mask
+    [B, N, S] -> [B, N, L, K*G, H]. The XLA path runs `blocks_per_chunk` blocks at a time, each
+    chunk rematerialized in the backward pass, so no [N·L, S] score tensor for all blocks ever
+    lives. `implementation`: 'xla' or 'fused' (resolved). The fused path reads each block's mask as one span [start, end) (what
+    `block_context_mask` gives for contiguous documents) and visits only those keys.
+    """
+    if implementation == "fused" and attention.fused_supported(q):
+        from dflash_jax.models.kernels import block as fused_block
+
+        start, end = fused_block.context_spans(ctx_mask)
+        return attention.per_shard(
+            fused_block.block_attention,
+            (q, k_ctx, v_ctx, k_blk, v_blk, start, end),
+            (
+                attention.HEADS_SPEC,
+                attention.KV_SPEC,
+                attention.KV_SPEC,
+                attention.KV_SPEC,
+                attention.KV_SPEC,
+                attention.ROWS_SPEC,
+                attention.ROWS_SPEC,
+            ),
+            attention.HEADS_SPEC,
+        )
+    return _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk)
+
+
+def _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk):
+    b, _, block_len, heads, h = q.shape
+    kv = k_ctx.shape[2]
+    g = heads // kv
+    kc, vc = k_ctx.transpose(0, 2, 1, 3), v_ctx.transpose(0, 2, 1, 3)  # [B, K, S, H]
+
+    def chunk(qc, kb, vb, mc):  # the same arrays, N cut to a chunk of c blocks
+        c = qc.shape[1]
+        qh = qc.reshape(b, c, block_len, kv, g, h).transpose(0, 3, 1, 4, 2, 5)  # [B, K, c, G, L, H]
+        kbh, vbh = kb.transpose(0, 3, 1, 2, 4), vb.transpose(0, 3, 1, 2, 4)  # [B, K, c, L, H]
+        s_ctx = attention.scaled_scores(qh.reshape(b, kv, c * g * block_len, h), kc, "BKMH,BKSH->BKMS")
+        s_ctx = s_ctx.reshape(b, kv, c, g, block_len, -1)
+        s_ctx = jnp.where(mc[:, None, :, None, None, :], s_ctx, MASKED).reshape(b, kv, c, g * block_len, -1)
+        s_blk = attention.scaled_scores(
+            qh.reshape(b, kv, c, g * block_len, h), kbh, "BKCQH,BKCPH->BKCQP"
+        )  # P: own keys
+        (w_ctx, w_blk), denominator = attention.unnormalized_softmax(s_ctx, s_blk)
+        out = attention.weighted_values(w_ctx.reshape(b, kv, c * g * block_len, -1), vc, "BKMS,BKSH->BKMH")
+        out = out.reshape(b, kv, c, g * block_len, h) + attention.weighted_values(w_blk, vbh, "BKCQP,BKCPH->BKCQH")
+        out = (out / denominator).astype(qc.dtype)
+        return out.reshape(b, kv, c, g, block_len, h).transpose(0, 2, 4, 1, 3, 5).reshape(qc.shape)
+
+    return map_block_chunks(chunk, (q, k_blk, v_blk, ctx_mask), blocks_per_chunk)
+
+
+def block_attention_cached(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cache_lengths: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
+) -> jax.Array:
+    """One block per row against its cached context, the cache attended in place.
+
+    q [B, L, K*G, H]; k_blk, v_blk [B, L, K, H]; k_cache, v_cache [B, M, K, H] of which the
+    first cache_lengths[b] slots are context -> [B, L, K*G, H]. Scores against the cache and
+    against the block share one softmax; the cache is never concatenated with the block.
+    """
+    qg = attention.grouped(q, k_cache.shape[-2])
+    visible = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, M]
+    s_ctx = jnp.where(
+        visible[:, None, None, None, :], attention.scaled_scores(qg, k_cache, "BLKGH,BMKH->BKGLM"), MASKED
+    )
+    s_blk = attention.scaled_scores(qg, k_blk, "BLKGH,BPKH->BKGLP")
+    (w_ctx, w_blk), denominator = attention.unnormalized_softmax(s_ctx, s_blk)  # [B, K, G, L, ·]
+    out = attention.weighted_values(w_ctx, v_cache, "BKGLM,BMKH->BLKGH") + attention.weighted_values(
+        w_blk, v_blk, "BKGLP,BPKH->BLKGH"
+    )
+    return (out / denominator.transpose(0, 3, 1, 2, 4)).astype(q.dtype).reshape(q.shape)
