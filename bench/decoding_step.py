@@ -3,6 +3,7 @@
     python bench/decoding_step.py                        # tiny random model, CPU-sized
     python bench/decoding_step.py --hidden=4096 --layers=36 --heads=32 --kv_heads=8 \
         --intermediate=12288 --vocab=151936 --context=2048 --dtype=bfloat16   # Qwen3-8B shape
+    python bench/decoding_step.py --family=hybrid    # Qwen3.5 layout (bench/families.py)
 
 With c = DFlash step time / target step time, DFlash's speed-up is about τ / c, so this says
 which τ a drafter must reach to pay off on this machine. Weights are random: only shapes matter.
@@ -16,11 +17,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from families import FAMILIES, target_config  # bench/families.py
 from flax import nnx
 
 from dflash_jax.decoding.generate import TargetDecoder, pad_batch
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
 
@@ -41,6 +43,7 @@ def step_ms(decoder, prompt: np.ndarray, steps: int) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=FAMILIES, default="dense")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)
@@ -56,21 +59,21 @@ def main():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = p.parse_args()
     dtype = jnp.dtype(a.dtype)
-    cfg = TransformerConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=a.intermediate,
-        num_layers=a.layers,
-        num_heads=a.heads,
-        num_kv_heads=a.kv_heads,
+    cfg = target_config(
+        a.family,
+        vocab=a.vocab,
+        hidden=a.hidden,
+        intermediate=a.intermediate,
+        layers=a.layers,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
         head_dim=a.head_dim,
-        rope=RopeConfig(theta=1e6),
     )
     target = Transformer(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(0))
     prompt = np.random.default_rng(0).integers(0, a.vocab - 1, a.context).astype(np.int32)
     kw = dict(max_prompt_len=a.context, max_new_tokens=a.steps * max(a.block_sizes) + 8, batch_size=a.batch_size)
     base = step_ms(TargetDecoder(target, **kw), prompt, a.steps)
-    print(f"{jax.devices()[0].device_kind}, {a.dtype}, batch {a.batch_size}, context {a.context}")
+    print(f"{jax.devices()[0].device_kind}, {a.family} target, {a.dtype}, batch {a.batch_size}, context {a.context}")
     print(f"target alone: {base:.3f} ms/step")
     for block in a.block_sizes:
         dcfg = DrafterConfig.for_target(cfg, num_layers=a.drafter_layers, mask_token_id=a.vocab - 1, block_size=block)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Token mixers a target layer can have (`TransformerConfig.layer_types`).
-LAYER_TYPES = ("full_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Family:
     qk_norm: bool = True  # per-head RMSNorm on q and k before RoPE
     zero_centered_norm: bool = False  # every RMSNorm but the linear-attention one scales by 1 + w
     attention_output_gate: bool = False  # q_proj twice as wide: per head, q then a sigmoid output gate
+    attention_bias: bool = False  # biases on q/k/v/o
+    attention_sinks: bool = False  # a learned logit per head joins every softmax (its weight dropped)
     weight_prefix: str = "model."  # where the decoder's tensors live in the checkpoint (not lm_head)
 
 
@@ -43,6 +45,7 @@ TARGET_ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", **_QWEN3_5),
     "Qwen3_5MoeForConditionalGeneration": Family("qwen3_5_moe", **_QWEN3_5_MULTIMODAL),
     "Qwen3NextForCausalLM": Family("qwen3_next", **_QWEN3_5),
+    "GptOssForCausalLM": Family("gpt_oss", qk_norm=False, attention_bias=True, attention_sinks=True),
 }
 
 
@@ -273,6 +276,7 @@ class TransformerConfig:
     architecture: str = "Qwen3ForCausalLM"
     # The token mixer of every layer, as Hugging Face configs spell it; () = all full attention.
     layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0  # keys a 'sliding_attention' query sees (itself included)
     linear_attention: LinearAttentionConfig | None = None  # for the 'linear_attention' layers
     moe: MoeConfig | None = None
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
@@ -290,6 +294,8 @@ class TransformerConfig:
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"layer types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ValueError("sliding_attention layers need sliding_window >= 1")
         if "linear_attention" in self.layer_types and self.linear_attention is None:
             raise ValueError("linear_attention layers need the linear_* fields of the config")
         if self.moe_layers and self.moe is None:
@@ -311,16 +317,19 @@ class TransformerConfig:
             raise ValueError(_unsupported(archs or hf.get("model_type")))
         arch = known[0]
         text = {**hf, **(hf.get("text_config") or {})}  # multimodal checkpoints nest the LM's fields
-        if text.get("attention_bias") or text.get("mlp_bias"):
+        family = TARGET_ARCHITECTURES[arch]
+        if (text.get("attention_bias") and not family.attention_bias) or text.get("mlp_bias"):
             raise ValueError(f"{arch}: attention/MLP biases are not supported for this family")
         num_layers = int(text["num_hidden_layers"])
+        layer_types = tuple(text.get("layer_types") or ())
         has_moe = bool(text.get("num_experts") or text.get("num_local_experts"))
         return cls(
             **_decoder_fields(text),
             num_layers=num_layers,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             architecture=arch,
-            layer_types=tuple(text.get("layer_types") or ()),
+            layer_types=layer_types,
+            sliding_window=int(text.get("sliding_window") or 0) if "sliding_attention" in layer_types else 0,
             linear_attention=LinearAttentionConfig.from_hf(text) if "linear_num_key_heads" in text else None,
             moe=MoeConfig.from_hf(text) if has_moe else None,
             moe_layers=moe_layer_indices(text, num_layers) if has_moe else (),
@@ -373,10 +382,33 @@ class DrafterConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
+    # The attention of every layer, as Hugging Face configs spell it (LAYER_TYPES); () = all full.
+    layer_types: tuple[str, ...] = ()
+    # Context keys a sliding layer's query sees, counting the query's own position; 0 = none.
+    sliding_window: int = 0
+    # Causal attention inside the block: None = sliding layers causal and full layers not (the
+    # default of SpecForge, z-lab and SGLang); True / False = every layer (config.json `is_causal`).
+    is_causal: bool | None = None
+
+    LAYER_TYPES = ("full_attention", "sliding_attention")  # not a field: no annotation
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types) or ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}")
+        unknown = sorted(set(self.layer_types) - set(self.LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"drafter layer types {unknown} are not supported (supported: {', '.join(self.LAYER_TYPES)})"
+            )
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0 = none), got {self.sliding_window}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window > 0")
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal must be true, false or absent, got {self.is_causal!r}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad or not self.target_layer_ids:
             raise ValueError(
@@ -395,6 +427,14 @@ class DrafterConfig:
     def num_context_features(self) -> int:
         return len(self.target_layer_ids)
 
+    def attention_pattern(self, layer: int) -> tuple[int, bool]:
+        """(window, causal) of a layer's block attention (SpecForge's DFlash mask): a query at
+        block offset o of a layer with window W > 0 sees the context keys at anchor + o - (W - 1)
+        and later; with causal, its own block's keys at offsets up to o. (0, False): all the
+        context before the anchor and the whole block."""
+        sliding = self.layer_types[layer] == "sliding_attention"
+        return (self.sliding_window if sliding else 0), (sliding if self.is_causal is None else self.is_causal)
+
     @classmethod
     def for_target(
         cls,
@@ -409,6 +449,8 @@ class DrafterConfig:
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         num_context_layers: int | None = None,
+        layer_types: tuple[str, ...] = (),
+        sliding_window: int = 0,
     ) -> DrafterConfig:
         """The target's hidden size (the drafter shares its embedding and LM head) and, unless
         given, its head layout and MLP width (the paper's default). The default target layers
@@ -432,6 +474,8 @@ class DrafterConfig:
             block_size=block_size,
             rms_norm_eps=target.rms_norm_eps,
             max_position_embeddings=target.max_position_embeddings,
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -452,6 +496,12 @@ class DrafterConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": False,
             "attention_bias": False,
+            # As transformers' Qwen3Config writes them: it drops sliding_window unless
+            # use_sliding_window, and SpecForge and SGLang read the per-layer kinds.
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": self.sliding_window > 0,
+            "sliding_window": self.sliding_window or None,
+            **({} if self.is_causal is None else {"is_causal": self.is_causal}),
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {
@@ -471,11 +521,26 @@ class DrafterConfig:
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
         if missing:
             raise ValueError(f"drafter config.json lacks dflash_config fields {missing}")
+        num_layers = int(hf["num_hidden_layers"])
+        # Read as transformers' Qwen3Config reads them (what SpecForge and SGLang load).
+        window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if window and i >= hf.get("max_window_layers", 28) else "full_attention"
+            for i in range(num_layers)
+        ]
+        if "sliding_attention" in layer_types and not window:
+            raise ValueError(
+                "drafter config.json has sliding_attention layers but no window: "
+                "set use_sliding_window=true and a positive sliding_window"
+            )
         return cls(
             **_decoder_fields(hf),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_target_layers=int(hf["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             mask_token_id=int(dflash["mask_token_id"]),
             block_size=int(hf.get("block_size", 16)),
+            layer_types=tuple(layer_types),
+            sliding_window=window,
+            is_causal=hf.get("is_causal"),
         )

@@ -159,7 +159,10 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
         f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})",
     )
-    mask_token_id = _mask_token_id(drafter_section.mask_token_id, target_path)
+    if check_files or drafter_section.mask_token_id >= 0:
+        mask_token_id = _mask_token_id(drafter_section.mask_token_id, target_path)
+    else:  # a plan without a tokenizer: which row is the mask changes nothing planned
+        mask_token_id = target.vocab_size - 1
     _require(
         0 <= mask_token_id < target.vocab_size,
         f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "

@@ -1,0 +1,56 @@
+"""DFlash drafters for gpt-oss targets (sinks, alternating sliding/full attention, YaRN, MoE with
+MXFP4 weights dequantized at load), with the paper's recipe, on one host with 8 accelerators.
+
+    python train.py --config=configs/gpt_oss.py:20b --config.target.path=openai/gpt-oss-20b \
+        --config.data.train=/data/train.jsonl --config.workdir=/ckpt/gpt_oss_20b_dflash
+    python -m dflash_jax.plan --config=configs/gpt_oss.py:20b    # will it fit? (no weights needed)
+
+Variants, comma-separated:
+  size      20b (default) | 120b: the public config.json the plan reads (configs/targets/).
+            20b splits its experts over mesh.fsdp=4 (42 GiB of bf16 weights once dequantized);
+            120b (234 GiB) over every device, mesh.fsdp=8, and drafts blocks of 10 as z-lab's
+            released gpt-oss-120b drafter does
+  block     b16 | b10 | b8: override the block size, with the paper's loss decay γ
+The drafter keeps the target's head layout (64 query heads over 8 kv heads of 64) and reads 5
+target layers spread over the target's depth; gpt-oss has no <|MASK|> token, so the mask is an
+unused reserved row (200017, <|reserved_200017|>; check it against your tokenizer).
+"""
+
+import os
+
+from dflash_jax.errors import ConfigError
+from dflash_jax.training.config import base_config
+
+TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+SIZES = {
+    "20b": dict(plan_config="gpt-oss-20b.json", fsdp=4, block_size=16),
+    "120b": dict(plan_config="gpt-oss-120b.json", fsdp=8, block_size=10),
+}
+BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
+RESERVED_MASK_TOKEN = 200017
+
+
+def get_config(variants: str = "20b"):
+    chosen = [v for v in variants.split(",") if v]
+    unknown = [v for v in chosen if v not in SIZES and v not in BLOCK_SIZES]
+    if unknown:
+        raise ConfigError(f"unknown config variant(s) {unknown}: use a size {sorted(SIZES)} and/or a block size")
+    sizes = [v for v in chosen if v in SIZES] or ["20b"]
+    blocks = [v for v in chosen if v in BLOCK_SIZES]
+    if len(sizes) > 1 or len(blocks) > 1:
+        raise ConfigError(f"config variants {chosen}: give one size and one block size at most")
+
+    c = base_config()
+    size = SIZES[sizes[0]]
+    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
+    c.drafter.num_layers = 5
+    c.drafter.block_size = BLOCK_SIZES[blocks[0]] if blocks else size["block_size"]
+    c.drafter.mask_token_id = RESERVED_MASK_TOKEN
+    c.data.seq_len = 3072
+    c.data.global_batch_rows = 16
+    c.data.read_threads = 4
+    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
+    c.train.remat = True
+    c.log.every_steps = 20
+    c.mesh.fsdp = size["fsdp"]
+    return c

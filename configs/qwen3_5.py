@@ -1,0 +1,64 @@
+"""DFlash drafters for Qwen3.5 / Qwen3.6 targets (hybrid Gated DeltaNet + gated attention, dense and
+MoE), with the paper's recipe, on one host with 8 accelerators.
+
+    python train.py --config=configs/qwen3_5.py:27b --config.target.path=Qwen/Qwen3.5-27B \
+        --config.data.train=hf://datasets/org/name/*.jsonl --config.workdir=/ckpt/qwen3_5_27b_dflash
+    python -m dflash_jax.plan --config=configs/qwen3_5.py:27b    # will it fit? (no weights needed)
+
+The variant string picks the target size and options, comma-separated (big_vision style):
+  size      4b | 9b | 27b (default) | 35b-a3b: the public config.json the memory plan reads
+            (configs/targets/Qwen3.5-*.json); Qwen3.6-27B and Qwen3.6-35B-A3B share these shapes.
+            27b splits the frozen target over mesh.fsdp=4, 35b-a3b its experts over mesh.fsdp=4.
+  block     b16 (default) | b10 | b8: the drafter's block size, with the paper's loss decay γ
+  fsdp      split the frozen target's weights over 4 devices (mesh data=2 x fsdp=4)
+The drafter is shaped like the released ones for these targets: 5 Qwen3-style layers of 32 query
+heads over 8 kv heads of 128 (not the target's 24 x 256 gated heads), reading 5 target layers
+spread over the target's depth. A run reads the target's shape from its own config.json.
+"""
+
+import os
+
+from dflash_jax.errors import ConfigError
+from dflash_jax.training.config import base_config
+
+TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+SIZES = {
+    "4b": dict(plan_config="Qwen3.5-4B.json", drafter_mlp=9216),
+    "9b": dict(plan_config="Qwen3.5-9B.json", drafter_mlp=12288),
+    "27b": dict(plan_config="Qwen3.5-27B.json", drafter_mlp=17408, fsdp=4),
+    # 256 experts of 512 in 40 layers: 65 GiB of bf16 weights, experts split over fsdp=4.
+    "35b-a3b": dict(plan_config="Qwen3.5-35B-A3B.json", drafter_mlp=6144, fsdp=4),
+}
+BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
+FSDP_DEVICES = 4
+
+
+def get_config(variants: str = "27b"):
+    chosen = [v for v in variants.split(",") if v]
+    unknown = [v for v in chosen if v not in SIZES and v not in BLOCK_SIZES and v != "fsdp"]
+    if unknown:
+        raise ConfigError(
+            f"unknown config variant(s) {unknown}: use a size {sorted(SIZES)}, a block "
+            f"size {sorted(BLOCK_SIZES)} and/or 'fsdp'"
+        )
+    sizes = [v for v in chosen if v in SIZES] or ["27b"]
+    blocks = [v for v in chosen if v in BLOCK_SIZES] or ["b16"]
+    if len(sizes) > 1 or len(blocks) > 1:
+        raise ConfigError(f"config variants {chosen}: give one size and one block size at most")
+
+    c = base_config()  # the recipe: 6 epochs, lr 6e-4, 4% warmup, cosine, clip 1.0, 512 anchors
+    size = SIZES[sizes[0]]
+    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
+    c.drafter.num_layers = 5
+    c.drafter.num_heads, c.drafter.num_kv_heads, c.drafter.head_dim = 32, 8, 128
+    c.drafter.intermediate_size = size["drafter_mlp"]
+    c.drafter.block_size = BLOCK_SIZES[blocks[0]]
+    c.data.seq_len = 3072
+    c.data.global_batch_rows = 16
+    c.data.read_threads = 4
+    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
+    c.train.remat = True
+    c.log.every_steps = 20
+    fsdp = size.get("fsdp", FSDP_DEVICES if "fsdp" in chosen else 1)
+    c.mesh.fsdp = fsdp
+    return c
