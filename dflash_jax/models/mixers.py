@@ -64,10 +64,11 @@ class AttentionProjections(nnx.Module):
         implementation: str = "xla",
         output_gate: bool = False,
         zero_centered_norm: bool = False,
+        use_bias: bool = False,
     ):
         """`output_gate` (Qwen3.5 / Qwen3-Next): q_proj also yields, per head after its queries, a
-        gate whose sigmoid scales the attention output."""
-        kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
+        gate whose sigmoid scales the attention output. `use_bias` (gpt-oss): q/k/v/o biases."""
+        kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std, use_bias=use_bias)
         self.output_gate = output_gate
         self.q_proj = linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), **kw)
         self.k_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
@@ -118,13 +119,30 @@ class AttentionProjections(nnx.Module):
 
 class SelfAttention(AttentionProjections):
     """The target's attention: causal over packed rows (never across documents), or over the
-    layer's KV cache when decoding."""
+    layer's KV cache when decoding; optionally over a sliding window of keys and with a learned
+    sink logit per head (gpt-oss)."""
+
+    def __init__(self, *, sliding_window: int = 0, sinks: bool = False, **projections):
+        super().__init__(**projections)
+        self.sliding_window = sliding_window  # 0: every earlier key of the document
+        self.sinks = nnx.Param(jnp.zeros((self.num_heads,), projections["param_dtype"])) if sinks else None
+
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def __call__(self, h: jax.Array, rows: PackedRows) -> jax.Array:
         """h [B, S, D] -> [B, S, D]."""
         q, gate = self.queries(h, rows.rotary)
         k, v = self.keys_values(h, rows.rotary)
-        out = attention.packed_causal_attention(q, k, v, rows.segment_ids, implementation=self.implementation)
+        out = attention.packed_causal_attention(
+            q,
+            k,
+            v,
+            rows.segment_ids,
+            implementation=self.implementation,
+            sliding_window=self.sliding_window,
+            sinks=self._sinks(),
+        )
         return self.output(out, gate)
 
     def decode(self, h: jax.Array, step: DecodeStep, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
@@ -132,6 +150,6 @@ class SelfAttention(AttentionProjections):
         q, gate = self.queries(h, step.rotary)
         k, v = self.keys_values(h, step.rotary)
         cache = cache.write(k, v, step.start)
-        mask = attention.cached_causal_mask(step.start, h.shape[1], cache.k.shape[1])
-        attn = attention.attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask)
+        mask = attention.cached_causal_mask(step.start, h.shape[1], cache.k.shape[1], self.sliding_window)
+        attn = attention.attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask, self._sinks())
         return self.output(attn, gate), cache

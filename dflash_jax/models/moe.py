@@ -34,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from dflash_jax.models.config import MoeConfig
 from dflash_jax.models.layers import Linear, SwiGLU, linear
 from dflash_jax.models.mxfp4 import mxfp4_expert_weight
-from dflash_jax.models.sharding import BATCH, EMBED, constrain
+from dflash_jax.models.sharding import BATCH, EMBED, activation_spec, active_mesh, constrain, per_device
 
 # ---------------------------------------------------------------------------------------------
 # Grouped matmul: rows sorted by expert, group_sizes[e] rows for expert e.
@@ -120,8 +121,7 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """The MLP slot of a decoder block: x [..., D] -> [..., D].
 
-    All tokens of the call are routed together (one sort over B*S*A pairs): under a mesh that
-    splits tokens over devices, call it per device (shard_map) to keep the sort local.
+    The (token, choice) pairs of a device's tokens are sorted by expert together (one sort).
     """
 
     def __init__(
@@ -168,6 +168,23 @@ class MoE(nnx.Module):
         return weights, experts
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., D] -> [..., D]. Under a mesh whose batch axes split the tokens, each device routes
+        and sorts its own tokens (a global sort would gather every token to every device); the
+        expert weights are gathered whole for it, as fsdp gathers any weight where it is used."""
+        spec = activation_spec(x.shape, (BATCH, ..., EMBED))
+        if spec is None or all(axis is None for axis in spec):
+            return self._local(x)
+        graphdef, state = nnx.split(self)
+
+        def local(state, x):
+            with per_device():
+                return nnx.merge(graphdef, state)._local(x)
+
+        out = jax.shard_map(local, mesh=active_mesh(), in_specs=(PartitionSpec(), spec), out_specs=spec)(state, x)
+        return constrain(out, (BATCH, ..., EMBED))
+
+    def _local(self, x: jax.Array) -> jax.Array:
+        """All tokens of x [..., D] routed together -> [..., D]."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1]).astype(self.compute_dtype)  # [T, D]
         weights, experts = self.route(tokens)
@@ -186,7 +203,7 @@ class MoE(nnx.Module):
         out = jnp.einsum("tad,ta->td", y, weights).astype(self.compute_dtype)
         if self.config.shared_expert_intermediate_size:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
-        return constrain(out.reshape(shape), (BATCH, ..., EMBED))
+        return out.reshape(shape)
 
     def _experts(self, x: jax.Array, row_expert: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """x [R, D] sorted by expert -> each row through its expert's MLP, [R, D]."""

@@ -71,6 +71,11 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"linear_attn\.out_proj\.kernel", (None, EMBED)),
     (r"linear_attn\.conv1d\.weight", (None, None, None)),
     (r"linear_attn\.(dt_bias|A_log)", (NORM,)),
+    # Attention biases and sinks (gpt-oss): per head like their projections' outputs.
+    (r"q_proj\.bias", (HEADS,)),
+    (r"[kv]_proj\.bias", (KV_HEADS,)),
+    (r"o_proj\.bias", (NORM,)),
+    (r"self_attn\.sinks", (HEADS,)),
     (r"embed_tokens\.embedding", (VOCAB, EMBED)),
     (r"lm_head\.kernel", (EMBED, VOCAB)),
     (r"q_proj\.kernel", (EMBED, HEADS)),
@@ -200,6 +205,17 @@ def activation_sharding(mesh: Mesh, rules: Rules | None = None) -> Iterator[None
     """While tracing inside this context, `constrain` places activations on `mesh` by `rules`
     (default: the mesh's layout)."""
     token = _ACTIVE.set((mesh, RULES[layout_of(mesh)] if rules is None else rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def per_device() -> Iterator[None]:
+    """While tracing a shard_map body: its arrays are one device's blocks, so `constrain` leaves
+    them alone."""
+    token = _ACTIVE.set(None)
     try:
         yield
     finally:

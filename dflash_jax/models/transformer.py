@@ -53,6 +53,9 @@ def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: d
         implementation=attention,
         output_gate=cfg.family.attention_output_gate,
         zero_centered_norm=cfg.family.zero_centered_norm,
+        use_bias=cfg.family.attention_bias,
+        sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else 0,
+        sinks=cfg.family.attention_sinks,
         **dtypes,
     )
 

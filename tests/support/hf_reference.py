@@ -76,7 +76,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: str = "qwen3", seed
         model = transformers.LlamaForCausalLM(config)
     elif arch in FAMILIES:
         config_class, model_class, fields = FAMILIES[arch]
-        text = dict(**common, **fields)
+        text = {**common, **fields}
         if config_class in ("Qwen3_5Config", "Qwen3_5MoeConfig"):
             config = getattr(transformers, config_class)(text_config=text, vision_config=VISION)
         else:
@@ -89,7 +89,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: str = "qwen3", seed
     # a token or two, which would hide state bugs: slow them down.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("sinks"):
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.empty_like(p).uniform_(0.02, 0.5)))
