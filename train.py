@@ -1,13 +1,14 @@
 r"""Train a DFlash drafter against a frozen target LLM.
 
     python train.py                                     # configs/default.py: tiny, CPU, minutes
-    python train.py --config=configs/qwen3.py:8b --config.target.path=/models/Qwen3-8B \
+    python train.py --config=configs/qwen3.py:8b --config.target.path=Qwen/Qwen3-8B \
         --config.data.train=/data/train.jsonl --config.workdir=/ckpt/run1
 
-Any field can be overridden (`--config.train.learning_rate=3e-4`); every field, its default and
-its meaning are in the section dataclasses of dflash_jax/training/sections.py (the data section:
-dflash_jax/data/config.py). Rerunning with the same workdir resumes. Exit status: 0 finished,
-1 error, 75 stopped on request after saving (rerun to resume); see dflash_jax/cli.py.
+target.path is a model directory or a Hugging Face hub id (org/name[@revision], through the hub
+cache). Any field can be overridden (`--config.train.learning_rate=3e-4`); every field, its
+default and its meaning are in the section dataclasses of dflash_jax/training/sections.py (the
+data section: dflash_jax/data/config.py). Rerunning with the same workdir resumes. Exit status:
+0 finished, 1 error, 75 stopped on request after saving (rerun to resume); see dflash_jax/cli.py.
 """
 
 import os

@@ -1,6 +1,10 @@
 """What every command-line module shares: absl start-up, the `--config` flag of the commands that
 read a training config, one-line user errors, exit statuses.
 
+No command takes positional arguments: a stray word (`--prompts=a b`) is a one-line error, not
+silently ignored. Flag names follow one convention across commands (README, "Command-line
+conventions").
+
 Exit statuses, the same for every command:
   0   success (a training run that finished, or had finished before)
   1   an error; a user error (bad config, file or data) is one line on stderr, no traceback
@@ -38,6 +42,8 @@ flags.disclaim_key_flags()  # --config is the flag of the command that defines i
 _CONFIG_OVERRIDE = re.compile(rf"--?(?:no)?{CONFIG_FLAG}\.(.+)")
 # --config=file.py[:variants], or --config followed by its value.
 _CONFIG_FILE = re.compile(rf"--?{CONFIG_FLAG}(?:=(.*))?")
+# absl's words for a required flag left out.
+_MISSING_FLAG = re.compile(r"--(\w+)=None: Flag --\1 must have a value other than None\.")
 
 
 def define_config(default: str | None = None) -> flags.FlagHolder:
@@ -67,6 +73,8 @@ def run(main: Callable[[list[str]], int | None]) -> None:
         for name in ("absl", "jax"):
             logging.getLogger(name).setLevel(logging.WARNING)
         try:
+            if len(argv) > 1:
+                raise UserError(f"unexpected arguments {argv[1:]}: every input is a flag, --name=value")
             return main(argv)
         except UserError as e:
             print(f"{e.label}: {e}", file=sys.stderr)
@@ -118,6 +126,8 @@ def _flag_errors_exit():
         message = f"{e.label}: {e}"
     except flags.Error as e:  # e.g. a value that does not parse as its field's type
         text = str(e).removeprefix("flag ")
+        if missing := _MISSING_FLAG.fullmatch(text):
+            text = f"--{missing.group(1)} is required"
         label = ConfigError.label if text.startswith(f"--{CONFIG_FLAG}.") else UserError.label
         message = f"{label}: {text}"
     else:

@@ -1,25 +1,27 @@
 r"""Measure a DFlash drafter as a serving engine would: acceptance length and speed-up.
 
-    python -m dflash_jax.evaluate --target=assets/tiny-qwen3 --drafter=runs/default/export \
-        [--prompts=heldout_prompts,my_prompts.jsonl] [--num_prompts=32] [--max_new_tokens=256] \
-        [--batch_size=1] [--temperature=0] [--out_dir=eval_results]
+    python -m dflash_jax.evaluate --drafter=runs/default [--prompts=heldout_prompts,my_prompts.jsonl] \
+        [--limit=32] [--max_new_tokens=256] [--batch_size=1] [--temperature=0] [--output=eval_results]
     python -m dflash_jax.evaluate --target=Qwen/Qwen3-8B --drafter=z-lab/Qwen3-8B-DFlash-b16 \
         --prompts=gsm8k,math500,humaneval,mbpp,mt-bench
 
---target is a Hugging Face model directory or hub id (org/name[@revision], from the hub cache:
-HF_HUB_OFFLINE=1 works once it is there). --drafter is an export directory or hub id (ours or a
-released DFlash drafter) or a training workdir (latest checkpoint, or --drafter_step). --prompts
-lists bundled held-out sets (heldout_prompts, stdlib_heldout), JSONL files of chat rows, and the
-standard benchmarks gsm8k, math500, humaneval, mbpp and mt-bench (multi-turn), read from the hub
-cache in their published formats, or NAME=PATH for a local copy of one (e.g.
+--drafter is an export directory or hub id (ours or a released DFlash drafter) or a training
+workdir (latest checkpoint, or --step). --target is a Hugging Face model directory or hub id
+(org/name[@revision], from the hub cache: HF_HUB_OFFLINE=1 works once it is there); it may be left
+out when --drafter is a training workdir or an export inside one: the run's checkpoint names its
+target. --prompts lists bundled held-out sets (heldout_prompts, stdlib_heldout), JSONL files of
+chat rows, and the standard benchmarks gsm8k, math500, humaneval, mbpp and mt-bench (multi-turn),
+read from the hub cache in their published formats, or NAME=PATH for a local copy of one (e.g.
 gsm8k=test-00000-of-00001.parquet). For every set, the same prompts are decoded by DFlash
 speculative decoding and by the target alone (block size 1), after compiling both, and the run
 reports τ (mean acceptance length), its histogram, per-slot acceptance rates, tokens/s, time per
 output token and the speed ratio: a table on the terminal, `eval.json` and `eval.png` in
---out_dir.
+--output.
 """
 
 from __future__ import annotations
+
+import os
 
 from absl import flags
 
@@ -30,7 +32,10 @@ from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import DTYPES
 from dflash_jax.models.hub import resolve_model
+from dflash_jax.training.checkpoint import RunCheckpoints
+from dflash_jax.training.drafters import is_export_dir
 from dflash_jax.training.evaluation import run_evaluation
+from dflash_jax.training.workdir import Workdir
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -38,10 +43,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     several CLIs share flag names)."""
     fv = dict(flag_values=flag_values)
     flags.DEFINE_string(
-        "target", None, "Hugging Face target directory or hub id org/name[@revision] (weights, tokenizer).", **fv
+        "target",
+        None,
+        "Hugging Face target directory or hub id org/name[@revision] (weights, tokenizer); "
+        "default: the target named by --drafter's training run.",
+        **fv,
     )
     flags.DEFINE_string("drafter", None, "Drafter export directory or hub id, or a training workdir.", **fv)
-    flags.DEFINE_integer("drafter_step", None, "Checkpoint step when --drafter is a workdir (default: latest).", **fv)
+    flags.DEFINE_integer("step", None, "Checkpoint step when --drafter is a workdir (default: the latest).", **fv)
     flags.DEFINE_list(
         "prompts",
         ["heldout_prompts"],
@@ -49,33 +58,36 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "humaneval, mbpp, mt-bench) or NAME=PATH for a local copy of a benchmark.",
         **fv,
     )
-    flags.DEFINE_integer("num_prompts", 0, "Prompts per set (0: all).", **fv)
-    flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated per prompt at most (stop tokens end earlier).", **fv)
-    flags.DEFINE_integer("batch_size", 1, "Prompts decoded together (speed-ups are usually quoted at 1).", **fv)
-    flags.DEFINE_float("temperature", 0.0, "0: greedy (lossless); > 0: rejection sampling.", **fv)
+    flags.DEFINE_integer("limit", 0, "At most this many prompts of each set (0: all).", lower_bound=0, **fv)
+    flags.DEFINE_integer(
+        "max_new_tokens", 256, "Tokens generated per prompt at most (stop tokens end earlier).", lower_bound=1, **fv
+    )
+    flags.DEFINE_integer(
+        "batch_size", 1, "Prompts decoded together (speed-ups are usually quoted at 1).", lower_bound=1, **fv
+    )
+    flags.DEFINE_float("temperature", 0.0, "0: greedy (lossless); > 0: rejection sampling.", lower_bound=0, **fv)
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
-    flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", **fv)
+    flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_bound=0, **fv)
     flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
     flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).", **fv)
     flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "Weight and compute dtype of both models.", **fv)
-    flags.DEFINE_string("out_dir", "eval_results", "Where eval.json and eval.png are written.", **fv)
-    flags.mark_flags_as_required(["target", "drafter"], **fv)
+    flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
+    flags.mark_flags_as_required(["drafter"], **fv)
 
 
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
-    if f.max_new_tokens < 1 or f.batch_size < 1 or f.num_prompts < 0:
-        raise UserError("--max_new_tokens and --batch_size must be >= 1, --num_prompts >= 0")
     try:
         sampling = SamplingConfig(f.temperature, top_p=f.top_p, top_k=f.top_k)
     except ValueError as e:
         raise UserError(str(e)) from None
+    drafter = str(_model(f.drafter, "--drafter"))
     evaluation = run_evaluation(
-        str(_model(f.target, "--target")),
-        str(_model(f.drafter, "--drafter")),
+        _target(f.target, drafter, f.step),
+        drafter,
         f.prompts,
-        drafter_step=f.drafter_step,
-        num_prompts=f.num_prompts,
+        drafter_step=f.step,
+        num_prompts=f.limit,
         max_new_tokens=f.max_new_tokens,
         batch_size=f.batch_size,
         sampling=sampling,
@@ -83,9 +95,9 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         dtype=DTYPES[f.dtype],
         seed=f.seed,
     )
-    write_outputs(evaluation, f.out_dir)
+    write_outputs(evaluation, f.output)
     print(report.table(evaluation["sets"]))
-    print(f"wrote {f.out_dir}/eval.json and {f.out_dir}/eval.png")
+    print(f"wrote {f.output}/eval.json and {f.output}/eval.png")
 
 
 def _model(spec: str, flag: str):
@@ -93,6 +105,45 @@ def _model(spec: str, flag: str):
         return resolve_model(spec)
     except UserError as e:
         raise UserError(f"{flag}={e}") from None
+
+
+def _target(spec: str | None, drafter: str, step: int | None) -> str:
+    """--target, else the target.path saved in the checkpoint of the run `drafter` belongs to."""
+    if spec:
+        return str(_model(spec, "--target"))
+    workdir = _run_of(drafter)
+    if workdir is None:
+        raise UserError(
+            f"--target is required: --drafter={drafter} is not a training workdir (nor an export inside one) "
+            "whose checkpoint names the target"
+        )
+    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
+    try:
+        # The export inside a workdir is of its last step; any checkpoint names the same target.
+        step = checkpoints.latest_step() if step is None or is_export_dir(drafter) else step
+        if step not in checkpoints.manager.all_steps():
+            at = f" of step {step}" if step is not None else ""
+            raise UserError(
+                f"--drafter={drafter}: no checkpoint{at} in {checkpoints.directory} to read the target from"
+            )
+        named = checkpoints.restore_meta(step)["config"]["target"]["path"]
+    finally:
+        checkpoints.close()
+    try:
+        return str(resolve_model(named))
+    except UserError as e:
+        raise UserError(f"the target of --drafter={drafter}, target.path={e}; pass --target") from None
+
+
+def _run_of(drafter: str) -> Workdir | None:
+    """The training workdir `drafter` is, or holds as its export or best export; None otherwise."""
+    if Workdir.at(drafter).has_checkpoints():
+        return Workdir.at(drafter)
+    parent = Workdir.at(os.path.dirname(os.path.abspath(drafter)))
+    exports = (parent.export, parent.export_best)
+    if parent.has_checkpoints() and any(os.path.samefile(drafter, e) for e in exports if os.path.isdir(e)):
+        return parent
+    return None
 
 
 if __name__ == "__main__":

@@ -25,20 +25,19 @@ import os
 import sys
 
 from absl import flags
-from ml_collections import config_flags
 
 from dflash_jax import cli
 from dflash_jax.errors import UserError
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Training config file, optionally with variants: file.py:variant,variant.", lock_config=True
+_CONFIG = cli.define_config()
+_NUM_DEVICES = flags.DEFINE_integer(
+    "num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).", lower_bound=1
 )
-_NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).")
 _HBM_GB = flags.DEFINE_float("hbm_gb", 80.0, "Memory per device, GiB (H100 80, H200 141).")
 _TARGET_CONFIG = flags.DEFINE_string(
     "target_config", "", "The target's config.json (or its directory); '' = target.plan_config, else target.path."
 )
-_HLO_OUT = flags.DEFINE_string("hlo_out", "", "Also write the compiled program's HLO text to this file.")
+_HLO_OUTPUT = flags.DEFINE_string("hlo_output", "", "Also write the compiled program's HLO text to this file.")
 
 _SIMULATED = "DFLASH_PLAN_SIMULATED_DEVICES"
 # XLA:CPU's default scheduler orders for concurrency and ignores memory; a GPU's scheduler keeps
@@ -63,11 +62,8 @@ def _rerun_on_simulated_devices(n: int) -> None:
 
 
 def main(argv) -> int:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {argv[1:]}")
+    del argv
     n = _NUM_DEVICES.value
-    if n < 1:
-        raise UserError(f"--num_devices={n} must be at least 1")
     if _HBM_GB.value <= 0:
         raise UserError(f"--hbm_gb={_HBM_GB.value} must be > 0")
 
@@ -87,7 +83,7 @@ def main(argv) -> int:
     setup = resolve(config, num_devices=n, target=target, check_files=False)
     name = _config_argument()
     print(f"compiling the train step of {name} for {source} on {n} devices ...", flush=True)
-    plan = plan_train_step(setup, devices=jax.devices()[:n], hlo_path=_HLO_OUT.value)
+    plan = plan_train_step(setup, devices=jax.devices()[:n], hlo_path=_HLO_OUTPUT.value)
     _, fsdp, tensor = setup.mesh_shape
     hbm = _HBM_GB.value * GIB
     print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, remat=setup.objective.remat))

@@ -1,11 +1,11 @@
-"""`python -m dflash_jax.evaluate`: a workdir checkpoint and its export evaluate identically; hub
-ids and the standard benchmarks (multi-turn ones turn by turn) on the bundled tiny target."""
+"""`python -m dflash_jax.evaluate`: a workdir checkpoint and its export evaluate identically, with
+the target read from the run's checkpoint; hub ids and the standard benchmarks (multi-turn ones
+turn by turn) on the bundled tiny target; user errors as one-line `UserError`s."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import jax
@@ -25,7 +25,6 @@ from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.hf import export_drafter, load_drafter, load_target, read_config
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import export_checkpoint, load_any_drafter
-from dflash_jax.training.evaluation import run_evaluation
 from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.step import OptimizerConfig, init_train_state, make_optimizer
 from dflash_jax.training.workdir import Workdir
@@ -34,7 +33,6 @@ from support.chat_data import chat, write_jsonl
 from support.decoding_models import CHAT_VOCAB, make_drafter
 from support.hub_cache import add_to_hub_cache, directory_files, use_hub_cache
 
-SETTINGS = dict(num_prompts=3, max_new_tokens=12)
 TINY_TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen3"
 
 
@@ -58,7 +56,9 @@ def workdir(chat_target, tmp_path_factory):
     # Larger weights than the 0.02 init, so that bf16 rounding is visible if it were skipped.
     state = state.replace(params=jax.tree.map(lambda p: p * 7.3, state.params))
     checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
-    checkpoints.save(5, state, {"drafter_config": cfg.to_hf()}, _IteratorState(), force=True)
+    # The run's config is saved with each checkpoint, as the training loop does: it names the target.
+    meta = {"drafter_config": cfg.to_hf(), "config": {"target": {"path": chat_target}}}
+    checkpoints.save(5, state, meta, _IteratorState(), force=True)
     checkpoints.wait()
     checkpoints.close()
     export_checkpoint(Workdir.at(str(workdir)))
@@ -96,39 +96,43 @@ def run_cli(module, args: list[str]) -> None:
     module.main([], flag_values)
 
 
-@pytest.mark.parametrize("module, flag", [("evaluate", "--drafter"), ("regenerate", "--server_url")])
-def test_cli_entry_points_start(module, flag):
-    # absl exits with status 1 after --help; what matters is that the program defines its flags.
-    cli = subprocess.run(
-        [sys.executable, "-m", f"dflash_jax.{module}", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert flag in cli.stdout, cli.stderr[-2000:]
-
-
-def test_cli_on_export_reports_the_tau_of_the_workdir(chat_target, workdir, prompts_file, tmp_path, capsys):
-    ours = run_evaluation(chat_target, str(workdir), [prompts_file], **SETTINGS)["sets"]["prompts"]
-    out_dir = tmp_path / "eval"
-    run_cli(
-        evaluate,
-        [
-            f"--target={chat_target}",
-            f"--drafter={workdir / 'export'}",
-            f"--prompts={prompts_file}",
-            f"--out_dir={out_dir}",
-            f"--num_prompts={SETTINGS['num_prompts']}",
-            f"--max_new_tokens={SETTINGS['max_new_tokens']}",
-        ],
-    )
+def test_workdir_and_its_export_report_the_same_tau_and_name_their_target(
+    chat_target, workdir, prompts_file, tmp_path, capsys
+):
+    settings = [f"--prompts={prompts_file}", "--limit=3", "--max_new_tokens=12"]
+    # No --target: the checkpoint of the workdir (and of the run an export belongs to) names it.
+    run_cli(evaluate, [f"--drafter={workdir}", "--step=5", f"--output={tmp_path / 'workdir'}", *settings])
+    run_cli(evaluate, [f"--drafter={workdir / 'export'}", f"--output={tmp_path / 'export'}", *settings])
     assert "speedup" in capsys.readouterr().out
-    exported = json.loads((out_dir / "eval.json").read_text())["sets"]["prompts"]
-    assert (out_dir / "eval.png").stat().st_size > 0
+    ours, exported = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("workdir", "export"))
+    assert ours["run"]["target"] == exported["run"]["target"] == chat_target
+    assert ours["run"]["drafter_step"] == 5
+    ours, exported = ours["sets"]["prompts"], exported["sets"]["prompts"]
+    assert (tmp_path / "export" / "eval.png").stat().st_size > 0
     for key in ("tau", "histogram", "slot_acceptance", "num_steps", "num_tokens"):
         assert exported[key] == ours[key], key
-    assert ours["num_prompts"] == SETTINGS["num_prompts"]
+    assert ours["num_prompts"] == 3
     assert ours["identical_outputs"] == 1.0
     for mode in ("dflash", "target"):
         assert ours[mode]["tokens"] == ours["num_tokens"] and ours[mode]["tokens_per_s"] > 0
     assert ours["speedup"] == pytest.approx(ours["dflash"]["tokens_per_s"] / ours["target"]["tokens_per_s"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target=/missing", "--drafter={workdir}"], "--target=/missing: no such directory"),
+        (["--drafter={standalone}"], "--target is required: --drafter={standalone} is not a training workdir"),
+        (["--drafter={workdir}", "--step=7"], "--drafter={workdir}: no checkpoint of step 7 in "),
+        (["--drafter={workdir}", "--temperature=0.5", "--top_p=2"], "top_p must be in (0, 1]"),
+    ],
+)
+def test_user_errors_are_caught_before_any_model_loads(workdir, tmp_path, args, message):
+    standalone = shutil.copytree(workdir / "export", tmp_path / "standalone")  # an export of no workdir
+    paths = dict(workdir=workdir, standalone=standalone)
+    with pytest.raises(UserError) as raised:
+        run_cli(evaluate, [a.format(**paths) for a in args])
+    assert message.format(**paths) in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_bad_inputs_are_clear_errors(chat_target, tmp_path):
@@ -171,10 +175,10 @@ def test_benchmarks_from_the_hub_cache_report_tau_per_benchmark(tiny_hub, tmp_pa
             "--target=tiny/qwen3",
             "--drafter=tiny/drafter",
             f"--prompts=gsm8k,mt-bench,humaneval={humaneval}",
-            "--num_prompts=2",
+            "--limit=2",
             "--max_new_tokens=4",
             "--dtype=float32",
-            f"--out_dir={out_dir}",
+            f"--output={out_dir}",
         ],
     )
     sets = json.loads((out_dir / "eval.json").read_text())["sets"]

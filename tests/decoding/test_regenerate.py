@@ -1,8 +1,9 @@
-"""`python -m dflash_jax.regenerate`: both back-ends, per-row failures, resumption."""
+"""`python -m dflash_jax.regenerate`: both back-ends, per-row failures, resumption, user errors."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -18,6 +19,7 @@ from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.http_client import ChatCompletionsClient
 from dflash_jax.decoding.regeneration import Regeneration
 from dflash_jax.decoding.sampling import GREEDY
+from dflash_jax.errors import UserError
 from dflash_jax.models.hf import load_target
 from support.chat_data import chat, write_jsonl
 
@@ -119,6 +121,7 @@ def test_http_backend_rewrites_every_assistant_turn_and_records_failures(server,
             f"--output={output}",
             "--backend=http",
             f"--server_url={server}",
+            "--target=served/name",  # the http back-end's --target: the name the server serves it under
             "--concurrency=3",
             "--max_new_tokens=64",
         ]
@@ -145,7 +148,7 @@ def test_http_backend_rewrites_every_assistant_turn_and_records_failures(server,
     assert set(failures) == BAD_LINES
     assert "not valid JSON" in failures[5] and "no `messages`" in failures[6] and "HTTP 400" in failures[7]
     request = FakeOpenAI.requests[0]
-    assert request["model"] == "fake-model" and request["temperature"] == 0.0 and request["max_tokens"] == 64
+    assert request["model"] == "served/name" and request["temperature"] == 0.0 and request["max_tokens"] == 64
     assert request["chat_template_kwargs"] == {"enable_thinking": False}
 
 
@@ -187,6 +190,7 @@ def test_resumes_without_duplicating_or_losing_rows(server, tmp_path):
     lines = [r["regenerated"]["line"] for r in read_jsonl(output)]
     assert sorted(lines) == list(range(1, 11))
     assert len(FakeOpenAI.requests) == 7  # only the rows not done before were asked for
+    assert FakeOpenAI.requests[-1]["model"] == "fake-model"  # no --target: the server's first model
 
 
 def test_output_that_is_not_a_regeneration_is_refused(tmp_path):
@@ -221,3 +225,37 @@ def test_jax_backend_writes_the_targets_greedy_responses(chat_target, tmp_path):
             assert message["content"] == tokenizer.response_text(expected.tokens), (line, turn)
     assert [m["role"] for m in out[2]] == ["user", "assistant", "user", "assistant"]
     assert np.all([m["content"] != "bye" for m in out[2]])
+
+
+def closed_port_url() -> str:
+    """The URL of a port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--input={source}", "--output={source}"], "--output={source} must differ from --input"),
+        (["--input={missing}", "--output={output}"], "--input={missing}: no such file"),
+        (["--input={source}", "--output={output}"], "--target is required with --backend=jax"),
+        (["--input={source}", "--output={output}", "--target={missing}"], "--target={missing}: no such directory"),
+        (
+            ["--input={source}", "--output={output}", "--backend=http", "--server_url={closed}", "--retries=0"],
+            "--server_url={closed}: {closed}/models unreachable",
+        ),
+    ],
+)
+def test_user_errors_are_one_line_before_any_row_is_read(tmp_path, args, message):
+    paths = dict(
+        source=write_jsonl(tmp_path / "in.jsonl", [chat("q")]),
+        output=tmp_path / "out.jsonl",
+        missing=tmp_path / "missing",
+        closed=closed_port_url(),
+    )
+    with pytest.raises(UserError) as raised:
+        run_cli([a.format(**paths) for a in args])
+    assert str(raised.value).startswith(message.format(**paths)) and "\n" not in str(raised.value)
+    assert not paths["output"].exists()
