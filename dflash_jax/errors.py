@@ -20,3 +20,8 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Input data that cannot be used: a missing or unreadable file, or a bad row in strict mode."""
+
+
+class ModelError(UserError, ValueError):
+    """A model directory or config.json that cannot be used: an unsupported architecture, a
+    missing or misshapen tensor (a ValueError too, for callers that check shapes)."""

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dflash_jax.errors import ModelError
+
 # Dtype names accepted by configs and command-line flags.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -106,7 +108,7 @@ class RopeConfig:
                 attention_factor=float(attention_factor),
                 partial_factor=partial,
             )
-        raise ValueError(f"unsupported rope type {kind!r} (supported: default, llama3, yarn)")
+        raise ModelError(f"unsupported rope type {kind!r} (supported: default, llama3, yarn)")
 
     def to_hf(self) -> dict[str, Any]:
         """The `rope_theta` / `rope_scaling` fields as serving engines read them."""
@@ -195,14 +197,14 @@ class MoeConfig:
             ("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS),
         ):
             if value not in allowed:
-                raise ValueError(f"MoE {name} {value!r} is not supported (supported: {', '.join(allowed)})")
+                raise ModelError(f"MoE {name} {value!r} is not supported (supported: {', '.join(allowed)})")
         if not 1 <= self.num_experts_per_token <= self.num_experts:
-            raise ValueError(
+            raise ModelError(
                 f"num_experts_per_token={self.num_experts_per_token} must be between 1 and "
                 f"num_experts={self.num_experts}"
             )
         if self.expert_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
-            raise ValueError(
+            raise ModelError(
                 f"expert_intermediate_size={self.expert_intermediate_size} must be positive and "
                 f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} not negative"
             )
@@ -235,11 +237,11 @@ class MoeConfig:
             # transformers' defaults where a config leaves the field out.
             norm_topk_prob = bool(hf.get("norm_topk_prob", kind == "qwen3_next"))
         else:
-            raise ValueError(
+            raise ModelError(
                 f"model_type {kind!r} has no MoE settings here (qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss)"
             )
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"MoE hidden_act {hf['hidden_act']!r} is not supported (silu)")
+            raise ModelError(f"MoE hidden_act {hf['hidden_act']!r} is not supported (silu)")
         return cls(
             # Hub configs say num_experts; transformers 5 writes num_local_experts for qwen3_moe.
             num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
@@ -283,23 +285,23 @@ class TransformerConfig:
 
     def __post_init__(self):
         if self.architecture not in TARGET_ARCHITECTURES:
-            raise ValueError(_unsupported(self.architecture))
+            raise ModelError(_unsupported(self.architecture))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ModelError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            raise ModelError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
-            raise ValueError(f"layer types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+            raise ModelError(f"layer types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
         if "sliding_attention" in self.layer_types and self.sliding_window < 1:
-            raise ValueError("sliding_attention layers need sliding_window >= 1")
+            raise ModelError("sliding_attention layers need sliding_window >= 1")
         if "linear_attention" in self.layer_types and self.linear_attention is None:
-            raise ValueError("linear_attention layers need the linear_* fields of the config")
+            raise ModelError("linear_attention layers need the linear_* fields of the config")
         if self.moe_layers and self.moe is None:
-            raise ValueError("moe_layers need the MoE fields of the config")
+            raise ModelError("moe_layers need the MoE fields of the config")
 
     @property
     def family(self) -> Family:
@@ -314,12 +316,12 @@ class TransformerConfig:
         archs = hf.get("architectures") or []
         known = [a for a in archs if a in TARGET_ARCHITECTURES]
         if not known:
-            raise ValueError(_unsupported(archs or hf.get("model_type")))
+            raise ModelError(_unsupported(archs or hf.get("model_type")))
         arch = known[0]
         text = {**hf, **(hf.get("text_config") or {})}  # multimodal checkpoints nest the LM's fields
         family = TARGET_ARCHITECTURES[arch]
         if (text.get("attention_bias") and not family.attention_bias) or text.get("mlp_bias"):
-            raise ValueError(f"{arch}: attention/MLP biases are not supported for this family")
+            raise ModelError(f"{arch}: attention/MLP biases are not supported for this family")
         num_layers = int(text["num_hidden_layers"])
         layer_types = tuple(text.get("layer_types") or ())
         has_moe = bool(text.get("num_experts") or text.get("num_local_experts"))
@@ -382,15 +384,15 @@ class DrafterConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
-    # The attention of every layer, as Hugging Face configs spell it (LAYER_TYPES); () = all full.
+    # The attention of every layer: 'full_attention' or 'sliding_attention'; () = all full.
     layer_types: tuple[str, ...] = ()
-    # Context keys a sliding layer's query sees, counting the query's own position; 0 = none.
+    # Positions a sliding layer's query sees, its own included (SpecForge's DFlash mask); 0 = none.
     sliding_window: int = 0
-    # Causal attention inside the block: None = sliding layers causal and full layers not (the
-    # default of SpecForge, z-lab and SGLang); True / False = every layer (config.json `is_causal`).
+    # Causal attention inside the block: None = sliding layers causal and full layers not (as in
+    # SpecForge's and z-lab's drafters); True / False = every layer (config.json `is_causal`).
     is_causal: bool | None = None
 
-    LAYER_TYPES = ("full_attention", "sliding_attention")  # not a field: no annotation
+    LAYER_TYPES = ("full_attention", "sliding_attention")  # a class constant: no annotation, no field
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -539,7 +541,8 @@ class DrafterConfig:
             num_target_layers=int(hf["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             mask_token_id=int(dflash["mask_token_id"]),
-            block_size=int(hf.get("block_size", 16)),
+            # Ours and SGLang's at the top level; some released drafters only in dflash_config.
+            block_size=int(dflash.get("block_size", hf.get("block_size", 16))),
             layer_types=tuple(layer_types),
             sliding_window=window,
             is_causal=hf.get("is_causal"),

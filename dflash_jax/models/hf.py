@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from dflash_jax.errors import ModelError
 from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import param_sharding
@@ -95,9 +96,9 @@ def _fill(abstract_model, read: Callable, mesh: Mesh | None, source: str):
         try:
             tensor, name = read(path, _NUMPY_DTYPES[jnp.dtype(leaf.dtype)])
         except KeyError as e:
-            raise ValueError(f"{source}: missing tensor {e.args[0]!r}") from None
+            raise ModelError(f"{source}: missing tensor {e.args[0]!r}") from None
         if tuple(tensor.shape) != tuple(leaf.shape):
-            raise ValueError(
+            raise ModelError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)} in our layout, expected {tuple(leaf.shape)}"
             )
         host = np.ascontiguousarray(tensor.astype(_NUMPY_DTYPES[jnp.dtype(leaf.dtype)]))
