@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from families import FAMILIES, target_config  # bench/families.py
+from families import FAMILIES, add_size_flags, config_from_flags  # bench/families.py
 from flax import nnx
 
 from dflash_jax.decoding.generate import TargetDecoder, pad_batch
@@ -44,13 +44,7 @@ def step_ms(decoder, prompt: np.ndarray, steps: int) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=FAMILIES, default="dense")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv_heads", type=int, default=2)
-    p.add_argument("--head_dim", type=int, default=64)
+    add_size_flags(p)
     p.add_argument("--drafter_layers", type=int, default=1)
     p.add_argument("--block_sizes", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--batch_size", type=int, default=1)
@@ -59,16 +53,7 @@ def main():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = p.parse_args()
     dtype = jnp.dtype(a.dtype)
-    cfg = target_config(
-        a.family,
-        vocab=a.vocab,
-        hidden=a.hidden,
-        intermediate=a.intermediate,
-        layers=a.layers,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-    )
+    cfg = config_from_flags(a.family, a)
     target = Transformer(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(0))
     prompt = np.random.default_rng(0).integers(0, a.vocab - 1, a.context).astype(np.int32)
     kw = dict(max_prompt_len=a.context, max_new_tokens=a.steps * max(a.block_sizes) + 8, batch_size=a.batch_size)

@@ -7,9 +7,22 @@ ratio against `dense` is the cost of the family's structure, not of a bigger mod
 
 from __future__ import annotations
 
+import argparse
+
 from dflash_jax.models.config import LinearAttentionConfig, MoeConfig, RopeConfig, TransformerConfig
 
 FAMILIES = ("dense", "moe", "hybrid", "hybrid_moe")
+# The size flags every family benchmark takes (the bundled tiny target's by default).
+SIZE_FLAGS = dict(vocab=4096, hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, head_dim=64)
+
+
+def add_size_flags(parser: argparse.ArgumentParser) -> None:
+    for name, default in SIZE_FLAGS.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
+def config_from_flags(family: str, args: argparse.Namespace) -> TransformerConfig:
+    return target_config(family, **{name: getattr(args, name) for name in SIZE_FLAGS})
 
 
 def target_config(family: str, *, vocab, hidden, intermediate, layers, heads, kv_heads, head_dim) -> TransformerConfig:

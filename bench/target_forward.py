@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from families import FAMILIES, target_config  # bench/families.py
+from families import FAMILIES, add_size_flags, config_from_flags  # bench/families.py
 from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
@@ -27,32 +27,17 @@ from dflash_jax.models.transformer import Transformer
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=list(FAMILIES))
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv_heads", type=int, default=2)
-    p.add_argument("--head_dim", type=int, default=64)
+    add_size_flags(p)
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=10)
     a = p.parse_args()
-    shape = dict(
-        vocab=a.vocab,
-        hidden=a.hidden,
-        intermediate=a.intermediate,
-        layers=a.layers,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-    )
     batch = packed_batch(np.random.default_rng(0), a.rows, a.seq_len, a.vocab - 1, doc_len=(64, a.seq_len // 2))
     args = tuple(jnp.asarray(batch[k]) for k in ("tokens", "segment_ids", "positions"))
     real = float((batch["segment_ids"] != 0).sum())
     forwards = {}
     for family in a.families:
-        graphdef, state = nnx.split(Transformer(target_config(family, **shape), rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(Transformer(config_from_flags(family, a), rngs=nnx.Rngs(0)))
 
         @jax.jit
         def forward(state, tokens, segment_ids, positions, graphdef=graphdef):

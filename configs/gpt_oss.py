@@ -18,8 +18,7 @@ unused reserved row (200017, <|reserved_200017|>; check it against your tokenize
 
 import os
 
-from dflash_jax.errors import ConfigError
-from dflash_jax.training.config import base_config
+from dflash_jax.training.config import base_config, choose_variants
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
@@ -31,20 +30,12 @@ RESERVED_MASK_TOKEN = 200017
 
 
 def get_config(variants: str = "20b"):
-    chosen = [v for v in variants.split(",") if v]
-    unknown = [v for v in chosen if v not in SIZES and v not in BLOCK_SIZES]
-    if unknown:
-        raise ConfigError(f"unknown config variant(s) {unknown}: use a size {sorted(SIZES)} and/or a block size")
-    sizes = [v for v in chosen if v in SIZES] or ["20b"]
-    blocks = [v for v in chosen if v in BLOCK_SIZES]
-    if len(sizes) > 1 or len(blocks) > 1:
-        raise ConfigError(f"config variants {chosen}: give one size and one block size at most")
-
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="20b")
     c = base_config()
-    size = SIZES[sizes[0]]
+    size = SIZES[size_name]
     c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
     c.drafter.num_layers = 5
-    c.drafter.block_size = BLOCK_SIZES[blocks[0]] if blocks else size["block_size"]
+    c.drafter.block_size = BLOCK_SIZES[block] if block else size["block_size"]
     c.drafter.mask_token_id = RESERVED_MASK_TOKEN
     c.data.seq_len = 3072
     c.data.global_batch_rows = 16

@@ -19,8 +19,7 @@ config.json (target.path).
 
 import os
 
-from dflash_jax.errors import ConfigError
-from dflash_jax.training.config import base_config
+from dflash_jax.training.config import base_config, choose_variants
 
 # Drafter per target size. Both Qwen3-4B and -8B have 36 layers: 5 drafter layers read target
 # layers [1, 9, 17, 25, 33]; Qwen3-32B has 64: [1, 16, 31, 46, 61] (docs/design.md §2).
@@ -40,23 +39,14 @@ FSDP_DEVICES = 4
 
 
 def get_config(variants: str = "8b"):
-    chosen = [v for v in variants.split(",") if v]
-    unknown = [v for v in chosen if v not in SIZES and v not in BLOCK_SIZES and v != "fsdp"]
-    if unknown:
-        raise ConfigError(
-            f"unknown config variant(s) {unknown}: use a size {sorted(SIZES)}, a block "
-            f"size {sorted(BLOCK_SIZES)} and/or 'fsdp'"
-        )
-    sizes = [v for v in chosen if v in SIZES] or ["8b"]
-    blocks = [v for v in chosen if v in BLOCK_SIZES] or ["b16"]
-    if len(sizes) > 1 or len(blocks) > 1:
-        raise ConfigError(f"config variants {chosen}: give one size and one block size at most")
-
+    size_name, block, flags = choose_variants(
+        variants, sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="8b"
+    )
     c = base_config()  # the recipe: 6 epochs, lr 6e-4, 4% warmup, cosine, clip 1.0, 512 anchors
-    size = SIZES[sizes[0]]
+    size = SIZES[size_name]
     c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
     c.drafter.num_layers = size["drafter_layers"]
-    c.drafter.block_size = BLOCK_SIZES[blocks[0]]
+    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
     c.drafter.mask_token_id = 151669  # <|MASK|>: an existing, unused row of the Qwen3 embedding
     c.data.seq_len = 3072
     c.data.global_batch_rows = 16
@@ -66,6 +56,6 @@ def get_config(variants: str = "8b"):
     c.mesh.tensor = size.get("tensor", 1)
     c.train.grad_accum_steps = size.get("grad_accum_steps", 1)
     c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
-    if "fsdp" in chosen or size.get("always_fsdp"):
+    if "fsdp" in flags or size.get("always_fsdp"):
         c.mesh.fsdp = size.get("fsdp", FSDP_DEVICES)
     return c

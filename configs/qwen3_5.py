@@ -18,8 +18,7 @@ spread over the target's depth. A run reads the target's shape from its own conf
 
 import os
 
-from dflash_jax.errors import ConfigError
-from dflash_jax.training.config import base_config
+from dflash_jax.training.config import base_config, choose_variants
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
@@ -34,31 +33,22 @@ FSDP_DEVICES = 4
 
 
 def get_config(variants: str = "27b"):
-    chosen = [v for v in variants.split(",") if v]
-    unknown = [v for v in chosen if v not in SIZES and v not in BLOCK_SIZES and v != "fsdp"]
-    if unknown:
-        raise ConfigError(
-            f"unknown config variant(s) {unknown}: use a size {sorted(SIZES)}, a block "
-            f"size {sorted(BLOCK_SIZES)} and/or 'fsdp'"
-        )
-    sizes = [v for v in chosen if v in SIZES] or ["27b"]
-    blocks = [v for v in chosen if v in BLOCK_SIZES] or ["b16"]
-    if len(sizes) > 1 or len(blocks) > 1:
-        raise ConfigError(f"config variants {chosen}: give one size and one block size at most")
-
+    size_name, block, flags = choose_variants(
+        variants, sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="27b"
+    )
     c = base_config()  # the recipe: 6 epochs, lr 6e-4, 4% warmup, cosine, clip 1.0, 512 anchors
-    size = SIZES[sizes[0]]
+    size = SIZES[size_name]
     c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
     c.drafter.num_layers = 5
     c.drafter.num_heads, c.drafter.num_kv_heads, c.drafter.head_dim = 32, 8, 128
     c.drafter.intermediate_size = size["drafter_mlp"]
-    c.drafter.block_size = BLOCK_SIZES[blocks[0]]
+    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
     c.data.seq_len = 3072
     c.data.global_batch_rows = 16
     c.data.read_threads = 4
     c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
     c.train.remat = True
     c.log.every_steps = 20
-    fsdp = size.get("fsdp", FSDP_DEVICES if "fsdp" in chosen else 1)
+    fsdp = size.get("fsdp", FSDP_DEVICES if "fsdp" in flags else 1)
     c.mesh.fsdp = fsdp
     return c

@@ -68,6 +68,23 @@ def _config_dict(settings) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dataclasses.asdict(settings), type_safe=False)
 
 
+def choose_variants(variants: str, *, sizes, blocks, flags=(), default_size: str) -> tuple[str, str | None, set]:
+    """A config file's `file.py:variants` string -> (size, block or None, flags set), each at most
+    once (big_vision style: `8b,b10,fsdp`); anything unknown is a one-line ConfigError."""
+    chosen = [v for v in variants.split(",") if v]
+    unknown = [v for v in chosen if v not in sizes and v not in blocks and v not in flags]
+    if unknown:
+        raise ConfigError(
+            f"unknown config variant(s) {unknown}: use a size {sorted(sizes)}, a block size "
+            f"{sorted(blocks)}" + (f" and/or {' / '.join(flags)}" if flags else "")
+        )
+    picked_sizes = [v for v in chosen if v in sizes] or [default_size]
+    picked_blocks = [v for v in chosen if v in blocks]
+    if len(picked_sizes) > 1 or len(picked_blocks) > 1:
+        raise ConfigError(f"config variants {chosen}: give one size and one block size at most")
+    return picked_sizes[0], (picked_blocks[0] if picked_blocks else None), {v for v in chosen if v in flags}
+
+
 def load_config_file(path: str, variants: str = "") -> ml_collections.ConfigDict:
     """What `--config=path:variants` gives train.py, for scripts, benchmarks and notebooks."""
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
@@ -210,18 +227,23 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     elif data.heldout_rows:
         evaluation = dataclasses.replace(evaluation, prompts=HeldoutPrompts(data, target_path))
 
-    drafter = DrafterConfig.for_target(
-        target,
-        num_layers=drafter_section.num_layers,
-        mask_token_id=mask_token_id,
-        block_size=block_size,
-        target_layer_ids=layer_ids or None,
-        intermediate_size=drafter_section.intermediate_size or None,
-        num_heads=drafter_section.num_heads or None,
-        num_kv_heads=drafter_section.num_kv_heads or None,
-        head_dim=drafter_section.head_dim or None,
-        num_context_layers=drafter_section.num_context_layers or None,
-    )
+    try:
+        drafter = DrafterConfig.for_target(
+            target,
+            num_layers=drafter_section.num_layers,
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            target_layer_ids=layer_ids or None,
+            intermediate_size=drafter_section.intermediate_size or None,
+            num_heads=drafter_section.num_heads or None,
+            num_kv_heads=drafter_section.num_kv_heads or None,
+            head_dim=drafter_section.head_dim or None,
+            num_context_layers=drafter_section.num_context_layers or None,
+            layer_types=drafter_section.layer_types,
+            sliding_window=drafter_section.sliding_window,
+        )
+    except ValueError as e:  # the drafter's shape checks (heads, layer_types, ...)
+        raise ConfigError(f"drafter: {e}") from None
     return TrainSetup(
         workdir=Workdir.at(top.workdir) if top.workdir else None,
         target_path=target_path,
