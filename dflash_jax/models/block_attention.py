@@ -1,6 +1,11 @@
 """DFlash block attention (docs/design.md §2, §3.2): the drafter's queries come from a block of
 L tokens and see their own block (non-causal) plus the context before the block's anchor.
 
+Layers may narrow that (SpecForge's DFlash mask; z-lab's drafters decode alike): with a window W,
+the query at block offset o sees only the context keys at anchor + o - (W - 1) and later (the
+window ends at the anchor and moves with the draft position; the query's own slot counts), and
+with `causal` only its own block's keys at offsets up to o (and, when W < L, from o - (W - 1)).
+
 Training runs many blocks per packed row (`block_attention`: the XLA reference, a chunk of
 blocks at a time, or the fused Pallas kernel, as `attention.py` describes); decoding runs one
 block per row against a cache of context keys (`block_attention_cached`). Shape letters
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.models import attention
 from dflash_jax.models.chunking import map_block_chunks
@@ -36,6 +42,15 @@ def block_context_mask(
     return mask
 
 
+def own_block_mask(block_len: int, window: int, causal: bool) -> np.ndarray | None:
+    """[L, L] which keys of its own block (by offset, last axis) a query offset sees; None: all."""
+    if not causal and not 0 < window < block_len:
+        return None
+    query, key = np.arange(block_len)[:, None], np.arange(block_len)[None, :]
+    visible = key <= query if causal else np.ones((block_len, block_len), bool)
+    return visible & (key > query - window) if window else visible
+
+
 def block_attention(
     q: jax.Array,
     k_ctx: jax.Array,
@@ -46,17 +61,27 @@ def block_attention(
     *,
     blocks_per_chunk: int,
     implementation: str,
+    window: int = 0,
+    causal: bool = False,
+    positions: jax.Array | None = None,
+    ctx_positions: jax.Array | None = None,
 ) -> jax.Array:
     """DFlash training attention (docs/design.md §2): every query of block n sees its own block's
-    L keys and the context keys `ctx_mask[:, n]` allows.
+    L keys and the context keys `ctx_mask[:, n]` allows, narrowed by `window` and `causal` (the
+    module docstring).
 
     q [B, N, L, K*G, H]; k_blk, v_blk [B, N, L, K, H]; k_ctx, v_ctx [B, S, K, H]; ctx_mask
-    [B, N, S] -> [B, N, L, K*G, H]. The XLA path runs `blocks_per_chunk` blocks at a time, each
-    chunk rematerialized in the backward pass, so no [N·L, S] score tensor for all blocks ever
-    lives. `implementation`: 'xla' or 'fused' (resolved). The fused path reads each block's mask as one span [start, end) (what
-    `block_context_mask` gives for contiguous documents) and visits only those keys.
+    [B, N, S] -> [B, N, L, K*G, H]. A window W > 0 needs the in-document positions of the block
+    tokens [B, N, L] and of the context [B, S]: a query sees a context key only if their positions
+    differ by less than W (inside a document positions differ as row indices do, so this is
+    key >= anchor + o - (W - 1)).
+    The XLA path runs `blocks_per_chunk` blocks at a time, each chunk rematerialized in the
+    backward pass, so no [N·L, S] score tensor for all blocks ever lives. `implementation`: 'xla'
+    or 'fused' (resolved). The fused path reads each block's mask as one span [start, end) (what
+    `block_context_mask` gives for contiguous documents) and visits only those keys; it has no
+    window or causal pattern, so such layers run the XLA path.
     """
-    if implementation == "fused" and attention.fused_supported(q):
+    if implementation == "fused" and attention.fused_supported(q) and not window and not causal:
         from dflash_jax.models.kernels import block as fused_block
 
         start, end = fused_block.context_spans(ctx_mask)
@@ -74,32 +99,45 @@ def block_attention(
             ),
             attention.HEADS_SPEC,
         )
-    return _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk)
+    if window and (positions is None or ctx_positions is None):
+        raise ValueError("a sliding window needs the block and context positions")
+    return _block_attention_xla(
+        q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk, window, causal, positions, ctx_positions
+    )
 
 
-def _block_attention_xla(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk):
+def _block_attention_xla(
+    q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk, window, causal, positions, ctx_positions
+):
     b, _, block_len, heads, h = q.shape
     kv = k_ctx.shape[2]
     g = heads // kv
     kc, vc = k_ctx.transpose(0, 2, 1, 3), v_ctx.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    own_mask = own_block_mask(block_len, window, causal)
 
-    def chunk(qc, kb, vb, mc):  # the same arrays, N cut to a chunk of c blocks
+    def chunk(qc, kb, vb, mc, *position_chunk):  # the same arrays, N cut to a chunk of c blocks
         c = qc.shape[1]
         qh = qc.reshape(b, c, block_len, kv, g, h).transpose(0, 3, 1, 4, 2, 5)  # [B, K, c, G, L, H]
         kbh, vbh = kb.transpose(0, 3, 1, 2, 4), vb.transpose(0, 3, 1, 2, 4)  # [B, K, c, L, H]
         s_ctx = attention.scaled_scores(qh.reshape(b, kv, c * g * block_len, h), kc, "BKMH,BKSH->BKMS")
         s_ctx = s_ctx.reshape(b, kv, c, g, block_len, -1)
-        s_ctx = jnp.where(mc[:, None, :, None, None, :], s_ctx, MASKED).reshape(b, kv, c, g * block_len, -1)
+        visible = mc[:, :, None, :]  # [B, c, 1, S], or per query [B, c, L, S] under a window
+        if window:
+            visible = visible & (position_chunk[0][..., None] - ctx_positions[:, None, None, :] < window)
+        s_ctx = jnp.where(visible[:, None, :, None], s_ctx, MASKED).reshape(b, kv, c, g * block_len, -1)
         s_blk = attention.scaled_scores(
             qh.reshape(b, kv, c, g * block_len, h), kbh, "BKCQH,BKCPH->BKCQP"
         )  # P: own keys
+        if own_mask is not None:  # rows are (G, L): the mask repeats for every head of the group
+            s_blk = jnp.where(np.tile(own_mask, (g, 1)), s_blk, MASKED)
         (w_ctx, w_blk), denominator = attention.unnormalized_softmax(s_ctx, s_blk)
         out = attention.weighted_values(w_ctx.reshape(b, kv, c * g * block_len, -1), vc, "BKMS,BKSH->BKMH")
         out = out.reshape(b, kv, c, g * block_len, h) + attention.weighted_values(w_blk, vbh, "BKCQP,BKCPH->BKCQH")
         out = (out / denominator).astype(qc.dtype)
         return out.reshape(b, kv, c, g, block_len, h).transpose(0, 2, 4, 1, 3, 5).reshape(qc.shape)
 
-    return map_block_chunks(chunk, (q, k_blk, v_blk, ctx_mask), blocks_per_chunk)
+    chunked = (q, k_blk, v_blk, ctx_mask) + ((positions,) if window else ())
+    return map_block_chunks(chunk, chunked, blocks_per_chunk)
 
 
 def block_attention_cached(
@@ -109,19 +147,30 @@ def block_attention_cached(
     cache_lengths: jax.Array,
     k_blk: jax.Array,
     v_blk: jax.Array,
+    *,
+    window: int = 0,
+    causal: bool = False,
 ) -> jax.Array:
     """One block per row against its cached context, the cache attended in place.
 
     q [B, L, K*G, H]; k_blk, v_blk [B, L, K, H]; k_cache, v_cache [B, M, K, H] of which the
-    first cache_lengths[b] slots are context -> [B, L, K*G, H]. Scores against the cache and
-    against the block share one softmax; the cache is never concatenated with the block.
+    first cache_lengths[b] slots are context -> [B, L, K*G, H]. Slot m holds position m and the
+    anchor sits at position cache_lengths[b] (`decoding/speculative.py`), so under a window W the
+    query at offset o sees the slots from cache_lengths + o - (W - 1) on; `window` and `causal`
+    as in `block_attention`. Scores against the cache and against the block share one softmax;
+    the cache is never concatenated with the block.
     """
     qg = attention.grouped(q, k_cache.shape[-2])
-    visible = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, M]
-    s_ctx = jnp.where(
-        visible[:, None, None, None, :], attention.scaled_scores(qg, k_cache, "BLKGH,BMKH->BKGLM"), MASKED
-    )
+    block_len = q.shape[1]
+    slots = jnp.arange(k_cache.shape[1])[None, None, :]
+    visible = slots < cache_lengths[:, None, None]  # [B, 1, M], or per query [B, L, M] under a window
+    if window:
+        visible = visible & (slots > cache_lengths[:, None, None] + jnp.arange(block_len)[None, :, None] - window)
+    s_ctx = jnp.where(visible[:, None, None], attention.scaled_scores(qg, k_cache, "BLKGH,BMKH->BKGLM"), MASKED)
     s_blk = attention.scaled_scores(qg, k_blk, "BLKGH,BPKH->BKGLP")
+    own_mask = own_block_mask(block_len, window, causal)
+    if own_mask is not None:
+        s_blk = jnp.where(own_mask, s_blk, MASKED)
     (w_ctx, w_blk), denominator = attention.unnormalized_softmax(s_ctx, s_blk)  # [B, K, G, L, ·]
     out = attention.weighted_values(w_ctx, v_cache, "BKGLM,BMKH->BLKGH") + attention.weighted_values(
         w_blk, v_blk, "BKGLP,BPKH->BLKGH"

@@ -5,7 +5,9 @@ embedding and no LM head: callers embed block tokens and unembed its output with
 target (`Transformer.embed` / `Transformer.unembed`).
 
 Every layer attends from the block's tokens to [context keys ‖ own block keys], where context
-keys/values are the layer's own k/v projections of `ctx = hidden_norm(fc(target features))`.
+keys/values are the layer's own k/v projections of `ctx = hidden_norm(fc(target features))`;
+sliding layers see only a window of the context and their block causally
+(`DrafterConfig.attention_pattern`, `block_attention`).
 Training runs many blocks per packed row (`__call__`); decoding runs one block against a cache
 of context keys/values (`extend_context` + `decode`). Shapes: B rows, N blocks, L block length,
 S context positions, D model dim, F = k·D target features.
@@ -38,6 +40,8 @@ class DraftBlocks:
     ctx: jax.Array  # [B, S, D]: hidden_norm(fc(target features)), shared by every layer
     ctx_rotary: Rotary  # tables of the context positions [B, S]
     ctx_mask: jax.Array  # [B, N, S]: the context each block sees (`block_attention.block_context_mask`)
+    positions: jax.Array  # [B, N, L]: in-document positions of the block tokens (sliding windows)
+    ctx_positions: jax.Array  # [B, S]: in-document positions of the context
     blocks_per_chunk: int = flax.struct.field(pytree_node=False, default=32)
 
 
@@ -51,7 +55,13 @@ class DraftStep:
 
 class DFlashAttention(AttentionProjections):
     """The drafter's attention: queries from the block only; keys/values from the context (the
-    layer's own k/v projections of ctx) and from the block itself (non-causal)."""
+    layer's own k/v projections of ctx) and from the block itself. `window` (0 = none) and
+    `causal` narrow what a query sees (`block_attention`)."""
+
+    def __init__(self, *, window: int = 0, causal: bool = False, **projections):
+        super().__init__(**projections)
+        self.window = window
+        self.causal = causal
 
     def __call__(self, h: jax.Array, blocks: DraftBlocks) -> jax.Array:
         """h [B, N, L, D] -> [B, N, L, D]."""
@@ -67,6 +77,10 @@ class DFlashAttention(AttentionProjections):
             blocks.ctx_mask,
             blocks_per_chunk=blocks.blocks_per_chunk,
             implementation=self.implementation,
+            window=self.window,
+            causal=self.causal,
+            positions=blocks.positions,
+            ctx_positions=blocks.ctx_positions,
         )
         return self.output(attn)
 
@@ -74,7 +88,9 @@ class DFlashAttention(AttentionProjections):
         """One block h [B, L, D] against the cached context -> ([B, L, D], the cache unchanged)."""
         q, _ = self.queries(h, step.rotary)
         k, v = self.keys_values(h, step.rotary)
-        attn = block_attention.block_attention_cached(q, cache.k, cache.v, step.lengths, k, v)
+        attn = block_attention.block_attention_cached(
+            q, cache.k, cache.v, step.lengths, k, v, window=self.window, causal=self.causal
+        )
         return self.output(attn), cache
 
     def write_context(self, ctx: jax.Array, tables: Rotary, cache: LayerCache, start: jax.Array) -> LayerCache:
@@ -83,8 +99,11 @@ class DFlashAttention(AttentionProjections):
         return cache.write(k, v, start)
 
 
-def drafter_layer(cfg: DrafterConfig, *, attention: str, dtypes: dict, rngs) -> DecoderBlock:
+def drafter_layer(cfg: DrafterConfig, index: int, *, attention: str, dtypes: dict, rngs) -> DecoderBlock:
+    window, causal = cfg.attention_pattern(index)
     mixer = DFlashAttention(
+        window=window,
+        causal=causal,
         hidden_size=cfg.hidden_size,
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
@@ -126,7 +145,7 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.layers = nnx.List(
-            [drafter_layer(cfg, attention=attention, dtypes=dtypes, rngs=rngs) for _ in range(cfg.num_layers)]
+            [drafter_layer(cfg, i, attention=attention, dtypes=dtypes, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
 
@@ -163,6 +182,8 @@ class DFlashDrafter(nnx.Module):
             ctx,
             self._rotary(ctx_positions, bound),
             ctx_mask,
+            block_positions,
+            ctx_positions,
             blocks_per_chunk=blocks_per_chunk,
         )
 

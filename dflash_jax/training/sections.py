@@ -68,6 +68,11 @@ class DrafterSettings:
     head_dim: int = 0
     # How many target layers the default spread reads when target_layer_ids is (); 0 = num_layers.
     num_context_layers: int = 0
+    # Per layer 'full_attention' or 'sliding_attention' (released drafters: four sliding, then one
+    # full); () = all full.
+    layer_types: tuple[str, ...] = ()
+    # Context positions a sliding layer's query sees, its own included (released drafters: 2048).
+    sliding_window: int = 0
 
     def problems(self) -> list[str]:
         return _at_least(
@@ -81,6 +86,7 @@ class DrafterSettings:
             num_kv_heads=0,
             head_dim=0,
             num_context_layers=0,
+            sliding_window=0,
         )
 
 
