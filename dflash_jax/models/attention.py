@@ -7,6 +7,13 @@ length, M cache slots, K kv heads, G query heads per kv head (GQA), H head dim. 
 a large finite negative value, so a fully masked row yields a finite (uniform) average instead of
 NaN (docs/design.md §3.2).
 
+gpt-oss targets add two options to the target's patterns (both off by default, and then the code
+is the plain causal attention): `sliding_window` W > 0, where a query at position i sees only the
+keys i - W < j <= i (transformers' sliding mask), and `sinks` [K*G], one learned logit per query
+head that joins the softmax as an extra column whose probability is dropped: the outputs are
+Σ p_j v_j with the p_j normalized by Σ exp(s_j) + exp(sink). A fully masked row with a sink
+yields zeros.
+
 Training's two patterns have two implementations; the model's attention mixers hold which one
 they use (the config's `train.attention`, resolved once by `resolve_implementation`) and pass
 it to every call, like maxtext's `AttentionOp` holds its kernel:
@@ -27,6 +34,7 @@ Decoding (`attend` with a cache mask, `block_attention.block_attention_cached`) 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -59,25 +67,37 @@ def scaled_scores(qg: jax.Array, k: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(spec, qg, k, preferred_element_type=jnp.float32) * (qg.shape[-1] ** -0.5)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [B, T, K*G, H], k/v [B, S, K, H], mask [B, T, S] (True = visible) -> [B, T, K*G, H]."""
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """q [B, T, K*G, H], k/v [B, S, K, H], mask [B, T, S] (True = visible), optional sinks
+    [K*G] -> [B, T, K*G, H]."""
     qg = grouped(q, k.shape[-2])
     scores = jnp.where(mask[:, None, None], scaled_scores(qg, k, "BTKGH,BSKH->BKGTS"), MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(q.shape)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(qg.shape[-3:-1])[:, :, None, None]  # [K, G, 1, 1]
+        (weights,), denominator = unnormalized_softmax(scores, sink=sink)
+        probs = weights / denominator
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v).reshape(q.shape)
 
 
-def unnormalized_softmax(*parts: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
+def unnormalized_softmax(*parts: jax.Array, sink: jax.Array | None = None) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """Softmax over the concatenation of score arrays [..., S_i] along their last axis, left
     unnormalized: (exp(part - max) for each part, their common denominator [..., 1]).
 
     Callers multiply the exponentials with the values and divide the [..., head_dim] result
     instead of the [..., S] probabilities: one pass over the scores fewer. The parts are never
-    concatenated.
+    concatenated. `sink` (broadcastable to [..., 1]): one more logit per row that joins the max
+    and the denominator but weighs no value (gpt-oss' attention sinks).
     """
     m = jnp.max(jnp.stack([p.max(-1, keepdims=True) for p in parts]), axis=0)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
     exps = tuple(jnp.exp(p - m) for p in parts)
-    return exps, sum(e.sum(-1, keepdims=True) for e in exps)
+    denominator = sum(e.sum(-1, keepdims=True) for e in exps)
+    if sink is not None:
+        denominator = denominator + jnp.exp(sink - m)
+    return exps, denominator
 
 
 def weighted_values(weights: jax.Array, v: jax.Array, spec: str) -> jax.Array:
@@ -87,70 +107,105 @@ def weighted_values(weights: jax.Array, v: jax.Array, spec: str) -> jax.Array:
 
 def packed_causal_tiles(seq_len: int) -> tuple[tuple[int, int], ...]:
     """The XLA packed causal attention's query tiles [lo, hi): up to 8 equal tiles, none shorter
-    than 128 queries; tile [lo, hi) attends to keys [0, hi). On CPU, 64-query tiles made the
-    batched score matmuls too small to run at speed: at S = 512, 4 tiles compute 11 % more pairs
-    than 8 and the train step is 2-7 % faster (`bench/train_step_ab.py`)."""
+    than 128 queries; tile [lo, hi) attends to keys [0, hi) (from `window_start(lo, W)` under a
+    sliding window W). On CPU, 64-query tiles made the batched score matmuls too small to run at
+    speed: at S = 512, 4 tiles compute 11 % more pairs than 8 and the train step is 2-7 % faster
+    (`bench/train_step_ab.py`)."""
     n = max(1, min(8, seq_len // 128))
     bounds = [round(i * seq_len / n) for i in range(n + 1)]
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
-def packed_causal_pairs(seq_len: int) -> int:
+def window_start(first_query: int, sliding_window: int) -> int:
+    """The first key any query at or after `first_query` sees under a sliding window (0: none)."""
+    return max(0, first_query - sliding_window + 1) if sliding_window else 0
+
+
+def packed_causal_pairs(seq_len: int, sliding_window: int = 0) -> int:
     """(query, key) pairs per row and head the XLA packed causal attention computes: the tiles
-    on and below the diagonal, S·(S + S/n)/2 for n tiles instead of S² (the bench's FLOP count)."""
-    return sum((hi - lo) * hi for lo, hi in packed_causal_tiles(seq_len))
+    on and below the diagonal, S·(S + S/n)/2 for n tiles instead of S² (the bench's FLOP count);
+    with a sliding window only the keys from the window start of each tile's first query."""
+    return sum((hi - lo) * (hi - window_start(lo, sliding_window)) for lo, hi in packed_causal_tiles(seq_len))
 
 
 def packed_causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, implementation: str
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    implementation: str,
+    sliding_window: int = 0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The target's attention over packed rows: causal, never across documents.
 
     q [B, S, K*G, H], k/v [B, S, K, H], segment_ids [B, S] (0 = padding) -> [B, S, K*G, H].
     Equals `attend` under the causal same-document mask (outputs at padding positions are
     unspecified on the fused path). `implementation`: 'xla' or 'fused' (resolved).
+    `sliding_window` (0: none) and `sinks` [K*G] fp32 (None: none): the module docstring.
     """
     if implementation == "fused" and fused_supported(q):
         from dflash_jax.models.kernels import packed_causal
 
+        kernel = functools.partial(packed_causal.packed_causal_attention, sliding_window=sliding_window)
+        if sinks is None:
+            return per_shard(kernel, (q, k, v, segment_ids), (HEADS_SPEC, KV_SPEC, KV_SPEC, ROWS_SPEC), HEADS_SPEC)
+        # Sinks laid out like q's rows and heads, so each shard gets its own heads' sinks.
+        row_sinks = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (q.shape[0], 1, q.shape[2], 1))
+
+        def with_sinks(q, k, v, segment_ids, row_sinks):
+            return kernel(q, k, v, segment_ids, sinks=row_sinks[0, 0, :, 0])
+
         return per_shard(
-            packed_causal.packed_causal_attention,
-            (q, k, v, segment_ids),
-            (HEADS_SPEC, KV_SPEC, ROWS_SPEC),
+            with_sinks,
+            (q, k, v, segment_ids, row_sinks),
+            (HEADS_SPEC, KV_SPEC, KV_SPEC, ROWS_SPEC, HEADS_SPEC),
             HEADS_SPEC,
         )
-    return _packed_causal_xla(q, k, v, segment_ids)
+    return _packed_causal_xla(q, k, v, segment_ids, sliding_window, sinks)
 
 
-def _packed_causal_xla(q, k, v, segment_ids):
+def _packed_causal_xla(q, k, v, segment_ids, sliding_window=0, sinks=None):
     b, s, heads, h = q.shape
     kv = k.shape[2]
     g = heads // kv
     qh = q.reshape(b, s, kv, g, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, S, H]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
     same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] != 0)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv, g, 1)
     outs = []
     for lo, hi in packed_causal_tiles(s):
-        t = hi - lo
-        scores = scaled_scores(qh[:, :, :, lo:hi].reshape(b, kv, g * t, h), kh[:, :, :hi], "BKMH,BKSH->BKMS")
-        causal = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]
-        mask = same_doc[:, lo:hi, :hi] & causal
-        scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, t, hi), MASKED)
-        (weights,), denominator = unnormalized_softmax(scores.reshape(b, kv, g * t, hi))
-        out = weighted_values(weights, vh[:, :, :hi], "BKMS,BKSH->BKMH") / denominator
+        # Keys [first, hi): keys before the window of the tile's first query are never computed.
+        t, first = hi - lo, window_start(lo, sliding_window)
+        num_keys = hi - first
+        scores = scaled_scores(qh[:, :, :, lo:hi].reshape(b, kv, g * t, h), kh[:, :, first:hi], "BKMH,BKSH->BKMS")
+        causal = jnp.arange(lo, hi)[:, None] >= jnp.arange(first, hi)[None, :]
+        if sliding_window:
+            causal &= jnp.arange(lo, hi)[:, None] - jnp.arange(first, hi)[None, :] < sliding_window
+        mask = same_doc[:, lo:hi, first:hi] & causal
+        scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, t, num_keys), MASKED)
+        tile_sink = None if sink is None else jnp.broadcast_to(sink, (kv, g, t)).reshape(kv, g * t, 1)
+        (weights,), denominator = unnormalized_softmax(scores.reshape(b, kv, g * t, num_keys), sink=tile_sink)
+        out = weighted_values(weights, vh[:, :, first:hi], "BKMS,BKSH->BKMH") / denominator
         outs.append(out.astype(v.dtype).reshape(b, kv, g, t, h))
     out = jnp.concatenate(outs, axis=3)  # [B, K, G, S, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
 
 
-def cached_causal_mask(lengths: jax.Array, num_new: int, cache_size: int) -> jax.Array:
+def cached_causal_mask(lengths: jax.Array, num_new: int, cache_size: int, sliding_window: int = 0) -> jax.Array:
     """[B, T, M] mask for `num_new` tokens appended at `lengths` [B] to a cache of M slots.
 
     New token t sees every cached slot before it and the new tokens up to itself; slots past the
-    current length hold stale entries from rolled-back drafts and are never visible.
+    current length hold stale entries from rolled-back drafts and are never visible. With a
+    sliding window W > 0 it sees only the last W slots up to itself (the cache keeps them all).
     """
     query_slot = lengths[:, None] + jnp.arange(num_new)[None, :]
-    return jnp.arange(cache_size)[None, None, :] <= query_slot[:, :, None]
+    slots = jnp.arange(cache_size)[None, None, :]
+    visible = slots <= query_slot[:, :, None]
+    if sliding_window:
+        visible &= slots > query_slot[:, :, None] - sliding_window
+    return visible
 
 
 # The fused kernels run per shard: rows split as the activations' batch axis, heads as theirs.

@@ -2,7 +2,8 @@
 
 * `packed_causal.packed_causal_attention`: the target's causal attention over packed rows,
   forward only (the target is frozen). Each tile of queries walks the key tiles from the start
-  of its first query's document to the diagonal; tiles of earlier documents are never visited.
+  of its first query's document (or of its sliding window, if later) to the diagonal; tiles of
+  earlier documents, or before the window, are never visited. Optional attention sinks.
 * `block.block_attention`: the drafter's DFlash block attention (docs/design.md §3.2) with its
   backward pass. Each block's queries walk only the context tiles of its span (its document's
   keys before the anchor) and then its own block; the backward pass computes dq and the block's

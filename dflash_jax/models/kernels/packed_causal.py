@@ -5,6 +5,10 @@ attention read in place, never repeated). It walks the key tiles from the tile h
 document start of its first query up to the diagonal, with an online softmax in base 2 (the
 FlashAttention-2 forward); a query sees the keys of its own document up to itself. Rows of
 several documents therefore cost about the sum of their documents' squares, not the row's.
+With a sliding window W the walk starts at the tile holding the window start of the first query
+(never earlier than its document start): a query tile visits about (block_q + W) / block_k key
+tiles, however long the row. Attention sinks start the online softmax: the running max at the
+sink's logit and the running denominator at exp(0) = 1, as if one key of value zero came first.
 The target is frozen, so no backward pass is defined.
 """
 
@@ -34,12 +38,17 @@ def document_starts(segment_ids: jax.Array) -> jax.Array:
     return jax.lax.cummax(jnp.where(new_run, index, 0), axis=1)
 
 
-def _kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, start_ref, o_ref, *, scale, block_q, block_k):
+def _kernel(
+    q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, start_ref, *refs, scale, block_q, block_k, sliding_window, has_sinks
+):
+    sink_ref, o_ref = refs if has_sinks else (None, *refs)
     tile = pl.program_id(0)
     q = q_ref[...]  # [block_q, H]
     seg_q = seg_q_ref[...]
     q_pos = tile * block_q + jnp.arange(block_q)
     first_key = jnp.min(start_ref[...])  # document start of the tile's first query
+    if sliding_window:
+        first_key = jnp.maximum(first_key, tile * block_q - sliding_window + 1)
 
     def body(j, carry):
         acc, m, total = carry
@@ -48,6 +57,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, start_ref, o_ref, *, scal
         s = plgpu.dot(q, k.T) * (scale * LOG2_E)  # fp32 [block_q, block_k]
         k_pos = j * block_k + jnp.arange(block_k)
         visible = (seg_q[:, None] == seg_k_ref[keys][None, :]) & (q_pos[:, None] >= k_pos[None, :])
+        if sliding_window:
+            visible &= q_pos[:, None] - k_pos[None, :] < sliding_window
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp2(m - m_new)
@@ -59,19 +70,28 @@ def _kernel(q_ref, k_ref, v_ref, seg_q_ref, seg_k_ref, start_ref, o_ref, *, scal
     head_dim = q.shape[-1]
     init = (
         jnp.zeros((block_q, head_dim), jnp.float32),
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
+        sink_ref[...] * LOG2_E if has_sinks else jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.ones((block_q,), jnp.float32) if has_sinks else jnp.zeros((block_q,), jnp.float32),
     )
     last = lax.div((tile + 1) * block_q + block_k - 1, block_k)
     acc, _, total = lax.fori_loop(lax.div(first_key, block_k), last, body, init)
     o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
 
 
-def packed_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def packed_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    sliding_window: int = 0,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
     """q [B, S, K*G, H], k/v [B, S, K, H], segment_ids [B, S] -> [B, S, K*G, H].
 
-    Same result as `attention.attend` under the causal same-document mask at
-    every non-padding position. S is padded to a multiple of the tile sizes inside.
+    Same result as `attention.attend` under the causal same-document mask (and the sliding
+    window, with the sinks [K*G], where given) at every non-padding position. S is padded to a
+    multiple of the tile sizes inside.
     """
     b, s, heads, head_dim = q.shape
     group = heads // k.shape[2]
@@ -82,22 +102,35 @@ def packed_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
     padded = s + pad
     starts = document_starts(segment_ids)
-    kernel = functools.partial(_kernel, scale=head_dim**-0.5, block_q=BLOCK_Q, block_k=BLOCK_K)
+    kernel = functools.partial(
+        _kernel,
+        scale=head_dim**-0.5,
+        block_q=BLOCK_Q,
+        block_k=BLOCK_K,
+        sliding_window=sliding_window,
+        has_sinks=sinks is not None,
+    )
+    in_specs = [
+        pl.BlockSpec((None, BLOCK_Q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
+        pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
+        pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
+        pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
+        pl.BlockSpec((None, padded), lambda i, r, h: (r, 0)),
+        pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
+    ]
+    inputs = [q, k, v, segment_ids, segment_ids, starts]
+    if sinks is not None:
+        # One row of BLOCK_Q copies per head: Triton loads power-of-two blocks, not scalars.
+        inputs.append(jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (heads, BLOCK_Q)))
+        in_specs.append(pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (h, 0)))
     out = pl.pallas_call(
         kernel,
         grid=(padded // BLOCK_Q, b, heads),
-        in_specs=[
-            pl.BlockSpec((None, BLOCK_Q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
-            pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
-            pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
-            pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
-            pl.BlockSpec((None, padded), lambda i, r, h: (r, 0)),
-            pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, BLOCK_Q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret_mode(),
         name="packed_causal_attention",
-    )(q, k, v, segment_ids, segment_ids, starts)
+    )(*inputs)
     return out[:, :s]
