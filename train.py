@@ -14,7 +14,6 @@ data section: dflash_jax/data/config.py). Rerunning with the same workdir resume
 import os
 
 import jax
-from absl import app
 
 from dflash_jax import cli
 from dflash_jax.training import config as config_lib
@@ -26,9 +25,7 @@ from dflash_jax.training.summary import summary
 _CONFIG = cli.define_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"))
 
 
-def main(argv) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv) -> int:  # cli.run has refused stray arguments already
     config = _CONFIG.value
     dist = config_lib.resolve_distributed(config)
     initialize_distributed(dist.coordinator_address, dist.num_processes, dist.process_id)

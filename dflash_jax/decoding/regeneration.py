@@ -17,6 +17,7 @@ from absl import logging
 from tqdm import tqdm
 
 from dflash_jax.decoding.chat import conversation, decode_row, jsonl_lines
+from dflash_jax.errors import DataError
 
 
 def failures_path(output: str) -> str:
@@ -43,7 +44,7 @@ def completed_lines(output: str) -> set[int]:
         try:
             done.add(int(json.loads(line)["regenerated"]["line"]))
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{output}:{number} is not a regenerated row; is this the right --output?") from None
+            raise DataError(f"{output}:{number} is not a regenerated row; is this the right --output?") from None
     return done
 
 

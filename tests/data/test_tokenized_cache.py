@@ -143,7 +143,7 @@ def test_prepare_command_builds_the_cache_and_prints_steps(tmp_path, target, sou
         "    return config\n"
     )
     run = subprocess.run(
-        [sys.executable, "-m", "dflash_jax.prepare", f"--config={config}", "--epochs=2"],
+        [sys.executable, "-m", "dflash_jax.prepare", f"--config={config}", "--num_epochs=2"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -118,7 +118,7 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     # The export at the end is what `python -m dflash_jax.export` writes from the checkpoint.
     out = tmp_path / "exported"
     subprocess.run(
-        [sys.executable, "-m", "dflash_jax.export", f"--workdir={reference}", f"--out={out}"],
+        [sys.executable, "-m", "dflash_jax.export", f"--workdir={reference}", f"--output={out}"],
         env=env,
         check=True,
         capture_output=True,

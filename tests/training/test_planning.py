@@ -147,7 +147,7 @@ def test_plan_command_on_the_tiny_config(tmp_path):
             f"--config={testing.REPO / 'configs' / 'default.py'}",
             "--num_devices=2",
             "--config.mesh.fsdp=2",
-            f"--hlo_out={hlo}",
+            f"--hlo_output={hlo}",
         ],
         env=env,
         capture_output=True,
