@@ -99,7 +99,7 @@ def _fill(abstract_model, read: Callable, mesh: Mesh | None, source: str):
             raise ModelError(f"{source}: missing tensor {e.args[0]!r}") from None
         if tuple(tensor.shape) != tuple(leaf.shape):
             raise ModelError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)} in our layout, expected {tuple(leaf.shape)}"
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(leaf.shape)} (Linear kernels compared as [in, out])"
             )
         host = np.ascontiguousarray(tensor.astype(_NUMPY_DTYPES[jnp.dtype(leaf.dtype)]))
         sharding = param_sharding(mesh, path, leaf.shape) if mesh is not None else None

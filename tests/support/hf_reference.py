@@ -35,6 +35,12 @@ FAMILIES = {
         "Qwen3NextForCausalLM",
         dict(**LINEAR, **MOE, shared_expert_intermediate_size=32),
     ),
+    # A window shorter than the tests' rows; YaRN as published (factor 32 over 4096 positions).
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=16),
+    ),
 }
 
 
