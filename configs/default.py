@@ -34,6 +34,7 @@ def get_config():
     c.train.num_epochs = 3  # 186 steps each; 2 epochs: -0.05 held-out tau (README)
     c.train.num_anchors = 64
     c.train.learning_rate = 3e-3
+    c.train.loss = "dpace"  # D-PACE weights: +0.075 held-out tau@64 over 'dflash', two seeds (README)
     c.train.attention_chunk_blocks = 16
     c.train.lm_head_chunk_blocks = 16
 

@@ -163,7 +163,8 @@ def make_train_step(
 
     The attention code is the graphs' own (`Transformer(attention=...)`, `drafter_graph`).
     `batch` is a dict of global int32 [rows, seq_len] arrays sharded with `batch_sharding`.
-    Micro-batches accumulate Σ w·CE, its gradient and Σw; both are divided by the global Σw once
+    Micro-batches accumulate Σ w·CE, its gradient and the loss denominator `sums['weight']` (Σw for
+    'dflash', the documents for 'dpace'); both are divided by the global denominator once
     (docs/design.md §3.3), and each row's anchors come from the row's own key, so 1 x 16 rows
     and 4 x 4 rows give the same update.
     """
@@ -190,7 +191,7 @@ def make_train_step(
         micro_batches, micro_row_ids = _split_micro_batches(batch, grad_accum_steps, mesh)
         grads, micro_sums = jax.lax.scan(accumulate, zeros, (micro_batches, micro_row_ids))
         sums = jax.tree.map(lambda x: x.sum(0), micro_sums)
-        # Σw does not depend on the weights: d(Σ w·CE / Σw) = d(Σ w·CE) / Σw. Nothing scored: 0.
+        # The denominator does not depend on the weights: d(Σ w·CE / n) = d(Σ w·CE) / n. Nothing scored: 0.
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
