@@ -15,6 +15,9 @@ import dataclasses
 
 import numpy as np
 
+# The int32 [rows, seq_len] arrays of a packed batch (docs/design.md §6.5).
+FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
+
 
 @dataclasses.dataclass(frozen=True)
 class EpochPlan:

@@ -46,9 +46,7 @@ from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.cache import TokenizedCache
 from dflash_jax.data.config import DataConfig
 from dflash_jax.data.heldout import heldout_samples
-from dflash_jax.data.packing import EpochPlan, plan_epoch
-
-FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
+from dflash_jax.data.packing import FIELDS, EpochPlan, plan_epoch
 
 
 class DataPipeline:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_jax.data.packing import FIELDS
+
 
 def packed_batch(
     rng: np.random.Generator,
@@ -20,7 +22,7 @@ def packed_batch(
     doc_len: tuple[int, int] = (8, 48),
     counting: bool = False,
 ) -> dict[str, np.ndarray]:
-    batch = {k: np.zeros((rows, seq_len), np.int32) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+    batch = {k: np.zeros((rows, seq_len), np.int32) for k in FIELDS}
     for r in range(rows):
         start, segment = 0, 1
         while start < seq_len - doc_len[0]:

@@ -31,7 +31,6 @@ from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, constrain_
 from dflash_jax.models.transformer import Transformer
 
 Batch = dict[str, jax.Array]
-BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 # docs/design.md §3.3: the paper's loss decay γ per block size; other sizes need an explicit γ.
 PAPER_LOSS_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

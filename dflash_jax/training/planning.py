@@ -23,12 +23,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from dflash_jax.data.packing import FIELDS
 from dflash_jax.models import sharding
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.mesh import batch_sharding, make_mesh, mesh_axes_description
-from dflash_jax.training.objective import BATCH_KEYS
 
 GIB = 2**30
 # Of the HBM, what a step may plan to use: the runtime, the compiler's scratch and
@@ -82,7 +82,7 @@ def abstract_target(setup: TrainSetup, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.St
 
 def abstract_batch(setup: TrainSetup, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
     shape = (setup.data.global_batch_rows, setup.data.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh)) for k in FIELDS}
 
 
 def bytes_per_device(tree) -> int:

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dflash_jax.data.packing import FIELDS
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
@@ -141,7 +142,7 @@ def _split_micro_batches(batch: objective.Batch, num_micro: int, mesh: Mesh) -> 
         return jax.lax.with_sharding_constraint(x, spec)
 
     rows = batch["tokens"].shape[0]
-    return {k: split(batch[k]) for k in objective.BATCH_KEYS}, split(jnp.arange(rows))
+    return {k: split(batch[k]) for k in FIELDS}, split(jnp.arange(rows))
 
 
 def _all_finite(tree) -> jax.Array:
