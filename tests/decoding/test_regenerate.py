@@ -19,7 +19,7 @@ from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.http_client import ChatCompletionsClient
 from dflash_jax.decoding.regeneration import Regeneration
 from dflash_jax.decoding.sampling import GREEDY
-from dflash_jax.errors import UserError
+from dflash_jax.errors import DataError, UserError
 from dflash_jax.models.hf import load_target
 from support.chat_data import chat, write_jsonl
 
@@ -196,7 +196,7 @@ def test_resumes_without_duplicating_or_losing_rows(server, tmp_path):
 def test_output_that_is_not_a_regeneration_is_refused(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [chat("q")])
     output = write_jsonl(tmp_path / "out.jsonl", [chat("someone else's file")])
-    with pytest.raises(ValueError, match="out.jsonl:1 is not a regenerated row"):
+    with pytest.raises(DataError, match="out.jsonl:1 is not a regenerated row"):
         Regeneration(str(source), str(output)).run(InterruptedBackend(rows=1))
 
 

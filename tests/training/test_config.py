@@ -73,7 +73,7 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
             r"data.global_batch_rows=2 must be divisible by mesh data x fsdp \(4\) x train.grad_accum_steps",
         ),
         ({"train.grad_accum_steps": 8}, 1, r"train.grad_accum_steps \(8\) = 8"),
-        ({"target.path": "/nonexistent/model"}, 1, "target.path='/nonexistent/model' does not exist"),
+        ({"target.path": "/nonexistent/model"}, 1, "target.path=/nonexistent/model: no such directory"),
         ({"target.path": ""}, 1, "target.path is empty"),
         (
             {"data.train": "/nonexistent/train.jsonl"},
