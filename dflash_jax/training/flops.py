@@ -28,8 +28,8 @@ def remat_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
 
 def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: int) -> float:
     """Forward matmul FLOPs of target layer `index` over [rows, seq_len] packed rows: its mixer
-    (attention by the tiles below the diagonal; Gated DeltaNet's projections and chunked delta
-    rule) and its MLP (the chosen experts only, plus router and shared expert)."""
+    (attention by the tiles below the diagonal, inside the window of a sliding layer; Gated
+    DeltaNet's projections and chunked delta rule) and its MLP (the chosen experts only, plus router and shared expert)."""
     h, tokens = cfg.hidden_size, rows * seq_len
     if cfg.layer_types[index] == "linear_attention":
         lin = cfg.linear_attention
@@ -45,7 +45,8 @@ def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: i
     else:
         q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.family.attention_output_gate else 1)
         weights = h * (q_width + 2 * cfg.num_kv_heads * cfg.head_dim) + cfg.num_heads * cfg.head_dim * h
-        mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len) * cfg.num_heads * cfg.head_dim
+        window = cfg.sliding_window if cfg.layer_types[index] == "sliding_attention" else 0
+        mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len, window) * cfg.num_heads * cfg.head_dim
     if index in cfg.moe_layers:
         moe = cfg.moe
         mlp = h * moe.num_experts + 3 * h * moe.expert_intermediate_size * moe.num_experts_per_token
