@@ -12,8 +12,8 @@ The variant string picks the target size and options, comma-separated (big_visio
   block     b16 (default) | b10 | b8: the drafter's block size, with the paper's loss decay γ
   fsdp      split the frozen target's weights over 4 devices (mesh data=2 x fsdp=4)
 The drafter is shaped like the released ones for these targets: 5 Qwen3-style layers of 32 query
-heads over 8 kv heads of 128 (not the target's 24 x 256 gated heads), reading 5 target layers
-spread over the target's depth. A run reads the target's shape from its own config.json.
+heads over 8 kv heads of 128 (not the target's 24 x 256 gated heads), the first four with a
+sliding window of 2048, reading 5 target layers spread over the target's depth. A run reads the target's shape from its own config.json.
 """
 
 import os
@@ -42,6 +42,10 @@ def get_config(variants: str = "27b"):
     c.drafter.num_layers = 5
     c.drafter.num_heads, c.drafter.num_kv_heads, c.drafter.head_dim = 32, 8, 128
     c.drafter.intermediate_size = size["drafter_mlp"]
+    # Four sliding-window layers and a full one, window 2048, as the released drafters for these
+    # targets (SpecForge's DFlash mask for the sliding layers, docs/design.md §3.2).
+    c.drafter.layer_types = ("sliding_attention",) * 4 + ("full_attention",)
+    c.drafter.sliding_window = 2048
     c.drafter.block_size = BLOCK_SIZES[block or "b16"]
     c.data.seq_len = 3072
     c.data.global_batch_rows = 16
