@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -27,6 +25,7 @@ from dflash_jax.models.kernels import block as fused_block
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
 from support.reference_attention import packed_causal_mask
+from support.simulated_devices import run_script
 
 
 def _normal(key, shape, dtype=jnp.float32):
@@ -254,11 +253,5 @@ SHARDED_CHECK = textwrap.dedent(
 
 
 def test_fused_block_attention_runs_per_shard_on_a_mesh():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
-    )
-    result = subprocess.run([sys.executable, "-c", SHARDED_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    result = run_script(SHARDED_CHECK, devices=2, import_dir=os.path.dirname(__file__))
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

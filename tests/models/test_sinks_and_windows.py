@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 import textwrap
 import types
 
@@ -29,6 +27,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention, kernels
 from support.reference_attention import packed_causal_mask, sink_attention
+from support.simulated_devices import run_script
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -239,11 +238,5 @@ SHARDED_CHECK = textwrap.dedent(
 
 
 def test_fused_attention_runs_per_shard_with_sinks_following_their_heads():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
-    )
-    result = subprocess.run([sys.executable, "-c", SHARDED_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    result = run_script(SHARDED_CHECK, devices=2, import_dir=os.path.dirname(__file__))
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
