@@ -4,8 +4,9 @@
     python bench/anchor_study.py --study=objective        # 'dflash' against 'dpace' (two alphas)
     python bench/anchor_study.py --variants=anchor_scheme=document,anchor_scheme=row --seeds=0 --num_epochs=1
 
-A variant is a set of `train.` overrides of `configs/default.py`, `key=value` joined by `+`
-(`loss=dpace+dpace_alpha=0.8`); `--study` names a prepared list of them. Trains the default
+A variant is a set of overrides of `configs/default.py`, `key=value` joined by `+`
+(`loss=dpace+dpace_alpha=0.8`; a bare key is a `train.` field, others name their section:
+`data.docs_per_row=1`); `--study` names a prepared list of them. Trains the default
 config once per (variant, seed), the same number of steps each (the seed sets the drafter init,
 the anchors and the data order), then measures τ by real greedy speculative decoding on the
 bundled held-out prompts for every `--max_new_tokens`, and prints one row per run and the mean
@@ -62,9 +63,11 @@ def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     config = load_config_file(DEFAULT_CONFIG)
     config.workdir = os.path.join(args.root, f"{variant.replace('=', '-').replace('+', '_')}_s{seed}")
     for key, value in overrides(variant).items():
-        if key not in config.train:
-            raise ValueError(f"variant {variant!r}: train.{key} is not a field of the config")
-        config.train[key] = value
+        section, _, field = key.rpartition(".")
+        section = config[section or "train"]
+        if field not in section:
+            raise ValueError(f"variant {variant!r}: {key} is not a field of the config")
+        section[field] = value
     config.seed = config.data.seed = seed
     config.train.max_steps = args.max_steps
     config.train.num_epochs = args.num_epochs or config.train.num_epochs

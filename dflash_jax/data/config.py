@@ -42,6 +42,9 @@ class DataConfig:
     heldout_rows: int = 0
     # Open rows the best-fit packer chooses among; more = fuller rows, still random composition.
     pack_window: int = 64
+    # Most documents in one row; 0 = as many as fit. 1 = one conversation per row, padded, as
+    # per-conversation trainers batch (fewer tokens per step; for comparisons).
+    docs_per_row: int = 0
     # Grain read threads and batches prefetched per process (0 threads = load on the caller).
     read_threads: int = 1
     prefetch_batches: int = 2
@@ -57,6 +60,7 @@ class DataConfig:
             "seq_len": 2,
             "global_batch_rows": 1,
             "pack_window": 1,
+            "docs_per_row": 0,
             "tokenize_processes": 0,
             "seed": 0,
             "heldout_rows": 0,

@@ -1,6 +1,7 @@
 """The packing plan of an epoch: which documents go into which row of which batch.
 
-A plan is a pure function of (sample lengths, seq_len, rows per batch, seed, epoch, window):
+A plan is a pure function of (sample lengths, seq_len, rows per batch, seed, epoch, window, and
+the cap on documents per row):
 all samples are permuted globally (no length sorting, so batch composition changes every epoch)
 and placed in permutation order, each into the open row it fits best among a bounded window.
 The window keeps rows filled to ≥98% on chat-like lengths while every row still holds documents
@@ -40,22 +41,29 @@ class EpochPlan:
 
 
 def plan_epoch(
-    lengths: np.ndarray, seq_len: int, rows_per_batch: int, seed: int, epoch: int, window: int = 64
+    lengths: np.ndarray,
+    seq_len: int,
+    rows_per_batch: int,
+    seed: int,
+    epoch: int,
+    window: int = 64,
+    docs_per_row: int = 0,
 ) -> EpochPlan:
-    """Packs every sample once into rows of `seq_len`, grouped `rows_per_batch` to a batch."""
+    """Packs every sample once into rows of `seq_len`, grouped `rows_per_batch` to a batch; a row
+    holds at most `docs_per_row` documents (0 = as many as fit)."""
     if len(lengths) and lengths.max() > seq_len:
         raise ValueError(
             f"a sample of {lengths.max()} tokens exceeds seq_len {seq_len}; rebuild the cache for this seq_len"
         )
     order = np.random.default_rng([seed, epoch]).permutation(len(lengths))
-    rows = _best_fit(order, lengths, seq_len, window)
+    rows = _best_fit(order, lengths, seq_len, window, docs_per_row or len(lengths))
     _split_to_full_batches(rows, rows_per_batch)
     row_starts = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
     doc_ids = np.fromiter((d for r in rows for d in r), np.int64, count=len(lengths))
     return EpochPlan(epoch, rows_per_batch, doc_ids, row_starts)
 
 
-def _best_fit(order: np.ndarray, lengths: np.ndarray, seq_len: int, window: int) -> list[list[int]]:
+def _best_fit(order: np.ndarray, lengths: np.ndarray, seq_len: int, window: int, docs_per_row: int) -> list[list[int]]:
     smallest = int(lengths.min()) if len(lengths) else 1
     rows: list[list[int]] = []
     # Open rows sorted by free space (ascending), with their row numbers alongside.
@@ -73,7 +81,7 @@ def _best_fit(order: np.ndarray, lengths: np.ndarray, seq_len: int, window: int)
             row = len(rows)
             rows.append([doc])
             space = seq_len - n
-        if space >= smallest:
+        if space >= smallest and len(rows[row]) < docs_per_row:
             j = bisect.bisect_left(free, space)
             free.insert(j, space)
             open_rows.insert(j, row)

@@ -60,6 +60,7 @@ class DataPipeline:
         global_batch_rows: int,
         seed: int,
         pack_window: int = 64,
+        docs_per_row: int = 0,
         read_threads: int = 1,
         prefetch_batches: int = 2,
         heldout_rows: int = 0,
@@ -73,6 +74,7 @@ class DataPipeline:
         self.global_batch_rows = global_batch_rows
         self.seed = seed
         self.pack_window = pack_window
+        self.docs_per_row = docs_per_row
         self.read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch_batches)
         self._steps_in_epoch: dict[int, int] = {}
         # The iterator needs the current epoch's plan, and at an epoch boundary the next one.
@@ -87,6 +89,7 @@ class DataPipeline:
             global_batch_rows=data.global_batch_rows,
             seed=data.seed,
             pack_window=data.pack_window,
+            docs_per_row=data.docs_per_row,
             read_threads=data.read_threads,
             prefetch_batches=data.prefetch_batches,
             heldout_rows=data.heldout_rows,
@@ -132,6 +135,8 @@ class DataPipeline:
             "seed": self.seed,
             "pack_window": self.pack_window,
         }
+        if self.docs_per_row:  # absent otherwise, so runs saved before the cap still resume
+            fingerprint["docs_per_row"] = self.docs_per_row
         if self.heldout_rows:  # absent otherwise, so runs saved before the split still resume
             fingerprint["heldout_rows"] = self.heldout_rows
             fingerprint["heldout_sha256"] = hashlib.sha256(self.heldout.astype(np.int64).tobytes()).hexdigest()
@@ -145,7 +150,9 @@ class DataPipeline:
 
     def _plan(self, epoch: int) -> EpochPlan:
         lengths = self.cache.lengths[self.train_samples]
-        plan = plan_epoch(lengths, self.seq_len, self.global_batch_rows, self.seed, epoch, self.pack_window)
+        plan = plan_epoch(
+            lengths, self.seq_len, self.global_batch_rows, self.seed, epoch, self.pack_window, self.docs_per_row
+        )
         self._steps_in_epoch[epoch] = plan.num_batches
         return dataclasses.replace(plan, doc_ids=self.train_samples[plan.doc_ids])
 

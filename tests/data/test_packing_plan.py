@@ -74,3 +74,16 @@ def test_fewer_documents_than_rows_leaves_empty_rows():
 def test_a_sample_longer_than_a_row_is_refused():
     with pytest.raises(ValueError, match="exceeds seq_len 64"):
         plan_epoch(np.array([10, 65]), 64, rows_per_batch=2, seed=0, epoch=0)
+
+
+@pytest.mark.parametrize("docs_per_row", [1, 3])
+def test_docs_per_row_caps_every_row_and_still_uses_every_sample_once(docs_per_row):
+    lengths = np.full(40, 10)  # 6 would fit in a row of 64
+    plan = plan_epoch(lengths, 64, rows_per_batch=4, seed=0, epoch=0, docs_per_row=docs_per_row)
+    sizes = [len(plan.row(r)) for r in range(plan.num_rows)]
+    assert max(sizes) == docs_per_row
+    assert collections.Counter(plan.doc_ids.tolist()) == collections.Counter(range(40))
+    if docs_per_row == 1:  # one conversation per row, in the epoch's shuffled order
+        assert plan.num_rows == 40
+        order = np.random.default_rng([0, 0]).permutation(40)
+        np.testing.assert_array_equal(plan.doc_ids, order)
