@@ -62,17 +62,17 @@ def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     """(export directory, training seconds, steps) of one run."""
     config = load_config_file(DEFAULT_CONFIG)
     config.workdir = os.path.join(args.root, f"{variant.replace('=', '-').replace('+', '_')}_s{seed}")
-    for key, value in overrides(variant).items():
-        section, _, field = key.rpartition(".")
-        section = config[section or "train"]
-        if field not in section:
-            raise ValueError(f"variant {variant!r}: {key} is not a field of the config")
-        section[field] = value
     config.seed = config.data.seed = seed
     config.train.max_steps = args.max_steps
     config.train.num_epochs = args.num_epochs or config.train.num_epochs
     config.eval.every_steps = 0  # measured below, the same way for every run
     config.log.progress_bars = False
+    for key, value in overrides(variant).items():  # last: a variant may set max_steps too
+        section, _, field = key.rpartition(".")
+        section = config[section or "train"]
+        if field not in section:
+            raise ValueError(f"variant {variant!r}: {key} is not a field of the config")
+        section[field] = value
     setup = resolve(config, num_devices=jax.device_count())
     start = time.perf_counter()
     outcome = train(setup)
