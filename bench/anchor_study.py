@@ -2,13 +2,14 @@
 
     python bench/anchor_study.py                          # the anchor schemes, seeds 0 and 1
     python bench/anchor_study.py --study=objective        # 'dflash' against 'dpace' (two alphas)
+    python bench/anchor_study.py --study=recipe --seeds=0 --max_new_tokens=64   # §3.6
     python bench/anchor_study.py --variants=anchor_scheme=document,anchor_scheme=row --seeds=0 --num_epochs=1
 
 A variant is a set of overrides of `configs/default.py`, `key=value` joined by `+`
 (`loss=dpace+dpace_alpha=0.8`; a bare key is a `train.` field, others name their section:
 `data.docs_per_row=1`); `--study` names a prepared list of them. Trains the default
-config once per (variant, seed), the same number of steps each (the seed sets the drafter init,
-the anchors and the data order), then measures τ by real greedy speculative decoding on the
+config once per (variant, seed), the default's steps unless the variant changes the batching
+(the seed sets the drafter init, the anchors and the data order), then measures τ by real greedy speculative decoding on the
 bundled held-out prompts for every `--max_new_tokens`, and prints one row per run and the mean
 per variant, side by side. Runs live in `--root/<variant>_s<seed>`; a finished run is evaluated
 again without retraining, so an interrupted study resumes.
@@ -43,6 +44,17 @@ STUDIES = {
     ),
     # docs/design.md §3.3: how slots are weighted.
     "objective": ("loss=dflash", "loss=dpace+dpace_alpha=0.5", "loss=dpace+dpace_alpha=0.8"),
+    # docs/design.md §3.6: what a per-conversation trainer does differently, one at a time.
+    "recipe": (
+        "loss=dpace",  # the default run: packed rows, 64 anchors per row
+        "data.docs_per_row=1+max_steps=558",  # one conversation per row, the default's steps
+        "data.docs_per_row=1",  # one conversation per row, the default's epochs (1536 steps)
+        "num_anchors=128",  # twice the anchors per row
+        "num_anchors=192+anchors_per_document=64",  # anchors per conversation, 64 each
+        "learning_rate=0.005",
+        "b2=0.95",
+        "data.global_batch_rows=2",  # half the rows per step: the default's epochs in 1116 steps
+    ),
 }
 
 
