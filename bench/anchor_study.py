@@ -56,6 +56,7 @@ STUDIES = {
         "data.global_batch_rows=2",  # half the rows per step: the default's epochs in 1116 steps
         "data.global_batch_rows=2+num_anchors=128",  # and twice the anchors: twice the blocks
         "data.global_batch_rows=8+num_epochs=6",  # twice the rows per step, the default's steps
+        "data.global_batch_rows=8+num_epochs=6+num_anchors=32",  # ... and the default's blocks
     ),
 }
 
