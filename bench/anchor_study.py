@@ -11,8 +11,8 @@ A variant is a set of overrides of `configs/default.py`, `key=value` joined by `
 per (variant, seed), for the default's steps unless the variant changes the batching (the seed
 sets the drafter init, the anchors and the data order), then measures τ by real greedy
 speculative decoding on the bundled held-out prompts for every `--max_new_tokens`, and prints one
-row per run and the mean per variant, side by side. Runs live in `--root/<variant>_s<seed>`; a finished run is evaluated
-again without retraining, so an interrupted study resumes.
+row per run and the mean per variant, side by side. Runs live in `--root/<variant>_s<seed>`; a
+finished run is evaluated again without retraining, so an interrupted study resumes.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ The variant string picks the target size and options, comma-separated (big_visio
   fsdp      split the frozen target's weights over 4 devices (mesh data=2 x fsdp=4)
 The drafter is shaped like the released ones for these targets: 5 Qwen3-style layers of 32 query
 heads over 8 kv heads of 128 (not the target's 24 x 256 gated heads), the first four with a
-sliding window of 2048, reading 5 target layers spread over the target's depth. A run reads the target's shape from its own config.json.
+sliding window of 2048, reading 5 target layers spread over the target's depth. A run reads the
+target's shape from its own config.json.
 """
 
 import os

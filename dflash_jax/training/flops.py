@@ -29,7 +29,8 @@ def remat_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
 def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: int) -> float:
     """Forward matmul FLOPs of target layer `index` over [rows, seq_len] packed rows: its mixer
     (attention by the tiles below the diagonal, inside the window of a sliding layer; Gated
-    DeltaNet's projections and chunked delta rule) and its MLP (the chosen experts only, plus router and shared expert)."""
+    DeltaNet's projections and chunked delta rule) and its MLP (the chosen experts only, plus
+    router and shared expert)."""
     h, tokens = cfg.hidden_size, rows * seq_len
     if cfg.layer_types[index] == "linear_attention":
         lin = cfg.linear_attention

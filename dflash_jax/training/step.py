@@ -192,7 +192,8 @@ def make_train_step(
         micro_batches, micro_row_ids = _split_micro_batches(batch, grad_accum_steps, mesh)
         grads, micro_sums = jax.lax.scan(accumulate, zeros, (micro_batches, micro_row_ids))
         sums = jax.tree.map(lambda x: x.sum(0), micro_sums)
-        # The denominator does not depend on the weights: d(Σ w·CE / n) = d(Σ w·CE) / n. Nothing scored: 0.
+        # The denominator does not depend on the weights: d(Σ w·CE / n) = d(Σ w·CE) / n.
+        # Nothing scored: 0.
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
