@@ -259,6 +259,7 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             anchors_per_document=train.anchors_per_document,
             loss=train.loss,
             dpace_alpha=train.dpace_alpha,
+            distill=train.distill,
             loss_decay_gamma=float(train.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA[block_size]),
             target_layer_ids=drafter.target_layer_ids,
             attention_chunk_blocks=train.attention_chunk_blocks,

@@ -66,8 +66,10 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
         return hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
 
-    # Target: forward through the last feature layer.
-    target = sum(target_layer_flops(t, i, rows, seq_len) for i in range(max(obj.target_layer_ids) + 1))
+    # Target: forward through the last feature layer (the last layer, and the LM head on the
+    # slots, to distill).
+    last = t.num_layers - 1 if obj.distill else max(obj.target_layer_ids)
+    target = sum(target_layer_flops(t, i, rows, seq_len) for i in range(last + 1))
     # Drafter: fc on context features; per layer, context k/v and the block tokens' layer, each
     # block query attending to S context keys and its Bk block keys.
     tokens = rows * obj.num_anchors * obj.block_size
@@ -77,6 +79,7 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     attention = 2 * 2 * tokens * (seq_len + obj.block_size) * d.num_heads * hd
     drafter_forward = fc + d.num_layers * (ctx_kv + blocks + attention)
     lm_head = 2 * rows * obj.num_anchors * (obj.block_size - 1) * h * t.vocab_size
+    target += lm_head if obj.distill else 0
     # Backward: dX and dW for trained matmuls (fc needs no dX: its input is frozen), dX only
     # through the frozen LM head (computed in its forward pass, objective.lm_head_cross_entropy).
     drafter_total = 3 * drafter_forward - fc + 2 * lm_head

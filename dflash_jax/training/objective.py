@@ -4,8 +4,9 @@ A batch is a dict of int32 [rows, seq_len] arrays: `tokens`, `segment_ids` (0 = 
 `positions` (within the document) and `loss_mask` (1 on response tokens). For every row we
 sample `num_anchors` anchor positions on device, build one block `[anchor, MASK, …]` per anchor,
 run the drafter over all blocks at once, and score slot k ≥ 1 against the data token at
-`anchor + k` with a weighted cross-entropy: the paper's position decay ('dflash') or D-PACE's
-confidence weights ('dpace').
+`anchor + k` (or, with `distill`, against the target's whole next-token distribution there) with
+a weighted cross-entropy: the paper's position decay ('dflash') or D-PACE's confidence weights
+('dpace').
 
 The frozen target side (features, block embeddings) is `frozen_inputs`; the differentiable
 drafter side is `drafter_loss`. The LM head is applied in chunks of blocks, each computing its
@@ -60,6 +61,7 @@ class ObjectiveConfig:
     attention_chunk_blocks: int = 32
     lm_head_chunk_blocks: int = 32
     remat: bool = False  # recompute each drafter layer in the backward pass
+    distill: bool = False  # score slots against the target's distribution (docs/design.md §3.3)
 
 
 @flax.struct.dataclass
@@ -73,6 +75,8 @@ class Blocks:
     valid: jax.Array  # [R, N] the anchor exists (rows may have fewer candidates than N)
     ctx_mask: jax.Array  # [R, N, S] context positions each block may attend to
     documents: jax.Array  # [R] documents in the row ('dpace' divides by their global count)
+    # [R, N, Bk-1, D] 'distill': the target's normed last hidden state that predicts each label
+    target_hidden: jax.Array | None = None
 
 
 def count_documents(segment_ids: jax.Array) -> jax.Array:
@@ -190,9 +194,20 @@ def frozen_inputs(
         cfg.anchors_per_document,
     )
     blocks = make_blocks(batch, anchor_index, anchor_valid, cfg)
-    features = target.features(batch["tokens"], batch["segment_ids"], batch["positions"], cfg.target_layer_ids)
+    layer_ids = tuple(cfg.target_layer_ids)
+    if cfg.distill:  # the forward also runs to the last layer, whose states predict the labels
+        layer_ids += (target.cfg.num_layers - 1,)
+    _, hidden = target(
+        batch["tokens"], batch["segment_ids"], batch["positions"], hidden_layers=layer_ids, return_logits=False
+    )
+    features = jnp.concatenate(hidden[: len(cfg.target_layer_ids)], axis=-1)
+    if cfg.distill:
+        # The label at anchor + k is predicted from position anchor + k - 1, k = 1..Bk-1.
+        index = jnp.minimum(anchor_index[:, :, None] + jnp.arange(cfg.block_size - 1), batch["tokens"].shape[1] - 1)
+        last = jnp.take_along_axis(hidden[-1], index.reshape(index.shape[0], -1, 1), axis=1)
+        blocks = blocks.replace(target_hidden=target.norm(last).reshape(*index.shape, -1))
     block_embeds = target.embed(blocks.tokens)
-    return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), blocks
+    return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), jax.lax.stop_gradient(blocks)
 
 
 def row_keys(step_key: jax.Array, row_ids: jax.Array) -> jax.Array:
@@ -206,16 +221,23 @@ def lm_head_cross_entropy(
     labels: jax.Array,
     *,
     chunk_blocks: int,
-) -> tuple[jax.Array, jax.Array]:
-    """hidden [R, N, K, D], labels [R, N, K] -> (cross-entropy fp32, hit), [R, N, K]; a hit is a
-    slot whose label holds the largest logit.
+    target_hidden: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """hidden [R, N, K, D], labels [R, N, K] -> (loss, label CE, hit), each [R, N, K] fp32/bool.
+
+    The loss is the cross-entropy of the label, or, given `target_hidden` [R, N, K, D] (the
+    target's normed states that predict the labels), the KL divergence from the target's
+    distribution to the drafter's: the target's logits come from the same frozen LM head. The
+    label CE (no gradient) is -log q(label) either way; a hit is a slot whose label holds the
+    largest logit.
 
     Works on `chunk_blocks` blocks of every row at a time, so the logits of all blocks never
     exist at once. The LM head is frozen (it gets no gradient), so the whole backward pass of a
-    chunk is d(CE)/d(hidden) = (softmax - onehot(label)) · W^T: the forward pass computes it
-    while the chunk's logits exist and keeps that [.., D] product, and the backward pass only
-    scales it by each slot's incoming gradient. One LM-head matmul fewer than recomputing the
-    logits backwards, and no [.., vocab] tensor kept between the passes.
+    chunk is d(loss)/d(hidden) = (softmax - p) · W^T, p the onehot of the label or the target's
+    distribution: the forward pass computes it while the chunk's logits exist and keeps that
+    [.., D] product, and the backward pass only scales it by each slot's incoming gradient. One
+    LM-head matmul fewer than recomputing the logits backwards, and no [.., vocab] tensor kept
+    between the passes.
 
     Vocab-parallel (docs/design.md §8): where the layout splits the LM head over vocab, a chunk's
     logits stay split over vocab too. The chunk's hidden states are gathered over the vocab's
@@ -224,7 +246,7 @@ def lm_head_cross_entropy(
     holding it and all-reduces: one value per slot.
     """
 
-    def chunk(h, y):  # -> (CE, hit, d CE / d h)
+    def chunk(h, y, *target_h):  # -> (loss, label CE, hit, d loss / d h)
         with jax.named_scope("lm_head"):
             logits_spec = activation_spec(jax.eval_shape(unembed, h).shape, (BATCH, ..., VOCAB))
 
@@ -239,21 +261,29 @@ def lm_head_cross_entropy(
             total = jnp.sum(exp, axis=-1, keepdims=True)
             label = y[..., None]
             label_logit = jnp.take_along_axis(logits, label, axis=-1)[..., 0]
-            probs_minus_onehot = _add_at(exp / total, label, -1.0)
-            (grad_hidden,) = pullback(probs_minus_onehot)
-            ce = jnp.log(total[..., 0]) + top[..., 0] - label_logit
+            log_total = jnp.log(total[..., 0]) + top[..., 0]
+            label_ce = log_total - label_logit
+            if target_h:
+                target_log_p = jax.nn.log_softmax(logits_of(target_h[0]), axis=-1)
+                target_p = jnp.exp(target_log_p)
+                loss = jnp.sum(target_p * (target_log_p - logits), axis=-1) + log_total
+                (grad_hidden,) = pullback(exp / total - target_p)
+            else:
+                loss = label_ce
+                (grad_hidden,) = pullback(_add_at(exp / total, label, -1.0))
             # A hit: the label holds the largest logit. (Ties, which argmax would break towards
             # the lowest id, also count; an argmax, a variadic reduce, costs XLA:CPU as much as
             # the rest of the cross-entropy.)
-            return ce, label_logit >= top[..., 0], grad_hidden
+            return loss, label_ce, label_logit >= top[..., 0], grad_hidden
 
-    ce, correct, grad_hidden = jax.lax.stop_gradient(
-        map_block_chunks(chunk, (hidden, labels), chunk_blocks, remat=False)
+    xs = (hidden, labels) if target_hidden is None else (hidden, labels, target_hidden)
+    loss, label_ce, correct, grad_hidden = jax.lax.stop_gradient(
+        map_block_chunks(chunk, xs, chunk_blocks, remat=False)
     )
-    # Value: CE exactly (the bracket is x - x = 0). Gradient: grad_hidden for the hidden states,
-    # none for the frozen LM head.
+    # Value: the loss exactly (the bracket is x - x = 0). Gradient: grad_hidden for the hidden
+    # states, none for the frozen LM head.
     linear = jnp.sum(hidden.astype(jnp.float32) * grad_hidden.astype(jnp.float32), axis=-1)
-    return ce + (linear - jax.lax.stop_gradient(linear)), correct
+    return loss + (linear - jax.lax.stop_gradient(linear)), label_ce, correct
 
 
 def _add_at(x: jax.Array, index: jax.Array, value: float) -> jax.Array:
@@ -276,14 +306,14 @@ def dpace_weights(prob: jax.Array, scored: jax.Array, alpha: float) -> jax.Array
     return jnp.where(scored, jax.lax.cumsum(reach, axis=reach.ndim - 1, reverse=True), 0.0)
 
 
-def slot_weights(ce: jax.Array, blocks: Blocks, cfg: ObjectiveConfig) -> jax.Array:
-    """[R, N, Bk-1] weight of each slot's cross-entropy (docs/design.md §3.3), a constant to
-    the gradient. 'dpace' reads the label's probability off the cross-entropy already computed:
-    no second LM-head pass."""
+def slot_weights(label_ce: jax.Array, blocks: Blocks, cfg: ObjectiveConfig) -> jax.Array:
+    """[R, N, Bk-1] weight of each slot's loss (docs/design.md §3.3), a constant to the
+    gradient. 'dpace' reads the label's probability off its cross-entropy, already computed: no
+    second LM-head pass."""
     if cfg.loss == "dpace":
-        prob = jnp.exp(-jax.lax.stop_gradient(ce))
+        prob = jnp.exp(-jax.lax.stop_gradient(label_ce))
         return jax.lax.stop_gradient(dpace_weights(prob, blocks.label_mask, cfg.dpace_alpha))
-    decay = jnp.exp(-jnp.arange(ce.shape[-1], dtype=jnp.float32) / cfg.loss_decay_gamma)
+    decay = jnp.exp(-jnp.arange(label_ce.shape[-1], dtype=jnp.float32) / cfg.loss_decay_gamma)
     return blocks.label_mask * decay
 
 
@@ -320,9 +350,15 @@ def drafter_loss(
         blocks_per_chunk=cfg.attention_chunk_blocks,
         remat=cfg.remat,
     )
-    ce, correct = lm_head_cross_entropy(unembed, hidden[:, :, 1:], blocks.labels, chunk_blocks=cfg.lm_head_chunk_blocks)
-    weights = slot_weights(ce, blocks, cfg)
-    weighted_ce = (weights * ce).sum()
+    loss, label_ce, correct = lm_head_cross_entropy(
+        unembed,
+        hidden[:, :, 1:],
+        blocks.labels,
+        chunk_blocks=cfg.lm_head_chunk_blocks,
+        target_hidden=blocks.target_hidden,
+    )
+    weights = slot_weights(label_ce, blocks, cfg)
+    weighted_ce = (weights * loss).sum()
     return weighted_ce, metric_sums(weighted_ce, loss_denominator(weights, blocks, cfg), correct, blocks)
 
 

@@ -113,6 +113,9 @@ class TrainSettings:
     dpace_alpha: float = 0.5
     # 'dflash': γ of the position decay; 0 = the paper's value for the block size.
     loss_decay_gamma: float = 0.0
+    # docs/design.md §3.3: score each slot against the target's whole next-token distribution
+    # (KL divergence) instead of the data token alone.
+    distill: bool = False
     # AdamW with linear warmup over warmup_fraction of the steps, then cosine to 0; weight decay
     # applies to matrices only; grad_clip_norm clips the global gradient norm.
     learning_rate: float = 6e-4

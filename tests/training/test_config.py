@@ -194,9 +194,9 @@ def test_values_of_a_close_type_are_converted(tiny_run, tmp_path):
 
 
 def test_loss_fields_reach_the_objective(tiny_run, tmp_path):
-    config = tiny_config(tiny_run, tmp_path, **{"train.loss": "dpace", "train.dpace_alpha": 0.25})
-    objective = resolve(config, num_devices=1).objective
-    assert (objective.loss, objective.dpace_alpha) == ("dpace", 0.25)
+    fields = {"train.loss": "dpace", "train.dpace_alpha": 0.25, "train.distill": True}
+    objective = resolve(tiny_config(tiny_run, tmp_path, **fields), num_devices=1).objective
+    assert (objective.loss, objective.dpace_alpha, objective.distill) == ("dpace", 0.25, True)
 
 
 def test_train_py_names_a_mistyped_field_in_one_line():

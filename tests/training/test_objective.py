@@ -167,19 +167,27 @@ def test_blocks_inputs_labels_and_strict_context():
     np.testing.assert_array_equal(blocks.ctx_mask[0], expected)
 
 
-def test_chunked_cross_entropy_matches_dense_values_and_gradients():
+@pytest.mark.parametrize("distill", [False, True])
+def test_chunked_cross_entropy_matches_dense_values_and_gradients(distill):
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(2, 7, 3, 16)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 50, (2, 7, 3)), jnp.int32)
     head = jnp.asarray(rng.normal(size=(16, 50)), jnp.float32)
+    target_hidden = jnp.asarray(rng.normal(size=hidden.shape), jnp.float32) if distill else None
 
     def dense(h, head):
-        logits = h @ head
-        ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
-        return ce, logits.argmax(-1) == labels
+        log_q = jax.nn.log_softmax(h @ head, -1)
+        label_ce = -jnp.take_along_axis(log_q, labels[..., None], -1)[..., 0]
+        loss = label_ce
+        if distill:  # KL(p_target || q), the target's logits from the same head
+            log_p = jax.nn.log_softmax(target_hidden @ head, -1)
+            loss = (jnp.exp(log_p) * (log_p - log_q)).sum(-1)
+        return loss, label_ce, log_q.argmax(-1) == labels
 
     def chunked(h, head):  # the head a traced value, as the frozen target's weights in the step
-        return objective.lm_head_cross_entropy(lambda x: x @ head, h, labels, chunk_blocks=3)
+        return objective.lm_head_cross_entropy(
+            lambda x: x @ head, h, labels, chunk_blocks=3, target_hidden=target_hidden
+        )
 
     w = jnp.asarray(rng.random((2, 7, 3)), jnp.float32)
 
@@ -187,11 +195,14 @@ def test_chunked_cross_entropy_matches_dense_values_and_gradients():
     def values_and_grads(fn, h, head):
         return fn(h, head), jax.grad(lambda h: (fn(h, head)[0] * w).sum())(h)
 
-    (ce_dense, hit_dense), g_dense = values_and_grads(dense, hidden, head)
-    (ce, hit), g = values_and_grads(chunked, hidden, head)
+    (loss_dense, ce_dense, hit_dense), g_dense = values_and_grads(dense, hidden, head)
+    (loss, ce, hit), g = values_and_grads(chunked, hidden, head)
+    np.testing.assert_allclose(loss, loss_dense, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ce, ce_dense, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(hit, hit_dense)
     np.testing.assert_allclose(g, g_dense, rtol=1e-5, atol=1e-5)
+    if distill:  # the KL is not the label's CE: the target's distribution is what is scored
+        assert np.abs(np.asarray(loss) - np.asarray(ce)).min() > 1e-3
     # The gradient flows to the hidden states only: the LM head is the frozen target's.
     g_head = jax.jit(jax.grad(lambda head: (chunked(hidden, head)[0] * w).sum()))(head)
     np.testing.assert_array_equal(g_head, np.zeros_like(head))
@@ -270,6 +281,11 @@ def test_default_loss_is_dflash():
     assert _cfg().loss == "dflash"
 
 
+def _log_softmax(logits):
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
 def _reference_weights(ce, label_mask, cfg):
     """The slot weights of docs/design.md §3.3, from float64 cross-entropies."""
     if cfg.loss == "dpace":
@@ -277,14 +293,19 @@ def _reference_weights(ce, label_mask, cfg):
     return label_mask * np.exp(-np.arange(ce.shape[-1]) / cfg.loss_decay_gamma)
 
 
-@pytest.mark.parametrize("cfg", [_cfg(), _cfg(loss="dpace", dpace_alpha=0.3)], ids=["dflash", "dpace"])
+@pytest.mark.parametrize(
+    "cfg",
+    [_cfg(), _cfg(loss="dpace", dpace_alpha=0.3), _cfg(loss="dpace", distill=True)],
+    ids=["dflash", "dpace", "dpace-distill"],
+)
 def test_loss_is_weighted_sum_of_slot_cross_entropies(models, cfg):
     target, drafter = models
     batch = _batch()
 
     @_fast_jit
     def run(target, drafter, batch):
-        features, embeds, blocks = objective.frozen_inputs(target, batch, _keys(batch, 0), cfg)
+        keys = _keys(batch, 0)
+        features, embeds, blocks = objective.frozen_inputs(target, batch, keys, cfg)
         loss, sums = objective.drafter_loss(drafter, target.unembed, features, embeds, batch["positions"], blocks, cfg)
         hidden = drafter(
             embeds,
@@ -294,23 +315,35 @@ def test_loss_is_weighted_sum_of_slot_cross_entropies(models, cfg):
             blocks.ctx_mask,
             blocks_per_chunk=cfg.num_anchors,
         )
-        return loss, sums, blocks, target.unembed(hidden[:, :, 1:])
+        anchors, _ = objective.sample_anchors(
+            keys, batch["segment_ids"], batch["loss_mask"], cfg.num_anchors, cfg.anchor_scheme
+        )
+        target_logits, _ = target(batch["tokens"], batch["segment_ids"], batch["positions"])
+        return loss, sums, blocks, target.unembed(hidden[:, :, 1:]), target_logits, anchors
 
     with jax.default_matmul_precision("highest"):
-        loss, sums, blocks, logits = run(target, drafter, batch)
-    logits = np.asarray(logits, np.float64)
+        loss, sums, blocks, logits, target_logits, anchors = run(target, drafter, batch)
+    log_q = _log_softmax(np.asarray(logits, np.float64))
     labels, label_mask = np.asarray(blocks.labels), np.asarray(blocks.label_mask)
-    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    ce = lse - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    ce = -np.take_along_axis(log_q, labels[..., None], -1)[..., 0]
+    slot_loss = ce
+    if cfg.distill:  # KL from the target's distribution at the position before each label
+        before_label = np.asarray(anchors)[:, :, None] + np.arange(labels.shape[-1])
+        before_label = np.minimum(before_label, batch["tokens"].shape[1] - 1)
+        rows = np.arange(labels.shape[0])[:, None, None]
+        log_p = _log_softmax(np.asarray(target_logits, np.float64)[rows, before_label])
+        slot_loss = (np.exp(log_p) * (log_p - log_q)).sum(-1)
     w = _reference_weights(ce, label_mask, cfg)
     assert w.sum() > 0
-    # drafter_loss returns Σ w·CE; the step divides by the global sum of sums["weight"]: Σw for
-    # 'dflash', the documents for 'dpace' (the batch's rows hold several each).
-    np.testing.assert_allclose(float(loss), (w * ce).sum(), rtol=1e-4)
+    # drafter_loss returns Σ w·loss; the step divides by the global sum of sums["weight"]: Σw
+    # for 'dflash', the documents for 'dpace' (the batch's rows hold several each).
+    np.testing.assert_allclose(float(loss), (w * slot_loss).sum(), rtol=1e-4)
+    if cfg.distill:
+        assert abs((w * ce).sum() - float(loss)) > 1e-2 * float(loss)
     documents = sum(len(set(row) - {0}) for row in np.asarray(batch["segment_ids"]))
     assert documents > batch["tokens"].shape[0]
     np.testing.assert_allclose(float(sums["weight"]), w.sum() if cfg.loss == "dflash" else documents, rtol=1e-6)
-    hits = (logits.argmax(-1) == labels) & np.asarray(blocks.label_mask)
+    hits = (log_q.argmax(-1) == labels) & np.asarray(blocks.label_mask)
     np.testing.assert_array_equal(sums["slot_hits"], hits.sum((0, 1)))
     np.testing.assert_array_equal(sums["slot_scored"], np.asarray(blocks.label_mask).sum((0, 1)))
 
