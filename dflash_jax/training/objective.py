@@ -277,9 +277,7 @@ def lm_head_cross_entropy(
             return loss, label_ce, label_logit >= top[..., 0], grad_hidden
 
     xs = (hidden, labels) if target_hidden is None else (hidden, labels, target_hidden)
-    loss, label_ce, correct, grad_hidden = jax.lax.stop_gradient(
-        map_block_chunks(chunk, xs, chunk_blocks, remat=False)
-    )
+    loss, label_ce, correct, grad_hidden = jax.lax.stop_gradient(map_block_chunks(chunk, xs, chunk_blocks, remat=False))
     # Value: the loss exactly (the bracket is x - x = 0). Gradient: grad_hidden for the hidden
     # states, none for the frozen LM head.
     linear = jnp.sum(hidden.astype(jnp.float32) * grad_hidden.astype(jnp.float32), axis=-1)
