@@ -179,12 +179,12 @@ def param_shardings(mesh: Mesh, params):
 
 
 def zero_spec(mesh: Mesh | Mapping[str, int], path, shape: Sequence[int]) -> PartitionSpec:
-    """Where a leaf of the trained state lives: split over every device (ZeRO); scalars, RNG keys
-    and norm scales replicated."""
+    """Where a leaf of the trained state lives: split over every device (ZeRO); scalars, RNG keys,
+    Muon's Newton-Schulz coefficients and norm scales replicated."""
     if len(shape) == 0:
         return PartitionSpec()
     name = path if isinstance(path, str) else _dotted(path)
-    if re.search(r"(^|\.)rng$", name):
+    if re.search(r"(^|\.)(rng|ns_coeffs)$", name):
         return PartitionSpec()
     return logical_to_spec(param_axes(name), shape, mesh, ZERO_RULES)
 

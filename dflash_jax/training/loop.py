@@ -129,6 +129,7 @@ class TrainingRun:
         if self.last_saved is None:
             self.state, self.best_tau = program.init_state(), None
         else:
+            _check_same_optimizer(self.checkpoints.restore_meta(self.last_saved), setup)
             self.state, meta = self.checkpoints.restore(self.last_saved, program.abstract_state, self.iterator)
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
@@ -249,6 +250,16 @@ class TrainingRun:
             "drafter_config": self.setup.drafter.to_hf(),
             "config": self.setup.config_dict,
         }
+
+
+def _check_same_optimizer(meta: dict, setup: TrainSetup) -> None:
+    """A checkpoint's optimizer state only restores into the optimizer that wrote it."""
+    saved = meta["config"]["train"].get("optimizer", "adamw")  # runs from before the option: AdamW
+    if saved != setup.optimizer.optimizer:
+        raise UserError(
+            f"{setup.workdir.checkpoints} was trained with train.optimizer={saved}; resuming needs the "
+            f"same optimizer (this config: {setup.optimizer.optimizer}), or a new workdir"
+        )
 
 
 def _epoch_of_next_batch(data: DataPipeline, iterator) -> int:

@@ -16,6 +16,7 @@ from dflash_jax.data.config import DataConfig
 from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from dflash_jax.models.config import DTYPES
 from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES
+from dflash_jax.training.step import OPTIMIZERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +117,11 @@ class TrainSettings:
     # docs/design.md §3.3: score each slot against the target's whole next-token distribution
     # (KL divergence) instead of the data token alone.
     distill: bool = False
-    # AdamW with linear warmup over warmup_fraction of the steps, then cosine to 0; weight decay
-    # applies to matrices only; grad_clip_norm clips the global gradient norm.
+    # docs/design.md §3.5: 'adamw', or 'muon' (the drafter's matrices by Muon, its update scaled
+    # to AdamW's size so the same learning rate serves; norm scales by AdamW). Linear warmup over
+    # warmup_fraction of the steps, then cosine to 0; b1, b2 are AdamW's; weight decay applies to
+    # matrices only; grad_clip_norm clips the global gradient norm.
+    optimizer: str = "adamw"
     learning_rate: float = 6e-4
     warmup_fraction: float = 0.04
     b1: float = 0.9
@@ -144,6 +148,7 @@ class TrainSettings:
             self,
             anchor_scheme=ANCHOR_SCHEMES,
             loss=LOSSES,
+            optimizer=OPTIMIZERS,
             compute_dtype=sorted(DTYPES),
             attention=ATTENTION_IMPLEMENTATIONS,
         )

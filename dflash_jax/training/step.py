@@ -46,8 +46,18 @@ class TrainState:
     nonfinite_streak: jax.Array  # int32: consecutive non-finite steps up to now
 
 
+# docs/design.md §3.5: 'adamw' (the paper's); 'muon': the drafter's matrices by Muon
+# (orthogonalized momentum), its vectors (norm scales) by AdamW.
+OPTIMIZERS = ("adamw", "muon")
+
+# Muon's update is scaled to this RMS per matrix, about AdamW's (Moonlight, arXiv 2502.16982), so
+# one learning rate serves both optimizers and the AdamW-trained vectors.
+MUON_UPDATE_RMS = 0.2
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+    optimizer: str = "adamw"  # one of OPTIMIZERS
     learning_rate: float = 6e-4
     warmup_fraction: float = 0.04
     b1: float = 0.9
@@ -65,17 +75,28 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip_norm),
-        optax.adamw(
-            learning_rate_schedule(cfg, total_steps),
+    """Global-norm clipping, then AdamW or Muon; weight decay applies to matrices only (norm scales
+    shrinking towards 0 is not regularization)."""
+    schedule = learning_rate_schedule(cfg, total_steps)
+    if cfg.optimizer == "muon":
+        # Muon takes every 2-D leaf (all the drafter's matrices) and decays them; the rest get
+        # AdamW with b1, b2 and no decay.
+        update = optax.contrib.muon(
+            schedule,
+            consistent_rms=MUON_UPDATE_RMS,
+            weight_decay=cfg.weight_decay,
+            adam_b1=cfg.b1,
+            adam_b2=cfg.b2,
+        )
+    else:
+        update = optax.adamw(
+            schedule,
             b1=cfg.b1,
             b2=cfg.b2,
             weight_decay=cfg.weight_decay,
-            # Decay matrices only: norm scales shrinking towards 0 is not regularization.
             mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-        ),
-    )
+        )
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), update)
 
 
 def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int, attention: str = "auto") -> DFlashDrafter:

@@ -40,23 +40,26 @@ OBJECTIVE = objective.ObjectiveConfig(
     lm_head_chunk_blocks=4,
 )
 STEPS, ACCUM = 2, 2
-TX = step.make_optimizer(step.OptimizerConfig(learning_rate=1e-3, warmup_fraction=0.0), 10)
+OPTIMIZERS = {
+    name: step.make_optimizer(step.OptimizerConfig(optimizer=name, learning_rate=1e-3, warmup_fraction=0.0), 10)
+    for name in step.OPTIMIZERS
+}
 BATCHES = [packed_batch(np.random.default_rng(i), 16, 64, 250) for i in range(STEPS)]
 
 
-def run(mesh):
+def run(mesh, optimizer="adamw"):
     graphdef, target_params = nnx.split(nnx.eval_shape(lambda: Transformer(TARGET, rngs=nnx.Rngs(0))))
     target_params = jax.jit(
         lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(0)))[1],
         out_shardings=param_shardings(mesh, target_params),
     )()
-    state = step.init_train_state(DRAFTER, TX, seed=0, compute_dtype=jnp.float32, mesh=mesh)
+    state = step.init_train_state(DRAFTER, OPTIMIZERS[optimizer], seed=0, compute_dtype=jnp.float32, mesh=mesh)
     check_placement(mesh, state, target_params)
     train_step = step.make_train_step(
         drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32),
         target_graphdef=graphdef,
         target_params=target_params,
-        tx=TX,
+        tx=OPTIMIZERS[optimizer],
         cfg=OBJECTIVE,
         grad_accum_steps=ACCUM,
         mesh=mesh,
@@ -87,27 +90,30 @@ def check_placement(mesh, state, target_params):
 
 def main():
     assert jax.device_count() == 8, jax.devices()
-    single = run(make_mesh(1, 1, devices=jax.devices()[:1]))
+    single = {name: run(make_mesh(1, 1, devices=jax.devices()[:1]), name) for name in step.OPTIMIZERS}
     layouts = {
         "data=8": make_mesh(8, 1),
         "data=2,fsdp=4": make_mesh(2, 4),
         "data=2,fsdp=2,tensor=2": make_mesh(2, 2, 2),
     }
-    for name, mesh in layouts.items():
-        params, metrics = run(mesh)
-        for step_index, (got, want) in enumerate(zip(metrics, single[1])):
+    # Muon's Newton-Schulz iterations on matrices split over devices: the most split layout.
+    runs = [(name, "adamw") for name in layouts] + [("data=2,fsdp=2,tensor=2", "muon")]
+    for name, optimizer in runs:
+        params, metrics = run(layouts[name], optimizer)
+        label = f"{name} {optimizer}"
+        for step_index, (got, want) in enumerate(zip(metrics, single[optimizer][1])):
             for key in want:
                 np.testing.assert_allclose(
-                    got[key], want[key], rtol=2e-5, atol=1e-5, err_msg=f"{name} step {step_index} {key}"
+                    got[key], want[key], rtol=2e-5, atol=1e-5, err_msg=f"{label} step {step_index} {key}"
                 )
-        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params, single[0]))
-        print(f"{name}: max |param difference| vs 1 device = {max(diffs):.3g}")
+        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params, single[optimizer][0]))
+        print(f"{label}: max |param difference| vs 1 device = {max(diffs):.3g}")
         # Adam turns the last-bit differences of tiny gradients into differences of a few
         # percent of the learning rate (1e-3); a wrong gradient would move weights by ~1e-3.
         jax.tree.map(
-            lambda a, b, name=name: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name),
+            lambda a, b, label=label: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=label),
             params,
-            single[0],
+            single[optimizer][0],
         )
     print("OK")
 

@@ -172,6 +172,26 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
     _, params = restore_params(Workdir.at(str(workdir)))
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
 
+    # Resuming it with the other optimizer: one line, before any step.
+    checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
+    saved = checkpoints.restore_meta(2)["config"]["train"]["optimizer"]
+    checkpoints.close()
+    other = {"adamw": "muon", "muon": "adamw"}[saved]
+    proc = testing.start_training(
+        {**fields, "train.optimizer": other}, testing.subprocess_env(compilation_cache), tmp_path / "log2"
+    )
+    output = testing.finish(proc, tmp_path / "log2")
+    assert proc.returncode == 1
+    assert (
+        output.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"was trained with train.optimizer={saved}; resuming needs the same optimizer "
+            f"(this config: {other}), or a new workdir"
+        )
+    ), output[-2000:]
+    assert latest_checkpoint(workdir) == 2
+
 
 def test_failed_save_stops_the_run_at_once_and_keeps_the_last_good_checkpoint(tiny_run, compilation_cache, tmp_path):
     workdir = tmp_path / "run"

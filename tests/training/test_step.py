@@ -131,6 +131,35 @@ def test_gradient_accumulation_gives_the_update_of_one_big_batch(loss):
     assert max(float(np.abs(u).max()) for u in jax.tree.leaves(updates[0])) > 1e-4  # a real update
 
 
+def test_muon_orthogonalizes_matrix_updates_at_adamw_size_and_decays_matrices_only():
+    """train.optimizer='muon': a matrix's update has a flat spectrum (Newton-Schulz) whatever the
+    gradient's, and about AdamW's RMS (0.2·lr), so one learning rate serves both; vectors get
+    AdamW's sign-like first step; weight decay shrinks matrices, never norm scales."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32), "scale": jnp.ones(32)}
+    skewed = np.outer(rng.normal(size=64), rng.normal(size=32)) + 0.01 * rng.normal(size=(64, 32))
+    grads = {"w": jnp.asarray(skewed, jnp.float32), "scale": jnp.asarray(rng.normal(size=32), jnp.float32)}
+    lr = 1e-2
+    cfg = step.OptimizerConfig(
+        optimizer="muon", learning_rate=lr, warmup_fraction=0.0, weight_decay=0.1, grad_clip_norm=1e9
+    )
+    tx = step.make_optimizer(cfg, 10)
+    updates, _ = tx.update(grads, tx.init(params), params)
+
+    def spread(m):
+        singular = np.linalg.svd(np.asarray(m), compute_uv=False)
+        return singular.max() / singular.min()
+
+    assert spread(grads["w"]) > 1000 and spread(updates["w"]) < 5
+    rms = float(np.sqrt(np.mean(np.asarray(updates["w"]) ** 2)))
+    assert 0.15 * lr < rms < 0.25 * lr, rms
+    np.testing.assert_array_equal(np.sign(updates["scale"]), -np.sign(grads["scale"]))
+    zero = jax.tree.map(jnp.zeros_like, grads)
+    decayed, _ = tx.update(zero, tx.init(params), params)
+    np.testing.assert_allclose(decayed["w"], -lr * 0.1 * params["w"], rtol=1e-5)
+    np.testing.assert_array_equal(decayed["scale"], np.zeros(32))
+
+
 def test_loss_decreases_and_tau_train_rises(trainer):
     new_state, train_step, target_params, batch = trainer
     state, history = new_state(), []
