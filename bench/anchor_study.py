@@ -57,6 +57,11 @@ STUDIES = {
         "data.global_batch_rows=2+num_anchors=128",  # and twice the anchors: twice the blocks
         "data.global_batch_rows=8+num_epochs=6",  # twice the rows per step, the default's steps
         "data.global_batch_rows=8+num_epochs=6+num_anchors=32",  # ... and the default's blocks
+        "grad_clip_norm=1000000000.0",  # no clipping
+        "distill=True",  # the target's distribution instead of the data token
+        "optimizer=muon",  # Muon for the drafter's matrices
+        "optimizer=muon+learning_rate=0.006",
+        "optimizer=muon+learning_rate=0.0015",
     ),
 }
 
