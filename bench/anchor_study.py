@@ -1,18 +1,21 @@
 """Which training recipe trains the better drafter? Held-out acceptance length decides, not the loss.
 
-    python bench/anchor_study.py                          # the anchor schemes, seeds 0 and 1
+    python bench/anchor_study.py --study=anchors          # the anchor schemes, seeds 0 and 1
     python bench/anchor_study.py --study=objective        # 'dflash' against 'dpace' (two alphas)
-    python bench/anchor_study.py --study=recipe --seeds=0 --max_new_tokens=64   # §3.6
+    python bench/anchor_study.py --study=recipe --seeds=0 --max_new_tokens=64   # §3.6, then Muon
     python bench/anchor_study.py --variants=anchor_scheme=document,anchor_scheme=row --seeds=0 --num_epochs=1
 
 A variant is a set of overrides of `configs/default.py`, `key=value` joined by `+`
 (`loss=dpace+dpace_alpha=0.8`; a bare key is a `train.` field, others name their section:
-`data.docs_per_row=1`); `--study` names a prepared list of them. Trains the default config once
-per (variant, seed), for the default's steps unless the variant changes the batching (the seed
-sets the drafter init, the anchors and the data order), then measures τ by real greedy
-speculative decoding on the bundled held-out prompts for every `--max_new_tokens`, and prints one
-row per run and the mean per variant, side by side. Runs live in `--root/<variant>_s<seed>`; a
-finished run is evaluated again without retraining, so an interrupted study resumes.
+`data.docs_per_row=1`); `--study` names a prepared list of them and the base they were measured
+on (`STUDY_BASES`: the settings of the default run at the time, applied before each variant, so
+a study measures the same thing after the default changes); `--variants` alone applies to the
+default as it is. Trains once per (variant, seed), for the default's steps unless the variant
+changes the batching (the seed sets the drafter init, the anchors and the data order), then
+measures τ by real greedy speculative decoding on the bundled held-out prompts for every
+`--max_new_tokens`, and prints one row per run and the mean per variant, side by side. Runs live
+in `--root/<variant>_s<seed>`; a finished run is evaluated again without retraining, so an
+interrupted study resumes.
 """
 
 from __future__ import annotations
@@ -34,60 +37,54 @@ from dflash_jax.training.loop import train
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 
-# A study's variants pin what it was measured against, so it still measures the same thing after
-# the default changes: the anchor and objective studies ran with AdamW (the anchors with the
-# paper's loss too), the recipe study's one-at-a-time changes are against the AdamW default run.
-ADAMW = "optimizer=adamw"
-
 STUDIES = {
     # docs/design.md §3.1: how anchors are drawn.
-    "anchors": tuple(
-        f"{ADAMW}+loss=dflash+{v}"
-        for v in (
-            "anchor_scheme=document",
-            "anchor_scheme=response",
-            "anchor_scheme=row",
-            "anchor_scheme=document+anchors_per_document=16",
-        )
+    "anchors": (
+        "anchor_scheme=document",
+        "anchor_scheme=response",
+        "anchor_scheme=row",
+        "anchor_scheme=document+anchors_per_document=16",
     ),
     # docs/design.md §3.3: how slots are weighted.
-    "objective": tuple(
-        f"{ADAMW}+{v}" for v in ("loss=dflash", "loss=dpace+dpace_alpha=0.5", "loss=dpace+dpace_alpha=0.8")
-    ),
-    # docs/design.md §3.6: what a per-conversation trainer does differently, one at a time, against
-    # the AdamW default run (packed rows, 64 anchors per row); then the optimizer (§3.5).
-    "recipe": (ADAMW,)
-    + tuple(
-        f"{ADAMW}+{v}"
-        for v in (
-            "data.docs_per_row=1+max_steps=558",  # one conversation per row, the default's steps
-            "data.docs_per_row=1",  # one conversation per row, the default's epochs (1536 steps)
-            "num_anchors=128",  # twice the anchors per row
-            "num_anchors=192+anchors_per_document=64",  # anchors per conversation, 64 each
-            "learning_rate=0.005",
-            "b2=0.95",
-            "loss=dpace+dpace_alpha=0.3",
-            "data.global_batch_rows=2",  # half the rows per step: the default's epochs in 1116 steps
-            "data.global_batch_rows=2+num_anchors=128",  # and twice the anchors: twice the blocks
-            "data.global_batch_rows=8+num_epochs=6",  # twice the rows per step, the default's steps
-            "data.global_batch_rows=8+num_epochs=6+num_anchors=32",  # ... and the default's blocks
-            "grad_clip_norm=1000000000.0",  # no clipping
-            "distill=True",  # the target's distribution instead of the data token
-            "distill=True+b1=0.95",
-        )
-    )
-    + (
-        "optimizer=muon",  # Muon for the drafter's matrices: the default run now
-        "optimizer=muon+learning_rate=0.006",
+    "objective": ("loss=dflash", "loss=dpace+dpace_alpha=0.5", "loss=dpace+dpace_alpha=0.8"),
+    # docs/design.md §3.6: what a per-conversation trainer does differently, one at a time; then
+    # the optimizer (§3.5).
+    "recipe": (
+        "loss=dpace",  # the default run of the time: packed rows, 64 anchors per row, AdamW
+        "data.docs_per_row=1+max_steps=558",  # one conversation per row, the default's steps
+        "data.docs_per_row=1",  # one conversation per row, the default's epochs (1536 steps)
+        "num_anchors=128",  # twice the anchors per row
+        "num_anchors=192+anchors_per_document=64",  # anchors per conversation, 64 each
+        "learning_rate=0.005",
+        "b2=0.95",
+        "loss=dpace+dpace_alpha=0.3",
+        "data.global_batch_rows=2",  # half the rows per step: the default's epochs in 1116 steps
+        "data.global_batch_rows=2+num_anchors=128",  # and twice the anchors: twice the blocks
+        "data.global_batch_rows=8+num_epochs=6",  # twice the rows per step, the default's steps
+        "data.global_batch_rows=8+num_epochs=6+num_anchors=32",  # ... and the default's blocks
+        "grad_clip_norm=1000000000.0",  # no clipping
+        "distill=True",  # the target's distribution instead of the data token
+        "distill=True+b1=0.95",
+        "optimizer=muon",  # Muon for the drafter's matrices
         "optimizer=muon+learning_rate=0.0015",
+        "optimizer=muon+learning_rate=0.006",  # the default run now
+        "optimizer=muon+learning_rate=0.01",
     ),
+}
+
+# What each study was measured on, before its variants: the default run of the time (AdamW at
+# 3e-3; the anchor study also with the paper's loss).
+STUDY_BASES = {
+    "anchors": "optimizer=adamw+learning_rate=0.003+loss=dflash",
+    "objective": "optimizer=adamw+learning_rate=0.003",
+    "recipe": "optimizer=adamw+learning_rate=0.003",
 }
 
 
 def overrides(variant: str) -> dict[str, object]:
     """'loss=dpace+dpace_alpha=0.8' -> {'loss': 'dpace', 'dpace_alpha': 0.8}."""
     out = {}
-    for item in variant.split("+"):
+    for item in filter(None, variant.split("+")):
         key, _, value = item.partition("=")
         try:
             out[key] = ast.literal_eval(value)
@@ -105,7 +102,8 @@ def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     config.train.num_epochs = args.num_epochs or config.train.num_epochs
     config.eval.every_steps = 0  # measured below, the same way for every run
     config.log.progress_bars = False
-    for key, value in overrides(variant).items():  # last: a variant may set max_steps too
+    # Last: a variant may set max_steps too; the variant after the study's base.
+    for key, value in {**overrides(args.base), **overrides(variant)}.items():
         section, _, field = key.rpartition(".")
         section = config[section or "train"]
         if field not in section:
@@ -119,7 +117,7 @@ def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--study", choices=sorted(STUDIES), default="anchors")
+    parser.add_argument("--study", choices=sorted(STUDIES), default="", help="a prepared list, on its base")
     parser.add_argument("--variants", default="", help="comma-separated variants; default: the study's")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--max_new_tokens", default="64,256")
@@ -128,10 +126,13 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=0, help="0: every step of the epochs")
     parser.add_argument("--root", default="", help="default: runs/<study>_study")
     args = parser.parse_args()
+    if not (args.study or args.variants):
+        parser.error("give --study or --variants")
     variants = args.variants.split(",") if args.variants else list(STUDIES[args.study])
+    args.base = STUDY_BASES.get(args.study, "")
     seeds = [int(s) for s in args.seeds.split(",")]
     lengths = [int(n) for n in args.max_new_tokens.split(",")]
-    args.root = args.root or os.path.join("runs", f"{args.study}_study")
+    args.root = args.root or os.path.join("runs", f"{args.study or 'variants'}_study")
 
     config = load_config_file(DEFAULT_CONFIG)
     target = load_target(config.target.path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
@@ -152,7 +153,8 @@ def main() -> None:
 
     width = max(len("variant"), *map(len, variants))
     taus_header = "".join(f"  tau@{n:<4d}" for n in lengths)
-    print(f"\n{len(prompts)} held-out prompts (heldout_prompts), greedy; {config.drafter.block_size=}")
+    base = f"; every variant on {args.base}" if args.base else ""
+    print(f"\n{len(prompts)} held-out prompts (heldout_prompts), greedy; {config.drafter.block_size=}{base}")
     print(f"{'variant':{width}s} {'seed':>4s} {'steps':>6s} {'train_s':>8s}{taus_header}")
     for variant, seed, steps, seconds, taus in rows:
         print(f"{variant:{width}s} {seed:4d} {steps:6d} {seconds:8.0f}" + "".join(f"  {t:8.3f}" for t in taus))
