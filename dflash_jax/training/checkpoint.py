@@ -129,6 +129,11 @@ class RunCheckpoints:
     def restore_meta(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
+    def optimizer(self, step: int) -> str:
+        """The optimizer whose state checkpoint `step` holds (its config's `train.optimizer`);
+        checkpoints from before the option hold AdamW's."""
+        return self.restore_meta(step).get("config", {}).get("train", {}).get("optimizer", "adamw")
+
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk; raises CheckpointSaveError if one
         failed."""

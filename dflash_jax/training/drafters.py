@@ -43,13 +43,11 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
             raise UserError(
                 f"no checkpoint of step {step} in {checkpoints.directory} (steps: {checkpoints.manager.all_steps()})"
             )
-        meta = checkpoints.restore_meta(step)
-        cfg = DrafterConfig.from_hf(meta["drafter_config"])
+        cfg = DrafterConfig.from_hf(checkpoints.restore_meta(step)["drafter_config"])
         # Only the structure of the optimizer state matters for restoring, not its schedule.
-        optimizer = meta["config"]["train"].get("optimizer", "adamw")  # older runs: AdamW
         abstract = abstract_train_state(
             cfg,
-            make_optimizer(OptimizerConfig(optimizer=optimizer), 1),
+            make_optimizer(OptimizerConfig(optimizer=checkpoints.optimizer(step)), 1),
             seed=0,
             compute_dtype=jnp.float32,
             mesh=make_mesh(-1, 1),

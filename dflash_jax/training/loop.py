@@ -129,7 +129,7 @@ class TrainingRun:
         if self.last_saved is None:
             self.state, self.best_tau = program.init_state(), None
         else:
-            _check_same_optimizer(self.checkpoints.restore_meta(self.last_saved), setup)
+            _check_same_optimizer(self.checkpoints.optimizer(self.last_saved), setup)
             self.state, meta = self.checkpoints.restore(self.last_saved, program.abstract_state, self.iterator)
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
@@ -252,9 +252,8 @@ class TrainingRun:
         }
 
 
-def _check_same_optimizer(meta: dict, setup: TrainSetup) -> None:
-    """A checkpoint's optimizer state only restores into the optimizer that wrote it."""
-    saved = meta["config"]["train"].get("optimizer", "adamw")  # runs from before the option: AdamW
+def _check_same_optimizer(saved: str, setup: TrainSetup) -> None:
+    """A checkpoint's optimizer state (`saved`'s) only restores into the optimizer that wrote it."""
     if saved != setup.optimizer.optimizer:
         raise UserError(
             f"{setup.workdir.checkpoints} was trained with train.optimizer={saved}; resuming needs the "

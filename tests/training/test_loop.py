@@ -174,7 +174,7 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
 
     # Resuming it with the other optimizer: one line, before any step.
     checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
-    saved = checkpoints.restore_meta(2)["config"]["train"]["optimizer"]
+    saved = checkpoints.optimizer(2)
     checkpoints.close()
     other = {"adamw": "muon", "muon": "adamw"}[saved]
     proc = testing.start_training(
