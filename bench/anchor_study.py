@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--num_prompts", type=int, default=32)
     parser.add_argument("--num_epochs", type=int, default=0, help="0: the default config's")
     parser.add_argument("--max_steps", type=int, default=0, help="0: every step of the epochs")
-    parser.add_argument("--root", default="", help="default: runs/<study>_study")
+    parser.add_argument("--root", default="", help="default: runs/<study>_study, runs/variants_study")
     args = parser.parse_args()
     if not (args.study or args.variants):
         parser.error("give --study or --variants")
