@@ -49,6 +49,12 @@ class CheckpointSaveError(UserError):
     label = "training stopped"
 
 
+def optimizer_of(meta: dict[str, Any]) -> str:
+    """The optimizer whose state a checkpoint holds, from its metadata (its config's
+    `train.optimizer`); checkpoints from before the option hold AdamW's."""
+    return meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
+
+
 class RunCheckpoints:
     """The train-state checkpoints in `directory` (a workdir's `checkpoints/`)."""
 
@@ -128,11 +134,6 @@ class RunCheckpoints:
 
     def restore_meta(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-
-    def optimizer(self, step: int) -> str:
-        """The optimizer whose state checkpoint `step` holds (its config's `train.optimizer`);
-        checkpoints from before the option hold AdamW's."""
-        return self.restore_meta(step).get("config", {}).get("train", {}).get("optimizer", "adamw")
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk; raises CheckpointSaveError if one

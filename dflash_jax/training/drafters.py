@@ -18,7 +18,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import export_drafter, load_drafter
-from dflash_jax.training.checkpoint import RunCheckpoints
+from dflash_jax.training.checkpoint import RunCheckpoints, optimizer_of
 from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.step import OptimizerConfig, abstract_train_state, drafter_graph, make_optimizer
 from dflash_jax.training.workdir import Workdir
@@ -43,11 +43,12 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
             raise UserError(
                 f"no checkpoint of step {step} in {checkpoints.directory} (steps: {checkpoints.manager.all_steps()})"
             )
-        cfg = DrafterConfig.from_hf(checkpoints.restore_meta(step)["drafter_config"])
+        meta = checkpoints.restore_meta(step)
+        cfg = DrafterConfig.from_hf(meta["drafter_config"])
         # Only the structure of the optimizer state matters for restoring, not its schedule.
         abstract = abstract_train_state(
             cfg,
-            make_optimizer(OptimizerConfig(optimizer=checkpoints.optimizer(step)), 1),
+            make_optimizer(OptimizerConfig(optimizer=optimizer_of(meta)), 1),
             seed=0,
             compute_dtype=jnp.float32,
             mesh=make_mesh(-1, 1),

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.errors import UserError
 from dflash_jax.models.hf import load_target
-from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints
+from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints, optimizer_of
 from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.drafters import export_params
 from dflash_jax.training.evaluation import AcceptanceEval
@@ -129,7 +129,7 @@ class TrainingRun:
         if self.last_saved is None:
             self.state, self.best_tau = program.init_state(), None
         else:
-            _check_same_optimizer(self.checkpoints.optimizer(self.last_saved), setup)
+            _check_same_optimizer(optimizer_of(self.checkpoints.restore_meta(self.last_saved)), setup)
             self.state, meta = self.checkpoints.restore(self.last_saved, program.abstract_state, self.iterator)
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)

@@ -205,9 +205,10 @@ def frozen_inputs(
         # The label at anchor + k is predicted from position anchor + k - 1, k = 1..Bk-1.
         index = jnp.minimum(anchor_index[:, :, None] + jnp.arange(cfg.block_size - 1), batch["tokens"].shape[1] - 1)
         last = jnp.take_along_axis(hidden[-1], index.reshape(index.shape[0], -1, 1), axis=1)
-        blocks = blocks.replace(target_hidden=target.norm(last).reshape(*index.shape, -1))
+        target_hidden = target.norm(last).reshape(*index.shape, -1)
+        blocks = blocks.replace(target_hidden=jax.lax.stop_gradient(target_hidden))
     block_embeds = target.embed(blocks.tokens)
-    return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), jax.lax.stop_gradient(blocks)
+    return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), blocks
 
 
 def row_keys(step_key: jax.Array, row_ids: jax.Array) -> jax.Array:

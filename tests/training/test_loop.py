@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.models.hf import load_drafter
-from dflash_jax.training.checkpoint import BestCheckpoint, CheckpointSaveError, RunCheckpoints
+from dflash_jax.training.checkpoint import BestCheckpoint, CheckpointSaveError, RunCheckpoints, optimizer_of
 from dflash_jax.training.drafters import restore_params
 from dflash_jax.training.workdir import Workdir
 from support import training_runs as testing
@@ -174,7 +174,7 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
 
     # Resuming it with the other optimizer: one line, before any step.
     checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
-    saved = checkpoints.optimizer(2)
+    saved = optimizer_of(checkpoints.restore_meta(2))
     checkpoints.close()
     other = {"adamw": "muon", "muon": "adamw"}[saved]
     proc = testing.start_training(
