@@ -3,6 +3,7 @@
     python bench/train_step.py                      # the default config and a "small" one
     python bench/train_step.py --configs=small --steps=10
     python bench/train_step.py --attention=xla      # force an attention implementation
+    python bench/train_step.py --optimizers=adamw,muon   # each config once per optimizer
 
 Each config runs the real jitted train step (frozen target forward, drafter forward/backward,
 AdamW) on random weights and synthetic packed batches of the config's shapes, after one
@@ -41,6 +42,7 @@ from dflash_jax.models import attention
 from dflash_jax.models.config import RopeConfig, TransformerConfig
 from dflash_jax.training.config import TrainSetup, load_config_file, resolve
 from dflash_jax.training.flops import model_flops_per_step
+from dflash_jax.training.step import OPTIMIZERS
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 
@@ -78,6 +80,11 @@ def setups(names: list[str]) -> dict[str, TrainSetup]:
         else:
             raise SystemExit(f"unknown config {name!r} (default, small)")
     return out
+
+
+def with_optimizer(setup: TrainSetup, optimizer: str) -> TrainSetup:
+    """`setup` with its optimizer (`train.optimizer`) replaced."""
+    return dataclasses.replace(setup, optimizer=dataclasses.replace(setup.optimizer, optimizer=optimizer))
 
 
 def with_attention(setup: TrainSetup, implementation: str) -> TrainSetup:
@@ -226,8 +233,18 @@ def main() -> None:
     parser.add_argument("--configs", default="default,small")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config (after one compiling step)")
     parser.add_argument("--attention", default="auto", choices=attention.IMPLEMENTATIONS)
+    parser.add_argument("--optimizers", default="", help="comma-separated (adamw, muon); default: the config's")
     args = parser.parse_args()
     chosen = {name: with_attention(setup, args.attention) for name, setup in setups(args.configs.split(",")).items()}
+    if args.optimizers:
+        unknown = set(args.optimizers.split(",")) - set(OPTIMIZERS)
+        if unknown:
+            parser.error(f"--optimizers: {', '.join(sorted(unknown))} not one of {', '.join(OPTIMIZERS)}")
+        chosen = {
+            f"{name}/{optimizer}": with_optimizer(setup, optimizer)
+            for name, setup in chosen.items()
+            for optimizer in args.optimizers.split(",")
+        }
     device = jax.devices()[0]
     resolved = attention.resolve_implementation(args.attention)
     print(f"devices: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}); attention: {resolved}")
