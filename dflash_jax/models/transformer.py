@@ -136,10 +136,10 @@ class Transformer(nnx.Module):
         hidden_layers: Sequence[int] = (),
         return_logits: bool = True,
     ) -> tuple[jax.Array | None, tuple[jax.Array, ...]]:
-        """Packed forward of [B, S] rows -> (logits [B, S, V] or None, outputs [B, S, D] of
-        `hidden_layers` in that order). With return_logits=False the forward stops after
-        max(hidden_layers). Positions restart in every document, so all lie below S (a
-        position at or past S yields NaN)."""
+        """Packed forward of [B, S] rows -> (logits [B, S, V] or None, hidden states [B, S, D] of
+        `hidden_layers` in that order, as `layer_outputs` defines them). With return_logits=False
+        the forward stops after max(hidden_layers). Positions restart in every document, so all
+        lie below S (a position at or past S yields NaN)."""
         with jax.named_scope("target"):  # names the collectives in `python -m dflash_jax.plan`
             last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
             x = self.embed(tokens)
@@ -148,12 +148,21 @@ class Transformer(nnx.Module):
             for layer in self.layers[: last + 1]:
                 x = layer(x, rows)
                 outputs.append(x)
-            logits = self.unembed(self.norm(x)) if return_logits else None
+            outputs = self.layer_outputs(outputs)
+            logits = self.unembed(outputs[-1]) if return_logits else None
             return logits, tuple(outputs[i] for i in hidden_layers)
 
+    def layer_outputs(self, outputs: list[jax.Array]) -> list[jax.Array]:
+        """Raw decoder-layer outputs -> the hidden state of each layer as transformers'
+        `hidden_states[i + 1]` holds it: the last layer's after the final norm (docs/design.md §2),
+        which is what the reference DFlash code reads as that layer's context feature."""
+        if len(outputs) == self.cfg.num_layers:
+            outputs = [*outputs[:-1], self.norm(outputs[-1])]
+        return outputs
+
     def features(self, tokens, segment_ids, positions, layer_ids: Sequence[int]) -> jax.Array:
-        """DFlash context features (docs/design.md §2): the chosen layers' outputs concatenated,
-        [B, S, k·D]."""
+        """DFlash context features (docs/design.md §2): the chosen layers' hidden states
+        concatenated, [B, S, k·D]."""
         _, hidden = self(tokens, segment_ids, positions, hidden_layers=layer_ids, return_logits=False)
         return jnp.concatenate(hidden, axis=-1)
 
@@ -168,7 +177,7 @@ class Transformer(nnx.Module):
         """Append tokens [B, T] after `cache.lengths` -> (logits [B, T, V], features, new cache).
 
         Positions continue from each row's cache length. Features (concat of `feature_layers`
-        outputs, [B, T, k·D]) are what the drafter's context cache needs for these tokens.
+        hidden states as `layer_outputs` defines them, [B, T, k·D]) are what the drafter's context cache needs for these tokens.
         `num_valid` [B]: right-padded rows (a prefill), only the first num_valid tokens are real;
         the caller then sets `lengths` to start + num_valid.
         """
@@ -181,7 +190,8 @@ class Transformer(nnx.Module):
             x, layer_cache = layer.decode(x, step, layer_cache)
             outputs.append(x)
             layer_caches.append(layer_cache)
-        logits = self.unembed(self.norm(x))
+        outputs = self.layer_outputs(outputs)
+        logits = self.unembed(outputs[-1])
         features = jnp.concatenate([outputs[i] for i in feature_layers], axis=-1) if feature_layers else None
         return logits, features, cache.replace(layers=tuple(layer_caches), lengths=cache.lengths + num_new)
 

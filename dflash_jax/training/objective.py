@@ -204,8 +204,9 @@ def frozen_inputs(
     if cfg.distill:
         # The label at anchor + k is predicted from position anchor + k - 1, k = 1..Bk-1.
         index = jnp.minimum(anchor_index[:, :, None] + jnp.arange(cfg.block_size - 1), batch["tokens"].shape[1] - 1)
+        # The last layer's hidden state is already after the final norm (`layer_outputs`).
         last = jnp.take_along_axis(hidden[-1], index.reshape(index.shape[0], -1, 1), axis=1)
-        target_hidden = target.norm(last).reshape(*index.shape, -1)
+        target_hidden = last.reshape(*index.shape, -1)
         blocks = blocks.replace(target_hidden=jax.lax.stop_gradient(target_hidden))
     block_embeds = target.embed(blocks.tokens)
     return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), blocks

@@ -61,9 +61,16 @@ def test_logits_hidden_states_and_greedy_text_match_transformers(family):
     ones = jnp.ones(tokens.shape, jnp.int32)
     logits, hidden = _forward(ours, jnp.asarray(tokens), ones, jnp.broadcast_to(jnp.arange(SEQ), tokens.shape))
     np.testing.assert_allclose(logits, out.logits.numpy(), atol=1e-4, rtol=1e-4, err_msg=name)
-    # transformers' hidden_states[i + 1] is layer i's output; its last one is after the final norm.
-    for i, h in enumerate(hidden[:-1]):
+    # transformers' hidden_states[i + 1] is layer i's hidden state, the last one after the final norm:
+    # the feature the reference DFlash code reads for target layer i.
+    for i, h in enumerate(hidden):
         np.testing.assert_allclose(h, out.hidden_states[i + 1].numpy(), atol=1e-4, rtol=1e-4, err_msg=f"{name} {i}")
+    # The features decoding reads (a prefill through the cache), every layer id including L - 1.
+    layer_ids = tuple(range(ours.cfg.num_layers))
+    with jax.default_matmul_precision("highest"):
+        _, features, _ = ours.decode(jnp.asarray(tokens), ours.new_cache(2, SEQ), feature_layers=layer_ids)
+    expected = np.concatenate([h.numpy() for h in out.hidden_states[1:]], axis=-1)
+    np.testing.assert_allclose(np.asarray(features), expected, atol=1e-4, rtol=1e-4, err_msg=f"{name} features")
 
     prompts = [tokens[0, :9], tokens[1, :30]]
     ours_greedy = TargetDecoder(ours, max_prompt_len=32, max_new_tokens=NEW, batch_size=2).generate(prompts)

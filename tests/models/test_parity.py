@@ -42,9 +42,20 @@ def test_fp32_logits_and_hidden_states_match_transformers(fixture, request):
     ref_logits, ref_hidden = _reference(path, tokens)
     logits, hidden = _ours(path, tokens)
     np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
-    # HF hidden_states[i + 1] is layer i's output; the last one is after the final norm.
-    for i, h in enumerate(hidden[:-1]):
+    # HF hidden_states[i + 1] is layer i's hidden state, the last one after the final norm: the
+    # feature the reference DFlash code reads for target layer i.
+    for i, h in enumerate(hidden):
         np.testing.assert_allclose(h, ref_hidden[i + 1], atol=1e-4, rtol=1e-4, err_msg=f"layer {i}")
+    # The features training and decoding read, every layer id including L - 1.
+    model = load_target(path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    layer_ids = tuple(range(model.cfg.num_layers))
+    ones = jnp.ones(tokens.shape, jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        packed = model.features(jnp.asarray(tokens), ones, jnp.broadcast_to(jnp.arange(SEQ), tokens.shape), layer_ids)
+        _, cached, _ = model.decode(jnp.asarray(tokens), model.new_cache(*tokens.shape), feature_layers=layer_ids)
+    expected = np.concatenate(ref_hidden[1:], axis=-1)
+    np.testing.assert_allclose(np.asarray(packed), expected, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(cached), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_compute_stays_close(qwen3_checkpoint):
