@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import time
 
 import jax
@@ -128,7 +129,8 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.study or args.variants):
         parser.error("give --study or --variants")
-    variants = args.variants.split(",") if args.variants else list(STUDIES[args.study])
+    # Commas inside parentheses belong to a tuple value: drafter.target_layer_ids=(0,1,2).
+    variants = re.split(r",(?![^()]*\))", args.variants) if args.variants else list(STUDIES[args.study])
     args.base = STUDY_BASES.get(args.study, "")
     seeds = [int(s) for s in args.seeds.split(",")]
     lengths = [int(n) for n in args.max_new_tokens.split(",")]
