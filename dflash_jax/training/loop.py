@@ -105,6 +105,7 @@ class TrainingRun:
             jax.device_count(),
             jax.process_count(),
         )
+        _warn_if_engines_miss_the_last_layer(setup)
         self.data = DataPipeline.from_config(setup.data, setup.target_path)
         total = self.data.total_steps(setup.run.num_epochs)
         self.total_steps = min(total, setup.run.max_steps) if setup.run.max_steps else total
@@ -250,6 +251,19 @@ class TrainingRun:
             "drafter_config": self.setup.drafter.to_hf(),
             "config": self.setup.config_dict,
         }
+
+
+def _warn_if_engines_miss_the_last_layer(setup: TrainSetup) -> None:
+    """SGLang and vLLM capture target layer i's feature at the input of layer i + 1, which the last
+    layer does not have: they cannot serve a drafter that reads it (docs/design.md §2)."""
+    last = setup.target.num_layers - 1
+    if last in setup.drafter.target_layer_ids:
+        log.warning(
+            "drafter.target_layer_ids %s reads the target's last layer (%d): the reference DFlash code "
+            "serves it, SGLang and vLLM capture features at layer inputs and cannot",
+            list(setup.drafter.target_layer_ids),
+            last,
+        )
 
 
 def _check_same_optimizer(saved: str, setup: TrainSetup) -> None:

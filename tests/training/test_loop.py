@@ -277,3 +277,15 @@ def test_failed_save_never_becomes_latest(tmp_path):
     restored = reopened.restore_state(1, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
     np.testing.assert_array_equal(restored["w"], np.arange(4.0))
     reopened.close()
+
+
+@pytest.mark.parametrize("layer_ids, warned", [((0, 3), True), ((0, 2), False)])
+def test_warns_when_engines_cannot_serve_the_last_layer(layer_ids, warned, caplog):
+    from types import SimpleNamespace
+
+    from dflash_jax.training import loop
+
+    setup = SimpleNamespace(target=SimpleNamespace(num_layers=4), drafter=SimpleNamespace(target_layer_ids=layer_ids))
+    with caplog.at_level("WARNING", logger=loop.__name__):
+        loop._warn_if_engines_miss_the_last_layer(setup)
+    assert ("SGLang and vLLM" in caplog.text) == warned
