@@ -45,7 +45,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "target",
         None,
-        "Hugging Face target directory or hub id org/name[@revision] (weights, tokenizer); "
+        "Hugging Face target directory, .gguf file or hub id org/name[@revision] (weights, tokenizer); "
         "default: the target named by --drafter's training run.",
         **fv,
     )

@@ -111,7 +111,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "target",
         None,
-        "The target: jax back-end, a model directory or hub id org/name[@revision]; http back-end, the "
+        "The target: jax back-end, a model directory, .gguf file or hub id org/name[@revision]; http back-end, the "
         "served model name (default: the server's first model).",
         **fv,
     )

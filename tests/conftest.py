@@ -36,3 +36,21 @@ def qwen3_tied_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory):
     return write_hf_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache(tmp_path_factory):
+    """GGUF targets' generated directories (models/gguf.py) go to a temporary folder, for this
+    process and the commands the tests start."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("gguf_cache")
+        patch.setenv("DFLASH_JAX_GGUF_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama GGUF as llama.cpp writes SmolLM2's: Q4_1 matrices, Q8_0 embedding, tied."""
+    from support.gguf_checkpoint import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf")

@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 from dflash_jax.errors import ModelError
 from dflash_jax.models.config import DrafterConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.gguf import GgufTensors, gguf_source, model_dir, weights_file
 from dflash_jax.models.sharding import param_sharding
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.models.weight_maps import checkpoint_name, target_tensor
@@ -136,15 +137,17 @@ def load_target(
     mesh: Mesh | None = None,
     attention: str = "auto",
 ) -> Transformer:
-    """Load a Hugging Face checkpoint directory into a `Transformer` (`attention`: its packed
-    forward's attention code)."""
+    """Load a Hugging Face checkpoint directory, or a GGUF file (models/gguf.py), into a
+    `Transformer` (`attention`: its packed forward's attention code)."""
+    if gguf_file := gguf_source(path):
+        path = model_dir(gguf_file)
     cfg = TransformerConfig.from_hf(read_config(path))
     abstract = nnx.eval_shape(
         lambda: Transformer(
             cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(0)
         )
     )
-    reader = SafetensorsReader(path)
+    reader = GgufTensors(gguf_file) if (gguf_file := weights_file(path)) else SafetensorsReader(path)
     model, _ = _fill(abstract, lambda p, dtype: target_tensor(reader, p, cfg, dtype), mesh, source=str(path))
     return model
 

@@ -1,6 +1,7 @@
 """Models and data files named by Hugging Face hub ids, found through huggingface_hub's cache.
 
     resolve_model("/models/Qwen3-8B")      -> that directory, as it is
+    resolve_model("/models/x.Q4_1.gguf")   -> the Hugging Face-style directory of a GGUF (models/gguf.py)
     resolve_model("Qwen/Qwen3-8B")         -> $HF_HUB_CACHE/models--Qwen--Qwen3-8B/snapshots/<commit>
     resolve_model("Qwen/Qwen3-8B@v1.0")    -> the snapshot of a branch, tag or commit
     resolve_dataset_files("hf://datasets/openai/gsm8k/main/test-*.parquet") -> [the matching files]
@@ -23,6 +24,7 @@ from huggingface_hub import constants, errors, snapshot_download
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
 from dflash_jax.errors import UserError
+from dflash_jax.models.gguf import gguf_source, model_dir
 
 HF_DATASETS = "hf://datasets/"
 # What loading a target or a drafter reads: configs, weights, tokenizer and chat template; not
@@ -35,10 +37,12 @@ def resolve_model(spec: str, *, files: tuple[str, ...] = MODEL_FILES) -> Path:
     """A local model directory, or the cached snapshot of hub model `org/name[@revision]` with
     (at least) the files matching `files` (globs; the memory plan needs only config.json)."""
     path = Path(os.path.expanduser(spec))
+    if gguf_file := gguf_source(path):
+        return model_dir(gguf_file)
     if path.is_dir():
         return path
     if path.exists():
-        raise UserError(f"{spec}: a file, not a model directory")
+        raise UserError(f"{spec}: a file, not a model directory (nor a .gguf file)")
     repo_id, revision = _split_revision(spec)
     if not _is_repo_id(repo_id):
         raise UserError(f"{spec}: no such directory, and not a Hugging Face model id (org/name or org/name@revision)")

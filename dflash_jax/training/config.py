@@ -31,6 +31,7 @@ from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.chat import HeldoutPrompts, resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
+from dflash_jax.models.gguf import gguf_source
 from dflash_jax.models.hf import read_config
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.mesh import mesh_shape
@@ -388,7 +389,7 @@ def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tu
         "no target to plan for: set --target_config=configs/targets/Qwen3-8B.json (or another config.json) "
         "or --config.target.path=/path/to/hf_model_dir",
     )
-    if not os.path.exists(path):
+    if not os.path.exists(path) or gguf_source(path):
         try:
             path = str(resolve_model(path, files=("config.json",)))
         except UserError as e:

@@ -36,8 +36,9 @@ class TopLevelSettings:
 class TargetSettings:
     """The frozen target LLM."""
 
-    # Hugging Face model directory (config.json, safetensors, tokenizer), or a hub id
-    # `org/name[@revision]` read through the Hugging Face cache (HF_HUB_OFFLINE=1 works offline).
+    # Hugging Face model directory (config.json, safetensors, tokenizer), a hub id
+    # `org/name[@revision]` read through the Hugging Face cache (HF_HUB_OFFLINE=1 works offline),
+    # or a GGUF file / a directory holding one (models/gguf.py).
     path: str = ""
     # Weights and compute of the frozen target.
     dtype: str = "bfloat16"
