@@ -68,8 +68,8 @@ def scaled_scores(qg: jax.Array, k: jax.Array, spec: str) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
-    """q [B, T, K*G, H], k/v [B, S, K, H], mask [B, T, S] (True = visible), optional sinks
-    [K*G] -> [B, T, K*G, H]."""
+    """q [B, T, K*G, H], k [B, S, K, H], v [B, S, K, U], mask [B, T, S] (True = visible), optional
+    sinks [K*G] -> [B, T, K*G, U] (U: the value head dim, H but for latent attention)."""
     qg = grouped(q, k.shape[-2])
     scores = jnp.where(mask[:, None, None], scaled_scores(qg, k, "BTKGH,BSKH->BKGTS"), MASKED)
     if sinks is None:
@@ -78,7 +78,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax
         sink = sinks.astype(jnp.float32).reshape(qg.shape[-3:-1])[:, :, None, None]  # [K, G, 1, 1]
         (weights,), denominator = unnormalized_softmax(scores, sink=sink)
         probs = weights / denominator
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v).reshape(q.shape)
+    return jnp.einsum("BKGTS,BSKU->BTKGU", probs.astype(v.dtype), v).reshape(*q.shape[:-1], v.shape[-1])
 
 
 def unnormalized_softmax(*parts: jax.Array, sink: jax.Array | None = None) -> tuple[tuple[jax.Array, ...], jax.Array]:
@@ -140,12 +140,13 @@ def packed_causal_attention(
 ) -> jax.Array:
     """The target's attention over packed rows: causal, never across documents.
 
-    q [B, S, K*G, H], k/v [B, S, K, H], segment_ids [B, S] (0 = padding) -> [B, S, K*G, H].
-    Equals `attend` under the causal same-document mask (outputs at padding positions are
-    unspecified on the fused path). `implementation`: 'xla' or 'fused' (resolved).
+    q [B, S, K*G, H], k [B, S, K, H], v [B, S, K, U], segment_ids [B, S] (0 = padding) ->
+    [B, S, K*G, U]. Equals `attend` under the causal same-document mask (outputs at padding
+    positions are unspecified on the fused path). `implementation`: 'xla' or 'fused' (resolved);
+    the fused kernels need U = H (latent attention's U < H runs the XLA code).
     `sliding_window` (0: none) and `sinks` [K*G] fp32 (None: none): the module docstring.
     """
-    if implementation == "fused" and fused_supported(q):
+    if implementation == "fused" and fused_supported(q) and v.shape[-1] == q.shape[-1]:
         from dflash_jax.models.kernels import packed_causal
 
         kernel = functools.partial(packed_causal.packed_causal_attention, sliding_window=sliding_window)
@@ -188,9 +189,9 @@ def _packed_causal_xla(q, k, v, segment_ids, sliding_window=0, sinks=None):
         tile_sink = None if sink is None else jnp.broadcast_to(sink, (kv, g, t)).reshape(kv, g * t, 1)
         (weights,), denominator = unnormalized_softmax(scores.reshape(b, kv, g * t, num_keys), sink=tile_sink)
         out = weighted_values(weights, vh[:, :, first:hi], "BKMS,BKSH->BKMH") / denominator
-        outs.append(out.astype(v.dtype).reshape(b, kv, g, t, h))
-    out = jnp.concatenate(outs, axis=3)  # [B, K, G, S, H]
-    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
+        outs.append(out.astype(v.dtype).reshape(b, kv, g, t, -1))
+    out = jnp.concatenate(outs, axis=3)  # [B, K, G, S, U]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, heads, -1)
 
 
 def cached_causal_mask(lengths: jax.Array, num_new: int, cache_size: int, sliding_window: int = 0) -> jax.Array:

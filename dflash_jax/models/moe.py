@@ -99,6 +99,39 @@ def _tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
 # ---------------------------------------------------------------------------------------------
 
 
+def grouped_sigmoid_routing(
+    logits: jax.Array,
+    correction_bias: jax.Array,
+    *,
+    top_k: int,
+    num_groups: int = 1,
+    groups_kept: int = 1,
+    normalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's router (noaux_tc; MiniMax-M2's with one group): logits [T, E] fp32 and the
+    load-balancing bias [E] -> (weights [T, A] fp32, experts [T, A] int32).
+
+    Scores are sigmoid(logits). The bias only chooses: the experts split into `num_groups` equal
+    groups, a group scores the sum of its two best biased scores, the `groups_kept` best groups
+    stay, and the top-k biased scores among their experts are picked. The weights are the picked
+    unbiased scores, renormalized to sum to 1 when `normalize`, then times `scale` (the routed
+    scaling factor).
+    """
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + correction_bias.astype(jnp.float32)
+    if num_groups > 1:
+        grouped = choice.reshape(choice.shape[0], num_groups, -1)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, groups]
+        kept = jax.nn.one_hot(jax.lax.top_k(group_scores, groups_kept)[1], num_groups).sum(1) > 0
+        choice = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(choice.shape)
+    experts = jax.lax.top_k(choice, top_k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * scale, experts
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts, stacked: gate_proj, up_proj [E, D, I], down_proj [E, I, D] (+ biases)."""
 

@@ -1,0 +1,35 @@
+"""FP8 block-quantized weights (DeepSeek-V3 / V3.1, MiniMax-M2 checkpoints) to dense arrays, on the host.
+
+Such a checkpoint stores a Linear's `weight` as float8_e4m3fn [out, in] beside `weight_scale_inv`
+fp32 [ceil(out / 128), ceil(in / 128)] (`quantization_config.weight_block_size`): every 128 x 128
+block of the weight shares one scale, and the dense weight is the FP8 value times its block's
+scale (the name notwithstanding, the scale multiplies). Edge blocks are cut where the shape is not
+a multiple of the block. Norms, embeddings, the LM head and the routers are stored unquantized.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BLOCK = (128, 128)
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block=BLOCK, dtype=np.float32) -> np.ndarray:
+    """weight float8_e4m3fn [..., out, in], scale_inv [..., ceil(out / bo), ceil(in / bi)] ->
+    [..., out, in] in `dtype` (the product formed in fp32)."""
+    weight = np.asarray(weight)
+    if weight.dtype != ml_dtypes.float8_e4m3fn:
+        raise ValueError(f"an FP8 block-quantized weight must be float8_e4m3fn, got {weight.dtype}")
+    (rows, cols), (bo, bi) = weight.shape[-2:], block
+    blocks = (-(-rows // bo), -(-cols // bi))
+    if scale_inv.shape[-2:] != blocks:
+        raise ValueError(
+            f"FP8 weight {weight.shape} needs scales [..., {blocks[0]}, {blocks[1]}], got {scale_inv.shape}"
+        )
+    lead = weight.shape[:-2]
+    padded = np.zeros((*lead, blocks[0] * bo, blocks[1] * bi), np.float32)
+    padded[..., :rows, :cols] = weight.astype(np.float32)
+    tiles = padded.reshape(*lead, blocks[0], bo, blocks[1], bi)
+    tiles *= np.asarray(scale_inv, np.float32)[..., :, None, :, None]
+    return tiles.reshape(padded.shape)[..., :rows, :cols].astype(dtype)
