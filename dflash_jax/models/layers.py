@@ -8,6 +8,7 @@ layout, and q/k norms act per head before RoPE. Shape letters: docs/design.md §
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -31,11 +32,16 @@ class RMSNorm(nnx.Module):
         self.zero_centered = zero_centered
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = rms_normalized(x, self.eps)
         if self.zero_centered:
             return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.compute_dtype)
         return self.weight[...].astype(self.compute_dtype) * normed.astype(self.compute_dtype)
+
+
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x [..., N] divided by its root mean square over the last axis, in fp32 (no scale)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 class Linear(nnx.Linear):
@@ -64,7 +70,13 @@ def linear(
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """Inverse frequencies [R/2] of the R = head_dim·partial_factor rotating dimensions, with
-    Llama-3's or YaRN's long-context rescaling."""
+    Llama-3's or YaRN's long-context rescaling; or (Gemma 4's 'proportional') [head_dim/2] whose
+    first head_dim·partial_factor/2 frequencies are those of a head_dim-wide rotation and the rest 0:
+    every pair (i, i + head_dim/2) rotates, the later ones by angle 0."""
+    if rope.kind == "proportional":
+        angles = int(rope.partial_factor * head_dim // 2)
+        inv_freq = 1.0 / (rope.theta ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / head_dim))
+        return np.pad(inv_freq, (0, head_dim // 2 - angles)).astype(np.float32)
     dim = int(head_dim * rope.partial_factor)
     inv_freq = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     if rope.kind == "default":
@@ -154,15 +166,25 @@ def apply_rope(x: jax.Array, tables: Rotary) -> jax.Array:
     return (jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out).astype(x.dtype)
 
 
+# The gate's activation of a gated MLP: SiLU (SwiGLU), or GELU's tanh approximation (GeGLU, Gemma).
+GATE_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class SwiGLU(nnx.Module):
-    def __init__(self, hidden_size, intermediate_size, *, param_dtype, compute_dtype, rngs, init_std=None):
+    """down(act(gate(x)) · up(x)); act SiLU, or GELU-tanh with activation='gelu_tanh' (GeGLU)."""
+
+    def __init__(
+        self, hidden_size, intermediate_size, *, param_dtype, compute_dtype, rngs, init_std=None, activation="silu"
+    ):
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
         self.gate_proj = linear(hidden_size, intermediate_size, **kw)
         self.up_proj = linear(hidden_size, intermediate_size, **kw)
         self.down_proj = linear(intermediate_size, hidden_size, **kw)
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), (BATCH, ..., MLP))
+        gate = GATE_ACTIVATIONS[self.activation](self.gate_proj(x))
+        hidden = constrain(gate * self.up_proj(x), (BATCH, ..., MLP))
         return constrain(self.down_proj(hidden), (BATCH, ..., EMBED))
 
 
