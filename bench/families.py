@@ -42,12 +42,8 @@ def target_config(family: str, *, vocab, hidden, intermediate, layers, heads, kv
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope=RopeConfig(theta=1e6, partial_factor=0.25 if hybrid else 1.0),
-        architecture={
-            "dense": "Qwen3ForCausalLM",
-            "moe": "Qwen3MoeForCausalLM",
-            "hybrid": "Qwen3_5ForCausalLM",
-            "hybrid_moe": "Qwen3_5MoeForCausalLM",
-        }[family],
+        zero_centered_norm=hybrid,
+        attention_output_gate=hybrid,
         layer_types=tuple(
             "full_attention" if (i + 1) % 4 == 0 or not hybrid else "linear_attention" for i in range(layers)
         ),

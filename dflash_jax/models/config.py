@@ -1,7 +1,8 @@
 """Model configurations: the frozen target LM and the DFlash drafter.
 
-Both are frozen dataclasses that round-trip through Hugging Face `config.json` dicts, so a
-checkpoint directory fully determines the model that reads it.
+Both are frozen dataclasses read from Hugging Face `config.json` dicts, so a checkpoint directory
+fully determines the model that reads it: the drafter's round-trips through its own; the target's
+is read by its family's module (models/families/).
 """
 
 from __future__ import annotations
@@ -19,36 +20,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Token mixers a target layer can have (`TransformerConfig.layer_types`).
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """What a target architecture's layers look like beyond its config.json numbers."""
-
-    name: str
-    qk_norm: bool = True  # per-head RMSNorm on q and k before RoPE
-    zero_centered_norm: bool = False  # every RMSNorm but the linear-attention one scales by 1 + w
-    attention_output_gate: bool = False  # q_proj twice as wide: per head, q then a sigmoid output gate
-    attention_bias: bool = False  # biases on q/k/v/o
-    attention_sinks: bool = False  # a learned logit per head joins every softmax (its weight dropped)
-    weight_prefix: str = "model."  # where the decoder's tensors live in the checkpoint (not lm_head)
-
-
-_QWEN3_5 = dict(zero_centered_norm=True, attention_output_gate=True)
-_QWEN3_5_MULTIMODAL = dict(**_QWEN3_5, weight_prefix="model.language_model.")
-
-# The target architectures the loader understands (a checkpoint's `architectures`).
-TARGET_ARCHITECTURES = {
-    "Qwen3ForCausalLM": Family("qwen3"),
-    "LlamaForCausalLM": Family("llama", qk_norm=False),
-    "Qwen3MoeForCausalLM": Family("qwen3_moe"),
-    "Qwen3_5ForCausalLM": Family("qwen3_5", **_QWEN3_5),
-    "Qwen3_5ForConditionalGeneration": Family("qwen3_5", **_QWEN3_5_MULTIMODAL),
-    "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", **_QWEN3_5),
-    "Qwen3_5MoeForConditionalGeneration": Family("qwen3_5_moe", **_QWEN3_5_MULTIMODAL),
-    "Qwen3NextForCausalLM": Family("qwen3_next", **_QWEN3_5),
-    "GptOssForCausalLM": Family("gpt_oss", qk_norm=False, attention_bias=True, attention_sinks=True),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +134,6 @@ class LinearAttentionConfig:
 
 ROUTERS = ("softmax_topk", "topk_softmax")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
-GATE_UP_LAYOUTS = ("concatenated", "interleaved")
-# The router's name in each kind's checkpoints (Qwen: `mlp.gate`, gpt-oss: `mlp.router`).
-ROUTER_NAMES = {"softmax_topk": "gate", "topk_softmax": "router"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,15 +154,11 @@ class MoeConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    # How a fused checkpoint tensor holds gate and up: 'concatenated' (Qwen3.5: `gate_up_proj`
-    # [E, 2I, D], gate rows first) or 'interleaved' (gpt-oss: [E, D, 2I], gate and up columns alternate).
-    gate_up_layout: str = "concatenated"
 
     def __post_init__(self):
         for name, value, allowed in (
             ("router", self.router, ROUTERS),
             ("activation", self.activation, ACTIVATIONS),
-            ("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS),
         ):
             if value not in allowed:
                 raise ModelError(f"MoE {name} {value!r} is not supported (supported: {', '.join(allowed)})")
@@ -209,60 +173,11 @@ class MoeConfig:
                 f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} not negative"
             )
 
-    @property
-    def router_name(self) -> str:
-        return ROUTER_NAMES[self.router]
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> MoeConfig:
-        """The MoE settings of a Hugging Face (text) config.json: qwen3_moe, qwen3_next,
-        qwen3_5_moe(_text) or gpt_oss."""
-        kind = hf.get("model_type")
-        if kind == "gpt_oss":
-            return cls(
-                num_experts=int(hf["num_local_experts"]),
-                num_experts_per_token=int(hf.get("num_experts_per_tok") or hf["experts_per_token"]),
-                expert_intermediate_size=int(hf["intermediate_size"]),
-                router="topk_softmax",
-                router_bias=True,
-                expert_bias=True,
-                activation="clamped_swiglu",
-                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-                gate_up_layout="interleaved",
-            )
-        if kind in ("qwen3_5_moe", "qwen3_5_moe_text"):
-            norm_topk_prob = True  # Qwen3.5-MoE always renormalizes: its config has no norm_topk_prob
-        elif kind in ("qwen3_moe", "qwen3_next"):
-            # transformers' defaults where a config leaves the field out.
-            norm_topk_prob = bool(hf.get("norm_topk_prob", kind == "qwen3_next"))
-        else:
-            raise ModelError(
-                f"model_type {kind!r} has no MoE settings here (qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss)"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ModelError(f"MoE hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        return cls(
-            # Hub configs say num_experts; transformers 5 writes num_local_experts for qwen3_moe.
-            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
-            num_experts_per_token=int(hf["num_experts_per_tok"]),
-            expert_intermediate_size=int(hf["moe_intermediate_size"]),
-            norm_topk_prob=norm_topk_prob,
-            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-        )
-
-
-def moe_layer_indices(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
-    """The layers whose MLP is the mixture of experts: every `decoder_sparse_step`-th layer not in
-    `mlp_only_layers` (qwen3_moe, qwen3_next; 1 and [] where a config leaves them out)."""
-    step = int(hf.get("decoder_sparse_step") or 1)
-    dense = set(hf.get("mlp_only_layers") or ())
-    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """A decoder-only LM built from per-layer specs: the families of `TARGET_ARCHITECTURES`."""
+    """A decoder-only LM built from per-layer specs. A family module (models/families/) reads one
+    from a checkpoint's config.json; the defaults of the last fields are dense Qwen3's."""
 
     vocab_size: int
     hidden_size: int
@@ -275,17 +190,19 @@ class TransformerConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
-    architecture: str = "Qwen3ForCausalLM"
     # The token mixer of every layer, as Hugging Face configs spell it; () = all full attention.
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0  # keys a 'sliding_attention' query sees (itself included)
     linear_attention: LinearAttentionConfig | None = None  # for the 'linear_attention' layers
     moe: MoeConfig | None = None
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
+    qk_norm: bool = True  # per-head RMSNorm on q and k before RoPE
+    zero_centered_norm: bool = False  # every RMSNorm but the linear-attention one scales by 1 + w
+    attention_output_gate: bool = False  # q_proj twice as wide: per head, q then a sigmoid output gate
+    attention_bias: bool = False  # biases on q/k/v/o
+    attention_sinks: bool = False  # a learned logit per head joins every softmax (its weight dropped)
 
     def __post_init__(self):
-        if self.architecture not in TARGET_ARCHITECTURES:
-            raise ModelError(_unsupported(self.architecture))
         if self.num_heads % self.num_kv_heads:
             raise ModelError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if not self.layer_types:
@@ -303,46 +220,8 @@ class TransformerConfig:
         if self.moe_layers and self.moe is None:
             raise ModelError("moe_layers need the MoE fields of the config")
 
-    @property
-    def family(self) -> Family:
-        return TARGET_ARCHITECTURES[self.architecture]
 
-    @property
-    def qk_norm(self) -> bool:
-        return self.family.qk_norm
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> TransformerConfig:
-        archs = hf.get("architectures") or []
-        known = [a for a in archs if a in TARGET_ARCHITECTURES]
-        if not known:
-            raise ModelError(_unsupported(archs or hf.get("model_type")))
-        arch = known[0]
-        text = {**hf, **(hf.get("text_config") or {})}  # multimodal checkpoints nest the LM's fields
-        family = TARGET_ARCHITECTURES[arch]
-        if (text.get("attention_bias") and not family.attention_bias) or text.get("mlp_bias"):
-            raise ModelError(f"{arch}: attention/MLP biases are not supported for this family")
-        num_layers = int(text["num_hidden_layers"])
-        layer_types = tuple(text.get("layer_types") or ())
-        has_moe = bool(text.get("num_experts") or text.get("num_local_experts"))
-        return cls(
-            **_decoder_fields(text),
-            num_layers=num_layers,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            architecture=arch,
-            layer_types=layer_types,
-            sliding_window=int(text.get("sliding_window") or 0) if "sliding_attention" in layer_types else 0,
-            linear_attention=LinearAttentionConfig.from_hf(text) if "linear_num_key_heads" in text else None,
-            moe=MoeConfig.from_hf(text) if has_moe else None,
-            moe_layers=moe_layer_indices(text, num_layers) if has_moe else (),
-        )
-
-
-def _unsupported(architecture) -> str:
-    return f"unsupported target architecture {architecture!r}; supported: {', '.join(TARGET_ARCHITECTURES)}"
-
-
-def _decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
+def decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The fields target and drafter configs read alike from a Hugging Face config.json."""
     heads = int(hf["num_attention_heads"])
     return dict(
@@ -536,7 +415,7 @@ class DrafterConfig:
                 "set use_sliding_window=true and a positive sliding_window"
             )
         return cls(
-            **_decoder_fields(hf),
+            **decoder_fields(hf),
             num_layers=num_layers,
             num_target_layers=int(hf["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),

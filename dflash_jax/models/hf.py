@@ -1,9 +1,9 @@
 """Hugging Face checkpoints: import a target LM, import/export DFlash drafters.
 
 NNX parameter paths mirror checkpoint names (`layers.3.self_attn.q_proj.kernel` <->
-`layers.3.self_attn.q_proj.weight`), so the mapping is mechanical for drafters and mostly so for
-targets: `weight_maps.py` says where each target family's tensors live (prefix, stacked experts,
-fused projections).
+`layers.3.self_attn.q_proj.weight`), so the mapping is mechanical for drafters (the generic weight
+map of `weight_maps.py`) and mostly so for targets: a target's family (models/families/) says
+where the rest of its tensors live (prefix, stacked experts, fused projections, quantized ones).
 
 Loading builds the model abstractly, then reads one tensor at a time, converts it to the
 parameter dtype and places it (optionally on a mesh, where `models/sharding.py` puts that
@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import jax
@@ -29,12 +29,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models.config import DrafterConfig, TransformerConfig
+from dflash_jax.models import families
+from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.gguf import GgufTensors, gguf_source, model_dir, weights_file
 from dflash_jax.models.sharding import param_sharding
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.models.weight_maps import checkpoint_name, target_tensor
+from dflash_jax.models.weight_maps import WeightMap, checkpoint_name
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ class SafetensorsReader:
         path = Path(path)
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: path / f for name, f in weight_map.items()}
+            files = json.loads(index.read_text())["weight_map"]
+            self.files = {name: path / f for name, f in files.items()}
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
@@ -70,8 +71,8 @@ class SafetensorsReader:
                 with safe_open(f, framework="numpy") as handle:
                     self.files.update({name: f for name in handle.keys()})
 
-    def names(self) -> set[str]:
-        return set(self.files)
+    def names(self) -> Collection[str]:
+        return self.files.keys()
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.files:
@@ -96,8 +97,10 @@ def _fill(abstract_model, read: Callable, mesh: Mesh | None, source: str):
     for path, leaf in _param_paths(state):
         try:
             tensor, name = read(path, _NUMPY_DTYPES[jnp.dtype(leaf.dtype)])
-        except KeyError as e:
-            raise ModelError(f"{source}: missing tensor {e.args[0]!r}") from None
+        except KeyError as e:  # the hub names of each layout the checkpoint could hold it in
+            first, *others = e.args[0] if isinstance(e.args[0], tuple) else e.args
+            alternatives = f" (nor {', '.join(map(repr, others))})" if others else ""
+            raise ModelError(f"{source}: missing tensor {first!r}{alternatives}") from None
         if tuple(tensor.shape) != tuple(leaf.shape):
             raise ModelError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(leaf.shape)} (Linear kernels compared as [in, out])"
@@ -111,15 +114,6 @@ def _fill(abstract_model, read: Callable, mesh: Mesh | None, source: str):
     pure = _set_leaves(pure, loaded)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state), names
-
-
-def _mechanical(reader: SafetensorsReader, prefix: str) -> Callable:
-    def read(path, dtype):
-        name, transposed = checkpoint_name(path, prefix)
-        tensor = reader.get(name)
-        return (tensor.T if transposed else tensor), name
-
-    return read
 
 
 def _set_leaves(tree: dict, values: dict[tuple, jax.Array], prefix: tuple = ()) -> dict:
@@ -141,14 +135,15 @@ def load_target(
     `Transformer` (`attention`: its packed forward's attention code)."""
     if gguf_file := gguf_source(path):
         path = model_dir(gguf_file)
-    cfg = TransformerConfig.from_hf(read_config(path))
+    hf = read_config(path)
+    cfg, weights = families.target_config(hf), families.weight_map(hf)
     abstract = nnx.eval_shape(
         lambda: Transformer(
             cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(0)
         )
     )
     reader = GgufTensors(gguf_file) if (gguf_file := weights_file(path)) else SafetensorsReader(path)
-    model, _ = _fill(abstract, lambda p, dtype: target_tensor(reader, p, cfg, dtype), mesh, source=str(path))
+    model, _ = _fill(abstract, lambda p, dtype: weights.read(reader, p, cfg, dtype), mesh, source=str(path))
     return model
 
 
@@ -168,7 +163,8 @@ def load_drafter(
         )
     )
     reader = SafetensorsReader(path)
-    model, used = _fill(abstract, _mechanical(reader, ""), mesh, source=str(path))
+    generic = WeightMap(prefix="")
+    model, used = _fill(abstract, lambda p, dtype: generic.read(reader, p, cfg, dtype), mesh, source=str(path))
     extra = sorted(reader.names() - used)
     if extra:  # released drafters sometimes ship unused tensors; they are not ours to train
         log.warning("%s: ignoring %d tensors the drafter does not use: %s", path, len(extra), extra[:5])
@@ -183,7 +179,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype=
     _, state = nnx.split(drafter)
     tensors = {}
     for path, value in _param_paths(state):
-        name, transposed = checkpoint_name(path, "")
+        name, transposed = checkpoint_name(path)
         array = np.asarray(jax.device_get(value)).astype(_NUMPY_DTYPES[jnp.dtype(dtype)])
         tensors[name] = np.ascontiguousarray(array.T if transposed else array)
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})

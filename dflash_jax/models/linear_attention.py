@@ -19,7 +19,7 @@ per-token states.
 
 Parameter names are transformers' `Qwen3_5GatedDeltaNet`'s (Linear kernels stored [in, out]; the
 conv weight, `dt_bias`, `A_log` and the norm in torch layout); Qwen3-Next's fused projections
-convert with `next_in_proj_to_qwen3_5`. Shapes: B rows, S tokens of a row, T new tokens, D model
+are split at load (models/families/qwen3_next.py). Shapes: B rows, S tokens of a row, T new tokens, D model
 dim, K key heads, G value heads per key head, H key head dim, U value head dim, C conv channels
 (2·K·H + K·G·U: q, k and v), W conv width, N chunks of L tokens, M tokens the cache can roll back.
 """
@@ -31,7 +31,6 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dflash_jax.models.layers import RMSNorm, linear
@@ -368,42 +367,3 @@ class GatedDeltaNet(nnx.Module):
             base=start + head,
         )
         return self._output(o, z), cache
-
-
-def next_in_proj_to_qwen3_5(
-    w_qkvz: np.ndarray, w_ba: np.ndarray, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
-) -> dict[str, np.ndarray]:
-    """Qwen3-Next's fused `in_proj_qkvz` [K·(2H + 2·G·U), D] and `in_proj_ba` [2·K·G, D] (torch
-    layout, grouped per key head: q, k, v, z then b, a) -> the torch-layout weights of
-    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
-
-    After ungrouping, q, k and v are concatenated in the order Qwen3-Next feeds its conv, so its
-    `conv1d.weight` loads unchanged.
-    """
-    if num_v_heads % num_k_heads:
-        raise ValueError(
-            f"Qwen3-Next linear attention: {num_v_heads} value heads do not group over {num_k_heads} key heads"
-        )
-    g = num_v_heads // num_k_heads
-    per_head = 2 * head_k_dim + 2 * g * head_v_dim
-    if w_qkvz.ndim != 2 or w_qkvz.shape[0] != num_k_heads * per_head:
-        raise ValueError(
-            f"Qwen3-Next in_proj_qkvz has shape {w_qkvz.shape}, expected ({num_k_heads * per_head}, hidden)"
-        )
-    d = w_qkvz.shape[1]
-    if w_ba.shape != (2 * num_v_heads, d):
-        raise ValueError(f"Qwen3-Next in_proj_ba has shape {w_ba.shape}, expected ({2 * num_v_heads}, {d})")
-    q, k, v, z = np.split(
-        w_qkvz.reshape(num_k_heads, per_head, d), np.cumsum([head_k_dim, head_k_dim, g * head_v_dim]), axis=1
-    )
-    b, a = np.split(w_ba.reshape(num_k_heads, 2 * g, d), [g], axis=1)
-
-    def flat(w):  # [K, X, D] -> [K·X, D], key head major as the unfused projections
-        return w.reshape(-1, d)
-
-    return {
-        "in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)]),
-        "in_proj_z": flat(z),
-        "in_proj_b": flat(b),
-        "in_proj_a": flat(a),
-    }

@@ -19,26 +19,22 @@ Parameters are stacked over experts, [in, out] like every kernel here, with thes
     experts.down_proj                    [E, I, D]   (EXPERTS, MLP, EMBED)
     experts.{gate,up}_proj_bias          [E, I]      (EXPERTS, MLP)       gpt-oss only
     experts.down_proj_bias               [E, D]      (EXPERTS, EMBED)     gpt-oss only
-    gate.kernel (Qwen) / router.kernel   [D, E]      (EMBED, None); router.bias [E] (None,)
+    router.kernel                        [D, E]      (EMBED, None); router.bias [E] (None,)
     shared_expert.{gate,up,down}_proj.kernel, shared_expert_gate.kernel [D, 1]  (Qwen3.5/Next)
 
-`expert_weight` reads the stacked expert tensors from a checkpoint in each family's layout;
-the router and the shared expert are plain Linears named as in the checkpoint.
+Where a checkpoint keeps them (one tensor per expert, fused, MXFP4) is its family's weight map
+(models/families/).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from dflash_jax.models.config import MoeConfig
 from dflash_jax.models.layers import Linear, SwiGLU, linear
-from dflash_jax.models.mxfp4 import mxfp4_expert_weight
 from dflash_jax.models.sharding import BATCH, EMBED, activation_spec, active_mesh, constrain, per_device
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +167,7 @@ class MoE(nnx.Module):
         self.config = config
         self.compute_dtype = compute_dtype
         self.matmul = matmul  # grouped_matmul's impl
-        router = Linear(
+        self.router = Linear(
             hidden_size,
             config.num_experts,
             use_bias=config.router_bias,
@@ -180,7 +176,6 @@ class MoE(nnx.Module):
             kernel_init=nnx.initializers.normal(init_std) if init_std is not None else nnx.initializers.lecun_normal(),
             rngs=rngs,
         )
-        setattr(self, config.router_name, router)
         self.experts = Experts(hidden_size, config, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
         if config.shared_expert_intermediate_size:
             kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
@@ -190,7 +185,7 @@ class MoE(nnx.Module):
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (weights [T, A] fp32, experts [T, A] int32)."""
         # Logits in the compute dtype, as the reference computes them (it picks the same experts).
-        logits = getattr(self, self.config.router_name)(x).astype(jnp.float32)
+        logits = self.router(x).astype(jnp.float32)
         a = self.config.num_experts_per_token
         if self.config.router == "topk_softmax":
             top, experts = jax.lax.top_k(logits, a)
@@ -257,70 +252,3 @@ class MoE(nnx.Module):
         else:
             hidden = jax.nn.silu(gate) * up
         return project(hidden, "down_proj")
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: the stacked expert tensors of one MoE layer, in each family's layout.
-
-
-class TensorSource(Protocol):
-    """What `expert_weight` reads from (models.hf.SafetensorsReader is one)."""
-
-    def names(self) -> set[str]: ...
-
-    def get(self, name: str) -> np.ndarray: ...
-
-
-EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias")
-
-
-def expert_weight(source: TensorSource, prefix: str, name: str, config: MoeConfig, dtype=np.float32) -> np.ndarray:
-    """Our `experts.<name>` (one of EXPERT_PARAMS) from the checkpoint tensors under `prefix`
-    (e.g. 'model.layers.3.mlp.'), in whichever layout the checkpoint holds:
-
-    per expert (Qwen3-MoE, Qwen3-Next, and what transformers' save_pretrained writes for every Qwen
-      family): experts.{e}.{gate,up,down}_proj.weight [out, in] -> stacked over e, transposed;
-    fused (Qwen3.5-MoE on the hub, gpt-oss): experts.gate_up_proj (+ _bias) split by
-      `config.gate_up_layout`, experts.down_proj [E, D, I] transposed (concatenated) or [E, I, D] as is;
-    MXFP4 (gpt-oss on the hub): experts.{gate_up,down}_proj_{blocks,scales} dequantized.
-    """
-    if name not in EXPERT_PARAMS:
-        raise ValueError(f"{name!r} is not an expert parameter ({', '.join(EXPERT_PARAMS)})")
-    names = source.names()
-    proj, bias = name.removesuffix("_bias"), name.endswith("_bias")
-    if f"{prefix}experts.0.{proj}.weight" in names:
-        tensors = [
-            source.get(f"{prefix}experts.{e}.{proj}.{'bias' if bias else 'weight'}") for e in range(config.num_experts)
-        ]
-        stacked = np.stack([t if bias else t.T for t in tensors])
-        return stacked.astype(dtype)
-    fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
-    interleaved = config.gate_up_layout == "interleaved"
-    if not bias and f"{prefix}experts.{fused}_blocks" in names:
-        # Rows are output features: pick gate's or up's rows before dequantizing (half the work).
-        blocks, scales = source.get(f"{prefix}experts.{fused}_blocks"), source.get(f"{prefix}experts.{fused}_scales")
-        rows = slice(None) if proj == "down_proj" else _gate_up_part(proj, blocks.shape[1], interleaved)
-        return mxfp4_expert_weight(blocks[:, rows], scales[:, rows], dtype)
-    tensor_name = f"{prefix}experts.{fused}{'_bias' if bias else ''}"
-    if tensor_name not in names:
-        raise ValueError(
-            f"checkpoint has no experts for {prefix!r}: neither {prefix}experts.0.{proj}.weight nor {tensor_name}"
-        )
-    tensor = source.get(tensor_name)
-    if proj != "down_proj":
-        # Interleaved (gpt-oss) stores [E, D, 2I]: the out axis is last. Concatenated stores [E, 2I, D].
-        out_axis = -1 if bias or interleaved else 1
-        part = _gate_up_part(proj, tensor.shape[out_axis], interleaved)
-        tensor = tensor[..., part] if out_axis == -1 else tensor[:, part]
-    if not bias and not interleaved:  # the concatenated layout is [E, out, in], as torch Linears
-        tensor = np.swapaxes(tensor, 1, 2)
-    return np.ascontiguousarray(tensor.astype(dtype))
-
-
-def _gate_up_part(proj: str, size: int, interleaved: bool) -> slice:
-    """The rows (or columns) of a fused gate/up axis of length 2I that hold `proj`."""
-    first = proj == "gate_proj"
-    if interleaved:
-        return slice(0 if first else 1, None, 2)
-    half = size // 2
-    return slice(0, half) if first else slice(half, None)

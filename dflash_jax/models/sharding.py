@@ -62,7 +62,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"experts\.down_proj", (EXPERTS, MLP, EMBED)),
     (r"experts\.(gate|up)_proj_bias", (EXPERTS, MLP)),
     (r"experts\.down_proj_bias", (EXPERTS, EMBED)),
-    (r"mlp\.(gate|router)\.kernel", (EMBED, None)),
+    (r"mlp\.router\.kernel", (EMBED, None)),
     (r"mlp\.router\.bias", (None,)),
     (r"shared_expert_gate\.kernel", (EMBED, None)),
     # Gated DeltaNet (models/linear_attention.py): q, k, v concatenated in one projection, so its

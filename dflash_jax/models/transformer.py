@@ -7,7 +7,8 @@ Two entry points:
     them (DFlash training only needs the context features, not the logits).
   * `decode` appends tokens to a `KVCache` (prefill and multi-token verification alike); the
     caller rolls back rejected tokens by lowering `cache.lengths`.
-Module names mirror the Hugging Face checkpoint names, so `hf.py` maps them mechanically.
+Module names mirror the Hugging Face checkpoint names; a family's weight map (models/families/)
+says where the rest live.
 Shape letters: docs/design.md §9 (B rows, S tokens, T new tokens, D model dim, V vocab).
 """
 
@@ -51,11 +52,11 @@ def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: d
         eps=cfg.rms_norm_eps,
         rngs=rngs,
         implementation=attention,
-        output_gate=cfg.family.attention_output_gate,
-        zero_centered_norm=cfg.family.zero_centered_norm,
-        use_bias=cfg.family.attention_bias,
+        output_gate=cfg.attention_output_gate,
+        zero_centered_norm=cfg.zero_centered_norm,
+        use_bias=cfg.attention_bias,
         sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else 0,
-        sinks=cfg.family.attention_sinks,
+        sinks=cfg.attention_sinks,
         **dtypes,
     )
 
@@ -74,7 +75,7 @@ def decoder_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes:
 
 
 def _norm_kw(cfg: TransformerConfig, dtypes: dict) -> dict:
-    return dict(eps=cfg.rms_norm_eps, zero_centered=cfg.family.zero_centered_norm, **dtypes)
+    return dict(eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm, **dtypes)
 
 
 class Transformer(nnx.Module):

@@ -30,6 +30,7 @@ from dflash_jax.data.config import DataConfig
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.chat import HeldoutPrompts, resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
+from dflash_jax.models import families
 from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
 from dflash_jax.models.gguf import gguf_source
 from dflash_jax.models.hf import read_config
@@ -397,7 +398,7 @@ def target_for_plan(config: ml_collections.ConfigDict, override: str = "") -> tu
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(config_file, encoding="utf-8") as f:
-            return TransformerConfig.from_hf(json.load(f)), config_file
+            return families.target_config(json.load(f)), config_file
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"{field}={path!r}: {e}") from None
 
@@ -414,7 +415,7 @@ def _target_path(spec: str) -> str:
 
 def _target_config(path: str) -> TransformerConfig:
     try:
-        return TransformerConfig.from_hf(read_config(path))
+        return families.target_config(read_config(path))
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ConfigError(f"target.path={path!r}: {e}") from None
 

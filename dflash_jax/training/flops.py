@@ -44,7 +44,7 @@ def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: i
         )
         mixer = tokens * (projections + per_token)
     else:
-        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.family.attention_output_gate else 1)
+        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attention_output_gate else 1)
         weights = h * (q_width + 2 * cfg.num_kv_heads * cfg.head_dim) + cfg.num_heads * cfg.head_dim * h
         window = cfg.sliding_window if cfg.layer_types[index] == "sliding_attention" else 0
         mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len, window) * cfg.num_heads * cfg.head_dim

@@ -21,7 +21,8 @@ from dflash_jax.decoding.evaluation import evaluate_set
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import UserError
-from dflash_jax.models.config import DrafterConfig, TransformerConfig
+from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.families import target_config
 from dflash_jax.models.hf import export_drafter, load_drafter, load_target, read_config
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import export_checkpoint, load_any_drafter
@@ -48,7 +49,7 @@ def workdir(chat_target, tmp_path_factory):
     """A training workdir with one checkpoint (saved by the training code) and its export."""
     workdir = tmp_path_factory.mktemp("workdir")
     cfg = DrafterConfig.for_target(
-        TransformerConfig.from_hf(read_config(chat_target)), num_layers=1, mask_token_id=CHAT_VOCAB - 1, block_size=4
+        target_config(read_config(chat_target)), num_layers=1, mask_token_id=CHAT_VOCAB - 1, block_size=4
     )
     state = init_train_state(
         cfg, make_optimizer(OptimizerConfig(), 10), seed=0, compute_dtype=jnp.float32, mesh=make_mesh(-1, 1)

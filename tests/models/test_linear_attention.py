@@ -13,7 +13,8 @@ from flax import nnx
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from dflash_jax.models.linear_attention import GatedDeltaNet, next_in_proj_to_qwen3_5
+from dflash_jax.models.families.qwen3_next import unfuse_in_proj
+from dflash_jax.models.linear_attention import GatedDeltaNet
 from dflash_jax.models.weight_maps import checkpoint_name
 
 # Distinct sizes everywhere (G = 2 value heads per key head, H != U), so no transposed or
@@ -128,7 +129,7 @@ def test_matches_transformers(family):
     reference = _reference(family)
     tensors = _tensors(reference)
     if family == "qwen3_next":
-        unfused = next_in_proj_to_qwen3_5(
+        unfused = unfuse_in_proj(
             tensors.pop("in_proj_qkvz.weight"),
             tensors.pop("in_proj_ba.weight"),
             num_k_heads=HF_SIZES["linear_num_key_heads"],
@@ -147,9 +148,7 @@ def test_matches_transformers(family):
 
 def test_next_conversion_rejects_a_mismatched_projection():
     with pytest.raises(ValueError, match="in_proj_qkvz has shape"):
-        next_in_proj_to_qwen3_5(
-            np.zeros((100, D)), np.zeros((8, D)), num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8
-        )
+        unfuse_in_proj(np.zeros((100, D)), np.zeros((8, D)), num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
 
 
 def test_packed_documents_equal_documents_alone(layer):

@@ -16,14 +16,16 @@ from safetensors.numpy import load_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from dflash_jax.models.config import MoeConfig
-from dflash_jax.models.moe import TILE_ROWS, MoE, expert_weight, grouped_matmul
+from dflash_jax.models.families import FAMILIES, qwen3_moe
+from dflash_jax.models.moe import TILE_ROWS, MoE, grouped_matmul
+from dflash_jax.models.weight_maps import WeightMap
 
 HIDDEN, EXPERTS, EXPERT_DIM = 64, 8, 32
 SMALL = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64)
 
 
 class DictSource:
-    """An in-memory checkpoint with the reader interface `expert_weight` takes."""
+    """An in-memory checkpoint with the reader interface weight maps take."""
 
     def __init__(self, tensors: dict[str, np.ndarray]):
         self.tensors = tensors
@@ -39,22 +41,24 @@ def torch_tensors(module: torch.nn.Module, prefix: str = "") -> DictSource:
     return DictSource({prefix + k: v.detach().numpy() for k, v in module.state_dict().items()})
 
 
-def load_moe(source: DictSource, prefix: str, config: MoeConfig, matmul: str = "auto") -> MoE:
+def moe_config(family: str, hf_config) -> MoeConfig:
+    """The MoE settings the family reads from a transformers config."""
+    return FAMILIES[family].config(hf_config.to_dict()).moe
+
+
+def load_moe(source: DictSource, prefix: str, config: MoeConfig, family: str, matmul: str = "auto") -> MoE:
     """Our MoE with every parameter read from `source` as the target loader reads a checkpoint:
-    experts through `expert_weight`, every other kernel by name (`kernel` <-> `weight`, transposed)."""
+    through the family's weight map, under `prefix`."""
     abstract = nnx.eval_shape(
         lambda: MoE(HIDDEN, config, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0), matmul=matmul)
     )
     graphdef, state = nnx.split(abstract)
 
+    weights = WeightMap(FAMILIES[family].tensors, prefix)
+
     def read(path, leaf):
-        names = [str(getattr(p, "key", p)) for p in path]
-        if names[0] == "experts":
-            value = expert_weight(source, prefix, names[1], config)
-        else:
-            value = source.get(prefix + ".".join(names[:-1] + ["weight" if names[-1] == "kernel" else names[-1]]))
-            value = value.T if names[-1] == "kernel" else value
-        assert value.shape == leaf.shape, (names, value.shape, leaf.shape)
+        value, name = weights.read(source, [str(getattr(p, "key", p)) for p in path], None)
+        assert value.shape == leaf.shape, (name, value.shape, leaf.shape)
         return jnp.asarray(value)
 
     pure = jax.tree_util.tree_map_with_path(read, nnx.to_pure_dict(state))
@@ -103,10 +107,10 @@ def qwen3_moe_block(norm_topk_prob: bool, top_k: int = 2):
 @pytest.mark.parametrize("norm_topk_prob,matmul", [(True, "auto"), (False, "ragged_dot")])
 def test_qwen3_moe_equals_transformers(norm_topk_prob, matmul):
     hf_config, block = qwen3_moe_block(norm_topk_prob)
-    config = MoeConfig.from_hf(hf_config.to_dict())
+    config = moe_config("qwen3_moe", hf_config)
     assert config.norm_topk_prob == norm_topk_prob and config.shared_expert_intermediate_size == 0
     # transformers holds Qwen experts fused as gate_up_proj [E, 2I, D]: the concatenated layout.
-    moe = load_moe(torch_tensors(block), "", config, matmul)
+    moe = load_moe(torch_tensors(block), "", config, "qwen3_moe", matmul)
     x = inputs((3, 40, HIDDEN))  # 240 rows over 8 experts: groups of both more and fewer than TILE_ROWS
     ref, ours = run_both(block, moe, x)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
@@ -132,9 +136,10 @@ def test_shared_expert_block_equals_transformers(family):
         hf_config = transformers.Qwen3NextConfig(norm_topk_prob=True, **kw)
         block = transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextSparseMoeBlock(hf_config)
     block = randomize(block, seed=2)
-    config = MoeConfig.from_hf(hf_config.to_dict())
+    registered = "qwen3_5" if family == "qwen3_5_moe" else family  # the Qwen3.5 family holds both
+    config = moe_config(registered, hf_config)
     assert config.shared_expert_intermediate_size == 48 and config.norm_topk_prob
-    moe = load_moe(torch_tensors(block), "", config)
+    moe = load_moe(torch_tensors(block), "", config, registered)
     ref, ours = run_both(block, moe, inputs((2, 24, HIDDEN), seed=3))
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
 
@@ -150,13 +155,9 @@ def gpt_oss_block(seed: int):
 
 def test_gpt_oss_equals_transformers():
     hf_config, block = gpt_oss_block(seed=4)
-    config = MoeConfig.from_hf(hf_config.to_dict())
-    assert (config.router, config.activation, config.gate_up_layout) == (
-        "topk_softmax",
-        "clamped_swiglu",
-        "interleaved",
-    )
-    moe = load_moe(torch_tensors(block), "", config)
+    config = moe_config("gpt_oss", hf_config)
+    assert (config.router, config.activation) == ("topk_softmax", "clamped_swiglu")
+    moe = load_moe(torch_tensors(block), "", config, "gpt_oss")
     x = inputs((2, 20, HIDDEN), seed=5)
     # The test means something only if the clamps are hit (and not everywhere).
     pre = np.einsum("td,edf->tef", x.reshape(-1, HIDDEN), block.experts.gate_up_proj.detach().numpy())
@@ -173,7 +174,7 @@ def test_dispatch_drops_nothing_when_every_token_picks_the_same_experts():
         block.gate.weight.fill_(-0.05)
         block.gate.weight[3] = 0.1
         block.gate.weight[5] = 0.05
-    moe = load_moe(torch_tensors(block), "", MoeConfig.from_hf(hf_config.to_dict()))
+    moe = load_moe(torch_tensors(block), "", moe_config("qwen3_moe", hf_config), "qwen3_moe")
     x = np.abs(inputs((2, 50, HIDDEN), seed=6)) + 0.1
     assert (np.sort(chosen_experts(moe, x), axis=-1) == [3, 5]).all()  # one group of 100 rows per expert
     ref, ours = run_both(block, moe, x)
@@ -227,8 +228,8 @@ def test_per_expert_checkpoint_written_by_save_pretrained(tmp_path):
     tensors = load_file(tmp_path / "model.safetensors")
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in tensors
     assert not any(name.endswith("gate_up_proj") for name in tensors)
-    config = MoeConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
-    moe = load_moe(DictSource(tensors), "model.layers.0.mlp.", config)
+    config = FAMILIES["qwen3_moe"].config(json.loads((tmp_path / "config.json").read_text())).moe
+    moe = load_moe(DictSource(tensors), "model.layers.0.mlp.", config, "qwen3_moe")
     ref, ours = run_both(model.model.layers[0].mlp, moe, inputs((2, 16, HIDDEN), seed=9))
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
 
@@ -238,11 +239,11 @@ def test_bad_settings_are_one_line_errors():
         MoeConfig(num_experts=8, num_experts_per_token=2, expert_intermediate_size=4, router="top1")
     with pytest.raises(ValueError, match="num_experts_per_token=9"):
         MoeConfig(num_experts=8, num_experts_per_token=9, expert_intermediate_size=4)
-    with pytest.raises(ValueError, match="model_type 'llama'"):
-        MoeConfig.from_hf({"model_type": "llama"})
-    with pytest.raises(ValueError, match="no experts for 'model.layers.0.mlp.'"):
-        config = MoeConfig(num_experts=8, num_experts_per_token=2, expert_intermediate_size=4)
-        expert_weight(DictSource({}), "model.layers.0.mlp.", "gate_proj", config)
+    with pytest.raises(ValueError, match="MoE hidden_act 'gelu'"):
+        qwen3_moe.moe_config({"hidden_act": "gelu"}, norm_topk_prob=True)
+    # Missing experts: the names of both layouts they could have come in.
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight.*experts\.gate_up_proj"):
+        WeightMap(qwen3_moe.EXPERT_TENSORS).read(DictSource({}), ["layers", "0", "mlp", "experts", "gate_proj"], None)
 
 
 def test_gpt_oss_layer_read_from_mxfp4_equals_transformers():
@@ -267,6 +268,6 @@ def test_gpt_oss_layer_read_from_mxfp4_equals_transformers():
     tensors = {k: v.detach().numpy() for k, v in block.state_dict().items() if k.startswith("router.") or "bias" in k}
     for name, (blocks, scales) in (("gate_up_proj", gate_up), ("down_proj", down)):
         tensors[f"experts.{name}_blocks"], tensors[f"experts.{name}_scales"] = blocks, scales
-    moe = load_moe(DictSource(tensors), "", MoeConfig.from_hf(hf_config.to_dict()))
+    moe = load_moe(DictSource(tensors), "", moe_config("gpt_oss", hf_config), "gpt_oss")
     ref, ours = run_both(block, moe, inputs((2, 12, HIDDEN), seed=6))
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())

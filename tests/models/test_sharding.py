@@ -17,13 +17,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax.models import sharding
-from dflash_jax.models.config import DrafterConfig, TransformerConfig
+from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.families import target_config
 from dflash_jax.models.transformer import Transformer
 
 TARGETS = Path(__file__).resolve().parents[2] / "configs" / "targets"
-QWEN3_8B = TransformerConfig.from_hf(json.loads((TARGETS / "Qwen3-8B.json").read_text()))
-QWEN3_4B = TransformerConfig.from_hf(json.loads((TARGETS / "Qwen3-4B.json").read_text()))
+QWEN3_8B = target_config(json.loads((TARGETS / "Qwen3-8B.json").read_text()))
+QWEN3_4B = target_config(json.loads((TARGETS / "Qwen3-4B.json").read_text()))
 
 MESHES = {  # layout name -> a mesh shape that selects it (8 devices)
     "data": {"data": 8, "fsdp": 1, "tensor": 1},

@@ -1,0 +1,58 @@
+"""The registry of target families: every module of this package is one family.
+
+A family module defines `FAMILY = Family(...)` (models/family.py): how its config.json reads and
+where its weights live on the hub. The loader (models/hf.py), the memory plan and the
+training config (through `target_config`) and the error for an unknown architecture read this
+registry, which imports every module here at start-up; adding a family is adding its module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from dflash_jax.errors import ModelError
+from dflash_jax.models.config import TransformerConfig
+from dflash_jax.models.family import Family, text_fields
+from dflash_jax.models.weight_maps import WeightMap
+
+
+def _discover() -> dict[str, Family]:
+    """Every family module of this package, by family name."""
+    found = {}
+    for module in pkgutil.iter_modules(__path__):
+        family = importlib.import_module(f"{__name__}.{module.name}").FAMILY
+        found[family.name] = family
+    return found
+
+
+FAMILIES = _discover()
+# Hub class (config.json `architectures`) -> its family.
+ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family.architectures}
+
+
+def supported() -> str:
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def find(hf: dict[str, Any]) -> tuple[Family, str]:
+    """(family, hub class) of a checkpoint's config.json; a one-line ModelError naming what is
+    supported when no family reads it."""
+    known = [a for a in hf.get("architectures") or () if a in ARCHITECTURES]
+    if not known:
+        named = hf.get("architectures") or hf.get("model_type")
+        raise ModelError(f"unsupported target architecture {named!r}; supported: {supported()}")
+    return ARCHITECTURES[known[0]], known[0]
+
+
+def target_config(hf: dict[str, Any]) -> TransformerConfig:
+    """The target a checkpoint's config.json describes."""
+    family, _ = find(hf)
+    return family.config(text_fields(hf))
+
+
+def weight_map(hf: dict[str, Any]) -> WeightMap:
+    """Where the weights of the checkpoint whose config.json is `hf` live."""
+    family, architecture = find(hf)
+    return family.weight_map(architecture)

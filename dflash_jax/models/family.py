@@ -1,0 +1,62 @@
+"""What a target family module declares (`Family`), and the config.json readings families share.
+
+A family is one module of models/families/: it reads its config.json into a `TransformerConfig`
+(sizes, the mixer and MLP of every layer, its attention and norm style) and lists where its
+weights live on the hub (a weight-map table, models/weight_maps.py). models/families/__init__.py
+finds every such module; nothing else names a family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dflash_jax.errors import ModelError
+from dflash_jax.models.config import TransformerConfig, decoder_fields
+from dflash_jax.models.weight_maps import Tensor, WeightMap
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A target family as the hub publishes it."""
+
+    name: str
+    # Hub class (config.json `architectures`) -> where its decoder's tensors live ('model.').
+    architectures: Mapping[str, str]
+    # The config.json (a multimodal one's text_config merged in: `text_fields`) -> ours.
+    config: Callable[[dict[str, Any]], TransformerConfig]
+    # Weight-map rows, tried before the generic ones (models/weight_maps.py).
+    tensors: tuple[Tensor, ...] = ()
+
+    def weight_map(self, architecture: str) -> WeightMap:
+        return WeightMap(self.tensors, self.architectures[architecture])
+
+
+def text_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's language-model fields: a multimodal checkpoint nests them in text_config
+    (its top-level tie_word_embeddings still holds)."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
+def decoder(hf: dict[str, Any]) -> dict[str, Any]:
+    """The `TransformerConfig` fields every family reads alike: sizes, RoPE, tied embeddings and
+    the `layer_types` of the config (with its window where a layer slides)."""
+    layer_types = tuple(hf.get("layer_types") or ())
+    return dict(
+        **decoder_fields(hf),
+        num_layers=int(hf["num_hidden_layers"]),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        layer_types=layer_types,
+        sliding_window=int(hf.get("sliding_window") or 0) if "sliding_attention" in layer_types else 0,
+    )
+
+
+def reject(hf: dict[str, Any], family: str, *fields: str) -> None:
+    """A one-line error when the config turns on any of `fields`, which `family` does not have."""
+    on = [f for f in fields if hf.get(f)]
+    if on:
+        raise ModelError(f"{family}: {', '.join(on)} set in config.json, which this family does not support")

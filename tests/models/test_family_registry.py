@@ -1,0 +1,114 @@
+"""The family registry (models/families/) and the weight-map engine (models/weight_maps.py) its
+tables run on. The families' numbers against transformers are tests/models/test_families.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_jax.errors import ModelError
+from dflash_jax.models import families
+from dflash_jax.models.weight_maps import Tensor, WeightMap, chain, checkpoint_name, split, transpose
+
+FAMILY_MODULES = Path(families.__file__).parent
+TARGETS = Path(__file__).resolve().parents[2] / "configs" / "targets"
+
+
+class Source:
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self.tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+
+def test_every_module_is_a_family_and_the_error_names_every_architecture():
+    modules = sorted(p.stem for p in FAMILY_MODULES.glob("*.py") if p.stem != "__init__")
+    assert sorted(families.FAMILIES) == modules  # a family's name is its module's
+    architectures = [a for f in families.FAMILIES.values() for a in f.architectures]
+    assert len(architectures) == len(set(architectures)) == len(families.ARCHITECTURES)
+    with pytest.raises(ModelError, match="unsupported target architecture") as error:
+        families.target_config({"architectures": ["MistralForCausalLM"]})
+    assert all(a in str(error.value) for a in architectures)
+
+
+def test_each_published_config_reads_as_its_family():
+    """The public config.json files the plans read: their families and layer patterns."""
+    expected = {
+        "Qwen3-8B.json": ("qwen3", 36, 0),
+        "Qwen3-30B-A3B.json": ("qwen3_moe", 48, 48),
+        "Qwen3.5-35B-A3B.json": ("qwen3_5", 40, 40),
+        "gpt-oss-20b.json": ("gpt_oss", 24, 24),
+    }
+    for name, (family, layers, moe_layers) in expected.items():
+        hf = json.loads((TARGETS / name).read_text())
+        assert families.find(hf)[0].name == family, name
+        cfg = families.target_config(hf)
+        assert (cfg.num_layers, len(cfg.moe_layers)) == (layers, moe_layers), name
+    qwen3_5 = families.target_config(json.loads((TARGETS / "Qwen3.5-35B-A3B.json").read_text()))
+    assert qwen3_5.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+    assert qwen3_5.zero_centered_norm and qwen3_5.attention_output_gate and qwen3_5.qk_norm
+    assert families.weight_map(json.loads((TARGETS / "Qwen3.5-35B-A3B.json").read_text())).prefix == (
+        "model.language_model."
+    )
+
+
+def test_a_qwen_hybrid_without_layer_types_has_every_fourth_layer_full():
+    """Qwen3-Next's release leaves layer_types out (transformers fills them from
+    full_attention_interval); reading every layer as full attention would miss its linear layers."""
+    hf = json.loads((TARGETS / "Qwen3-8B.json").read_text())
+    hf.update(
+        architectures=["Qwen3NextForCausalLM"],
+        num_hidden_layers=8,
+        full_attention_interval=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    cfg = families.target_config(hf)
+    assert cfg.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
+    assert cfg.moe.norm_topk_prob and cfg.moe_layers == tuple(range(8))
+
+
+def test_rows_are_tried_in_order_and_the_checkpoint_picks_its_layout():
+    rows = (
+        Tensor("experts.{expert}.{proj}.weight", "experts.{proj:gate_proj|down_proj}", transpose),
+        Tensor("experts.gate_up", "experts.gate_proj", chain(split(0, 2, axis=1), transpose)),
+        Tensor("mlp.gate.weight", "mlp.router.kernel", transpose),
+    )
+    weights = WeightMap(rows, prefix="model.")
+    per_expert = {f"model.layers.1.experts.{e}.gate_proj.weight": np.full((3, 2), e, np.float32) for e in range(4)}
+    fused = {"model.layers.1.experts.gate_up": np.arange(24, dtype=np.float32).reshape(2, 6, 2)}
+    other = {"model.layers.1.mlp.gate.weight": np.ones((4, 2)), "lm_head.weight": np.ones((5, 2))}
+    path = ["layers", 1, "experts", "gate_proj"]
+
+    stacked, name = weights.read(Source({**per_expert, **other}), path, None)
+    assert name == "model.layers.1.experts.{expert}.gate_proj.weight"
+    assert stacked.shape == (4, 2, 3) and (stacked[:, 0, 0] == np.arange(4)).all()  # every expert held
+    first_half, _ = weights.read(Source({**fused, **other}), path, None)
+    np.testing.assert_array_equal(first_half, fused["model.layers.1.experts.gate_up"][:, :3].swapaxes(1, 2))
+
+    # The generic rows: kernels transposed, the LM head outside the prefix, other names as they are.
+    assert weights.read(Source(other), ["layers", 1, "mlp", "router", "kernel"], None)[0].shape == (2, 4)
+    assert weights.read(Source(other), ["lm_head", "kernel"], None)[1] == "lm_head.weight"
+    assert checkpoint_name(["layers", 0, "mlp", "up_proj", "kernel"]) == ("layers.0.mlp.up_proj.weight", True)
+    assert checkpoint_name(["norm", "weight"], "model.") == ("model.norm.weight", False)
+
+    with pytest.raises(KeyError) as missing:  # every layout it could have been in, named
+        weights.read(Source(other), path, None)
+    layouts = ("experts.0.gate_proj.weight", "experts.gate_up", "experts.gate_proj")  # the last: its own name
+    assert missing.value.args[0] == tuple(f"model.layers.1.{n}" for n in layouts)
+    with pytest.raises(KeyError):  # {proj:gate_proj|down_proj} does not match up_proj
+        WeightMap(rows[:1]).read(
+            Source({"model.layers.1.experts.0.up_proj.weight": np.ones(1)}), path[:3] + ["up_proj"], None
+        )
