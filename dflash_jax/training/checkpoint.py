@@ -55,6 +55,11 @@ def optimizer_of(meta: dict[str, Any]) -> str:
     return meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
 
 
+def ema_decay_of(meta: dict[str, Any]) -> float:
+    """The weight-average decay of a checkpoint's optimizer state (0: none), as `optimizer_of`."""
+    return float(meta.get("config", {}).get("train", {}).get("ema_decay", 0.0))
+
+
 class RunCheckpoints:
     """The train-state checkpoints in `directory` (a workdir's `checkpoints/`)."""
 

@@ -18,7 +18,8 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import export_drafter, load_drafter
-from dflash_jax.training.checkpoint import RunCheckpoints, optimizer_of
+from dflash_jax.training.checkpoint import RunCheckpoints, ema_decay_of, optimizer_of
+from dflash_jax.training.ema import served_params
 from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.step import OptimizerConfig, abstract_train_state, drafter_graph, make_optimizer
 from dflash_jax.training.workdir import Workdir
@@ -33,7 +34,8 @@ def export_params(cfg: DrafterConfig, params: nnx.State, out_dir: str, *, dtype=
 
 
 def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterConfig, nnx.State]:
-    """The drafter config and fp32 weights of a run's checkpoint (default: the latest)."""
+    """The drafter config and fp32 weights of a run's checkpoint (default: the latest): its
+    weight average where the run kept one."""
     checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
     try:
         step = checkpoints.latest_step() if step is None else step
@@ -48,12 +50,13 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
         # Only the structure of the optimizer state matters for restoring, not its schedule.
         abstract = abstract_train_state(
             cfg,
-            make_optimizer(OptimizerConfig(optimizer=optimizer_of(meta)), 1),
+            make_optimizer(OptimizerConfig(optimizer=optimizer_of(meta), ema_decay=ema_decay_of(meta)), 1),
             seed=0,
             compute_dtype=jnp.float32,
             mesh=make_mesh(-1, 1),
         )
-        return cfg, checkpoints.restore_state(step, abstract).params
+        state = checkpoints.restore_state(step, abstract)
+        return cfg, served_params(state.params, state.opt_state)
     finally:
         checkpoints.close()
 

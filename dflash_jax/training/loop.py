@@ -25,6 +25,7 @@ from dflash_jax.models.hf import load_target
 from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints, optimizer_of
 from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.drafters import export_params
+from dflash_jax.training.ema import served_params
 from dflash_jax.training.evaluation import AcceptanceEval
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 from dflash_jax.training.monitoring import Monitor
@@ -147,6 +148,11 @@ class TrainingRun:
         self.epoch = None
         self.eval_metrics: dict = {}
 
+    @property
+    def served_params(self):
+        """The weights evaluated and exported (the weight average where train.ema_decay > 0)."""
+        return served_params(self.state.params, self.state.opt_state)
+
     def train(self) -> RunOutcome:
         logged = {}
         start_step = self.step
@@ -178,7 +184,7 @@ class TrainingRun:
         if already_finished:
             log.info("this run had already finished at step %d; its drafter is in %s", self.step, self.workdir.export)
         elif self.step >= self.total_steps:
-            export_params(self.setup.drafter, self.state.params, self.workdir.export)
+            export_params(self.setup.drafter, self.served_params, self.workdir.export)
             if jax.process_index() == 0:
                 self.workdir.mark_finished(self.step)
             log.info("training finished at step %d; drafter exported to %s", self.step, self.workdir.export)
@@ -224,13 +230,13 @@ class TrainingRun:
 
     def _evaluate(self) -> None:
         """Acceptance by speculative decoding; a new best tau is kept and exported."""
-        self.eval_metrics = self.evaluate(self.target, nnx.merge(self.drafter_graphdef, self.state.params))
+        self.eval_metrics = self.evaluate(self.target, nnx.merge(self.drafter_graphdef, self.served_params))
         self.monitor.write(self.eval_metrics, step=self.step, epoch=self.epoch, kind="eval")
         tau = self.eval_metrics["tau"]
         if np.isfinite(tau) and (self.best_tau is None or tau > self.best_tau):
             self.best_tau = tau
-            self.best.save(self.step, self.state.params, tau)
-            export_params(self.setup.drafter, self.state.params, self.workdir.export_best)
+            self.best.save(self.step, self.served_params, tau)
+            export_params(self.setup.drafter, self.served_params, self.workdir.export_best)
 
     def _log(self) -> dict:
         skipped = int(self.state.skipped_updates)

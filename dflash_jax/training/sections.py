@@ -129,6 +129,9 @@ class TrainSettings:
     b2: float = 0.999
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
+    # > 0: evaluate and export an exponential moving average of the weights with this decay
+    # (training/ema.py); 0 = the last weights.
+    ema_decay: float = 0.0
     # Drafter compute; master weights are always fp32.
     compute_dtype: str = "bfloat16"
     # Recompute each drafter layer in the backward pass.
@@ -170,7 +173,7 @@ class TrainSettings:
         for name in ("learning_rate", "grad_clip_norm"):
             if not getattr(self, name) > 0:
                 out.append(f"train.{name}={getattr(self, name)} must be > 0")
-        for name in ("warmup_fraction", "b1", "b2"):
+        for name in ("warmup_fraction", "b1", "b2", "ema_decay"):
             if not 0 <= getattr(self, name) < 1:
                 out.append(f"train.{name}={getattr(self, name)} must be in [0, 1)")
         if not 0 <= self.dpace_alpha <= 1:

@@ -30,6 +30,7 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
+from dflash_jax.training.ema import with_weight_average
 from dflash_jax.training.mesh import batch_sharding
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class OptimizerConfig:
     b2: float = 0.999
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
+    ema_decay: float = 0.0  # > 0: the optimizer state averages the weights (training/ema.py)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -96,7 +98,8 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
             weight_decay=cfg.weight_decay,
             mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
         )
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), update)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), update)
+    return with_weight_average(tx, cfg.ema_decay) if cfg.ema_decay > 0 else tx
 
 
 def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int, attention: str = "auto") -> DFlashDrafter:

@@ -105,6 +105,7 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"train.loss": "focal"}, 1, "train.loss='focal' is not one of dflash, dpace"),
         ({"train.dpace_alpha": 1.5}, 1, r"train.dpace_alpha=1.5 must be in \[0, 1\]"),
         ({"train.optimizer": "sgd"}, 1, "train.optimizer='sgd' is not one of adamw, muon"),
+        ({"train.ema_decay": 1.0}, 1, r"train.ema_decay=1.0 must be in \[0, 1\)"),
         ({"train.num_epochs": "six"}, 1, "train.num_epochs='six' must be an integer"),
         ({"train.remat": 1}, 1, "train.remat=1 must be True or False"),
         ({"train.max_steps": True}, 1, "train.max_steps=True must be an integer"),

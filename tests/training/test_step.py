@@ -214,3 +214,25 @@ def test_the_configured_attention_code_is_what_the_step_traces(attention, kernel
     )
     batch = jax.device_put(packed_batch(np.random.default_rng(0), 4, 64, VOCAB - 1), batch_sharding(mesh))
     assert ("pallas_call" in str(jax.make_jaxpr(train_step)(state, target_params, batch))) == kernels
+
+
+def test_weight_average_follows_its_recursion_and_is_what_is_served():
+    from dflash_jax.training.ema import served_params
+
+    params = {"w": jnp.ones((2, 3)), "scale": jnp.zeros(3)}
+    tx = step.make_optimizer(step.OptimizerConfig(optimizer="adamw", learning_rate=0.1, ema_decay=0.9), 10)
+    state = tx.init(params)
+    expected = params
+    for t in range(1, 5):
+        grads = jax.tree.map(lambda p, t=t: jnp.full_like(p, t) * jnp.arange(p.size).reshape(p.shape), params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        rate = min(0.9, (1 + t) / (10 + t))  # the ramp: early weights fade fast
+        expected = jax.tree.map(lambda e, p, r=rate: r * e + (1 - r) * p, expected, params)
+    served = served_params(params, state)
+    for got, want in zip(jax.tree.leaves(served), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert not np.allclose(served["w"], params["w"])
+    # Without the option the last weights are served, and the state holds no average.
+    plain = step.make_optimizer(step.OptimizerConfig(optimizer="adamw"), 10)
+    assert served_params(params, plain.init(params)) is params
