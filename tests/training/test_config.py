@@ -261,7 +261,7 @@ def test_train_py_reports_config_errors_before_compiling(tiny_run, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was set up, let alone compiled
 
 
-@pytest.mark.parametrize("name", ["default", "qwen3"])
+@pytest.mark.parametrize("name", ["default", "qwen3", "smollm2"])
 def test_config_files_open_with_their_command(name):
     docstring = ast.get_docstring(ast.parse(Path(config_file(name)).read_text()))
     assert docstring.splitlines()[2].strip().startswith("python train.py")
