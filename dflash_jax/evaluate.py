@@ -69,6 +69,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
     flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_bound=0, **fv)
     flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
+    flags.DEFINE_float(
+        "confidence_threshold",
+        0.0,
+        "DSpark drafters: propose the drafts up to the first slot whose confidence is below this (0: the whole block).",
+        lower_bound=0,
+        upper_bound=1,
+        **fv,
+    )
     flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).", **fv)
     flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "Weight and compute dtype of both models.", **fv)
     flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
@@ -94,6 +102,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         enable_thinking=f.enable_thinking,
         dtype=DTYPES[f.dtype],
         seed=f.seed,
+        confidence_threshold=f.confidence_threshold,
     )
     write_outputs(evaluation, f.output)
     print(report.table(evaluation["sets"]))

@@ -22,8 +22,9 @@ from dflash_jax.models.transformer import Transformer
 def acceptance_stats(generations: Sequence[Generation], block_size: int) -> dict:
     """τ, the histogram of acceptance lengths and per-slot acceptance rates.
 
+    block_size: the longest acceptance (the tokens verified per step, `DrafterConfig.verify_size`).
     histogram[n-1] counts steps of acceptance length n (1..block_size). slot_acceptance[k-1] is
-    the fraction of steps whose draft slot k (1..block_size-1) was accepted, i.e. length > k.
+    the fraction of steps whose draft k (1..block_size-1) was accepted, i.e. length > k.
     """
     per_prompt = [g.step_lengths for g in generations if len(g.step_lengths)]
     lengths = np.concatenate(per_prompt) if per_prompt else np.zeros((0,), np.int32)
@@ -53,9 +54,10 @@ def measure_acceptance(
     sampling: SamplingConfig = GREEDY,
     stop_tokens: Sequence[int] = (),
     seed: int = 0,
+    confidence_threshold: float = 0.0,
 ) -> dict:
     """Speculative-decode `prompts` (1-D token arrays, chat template applied) and return
-    `acceptance_stats` (key "tau", ...).
+    `acceptance_stats` (key "tau", ...). `confidence_threshold`: DSpark's truncation (0 = off).
 
     Repeated calls with the same prompts, settings and model structure reuse the compiled
     steps, so calling this every N training steps costs only the decoding itself.
@@ -70,5 +72,6 @@ def measure_acceptance(
         batch_size=min(batch_size, len(prompts)),
         sampling=sampling,
         stop_tokens=stop_tokens,
+        confidence_threshold=confidence_threshold,
     )
-    return acceptance_stats(decoder.generate(prompts, seed=seed), drafter.cfg.block_size)
+    return acceptance_stats(decoder.generate(prompts, seed=seed), drafter.cfg.verify_size)

@@ -50,7 +50,16 @@ def speed(batches: list[tuple[float, list]]) -> dict:
 
 
 def evaluate_set(
-    target, drafter, chat: ChatTokenizer, prompt_set: PromptSet, *, max_new_tokens, batch_size, sampling, seed
+    target,
+    drafter,
+    chat: ChatTokenizer,
+    prompt_set: PromptSet,
+    *,
+    max_new_tokens,
+    batch_size,
+    sampling,
+    seed,
+    confidence_threshold=0.0,
 ) -> dict:
     """DFlash against the target alone on every turn of every row. Turn k of every row that has
     one is decoded together, after turn k-1: a row's history holds its earlier turns and the
@@ -75,6 +84,7 @@ def evaluate_set(
             stop_tokens=chat.stop_tokens,
             seed=seed + turn * len(rows),  # every batch of every turn its own seed
             label=label,
+            confidence_threshold=confidence_threshold,
         )
         answers = [g for _, gens in turn_ref for g in gens]
         for i, answer in zip(active, answers):
@@ -83,7 +93,7 @@ def evaluate_set(
         ref += turn_ref
     spec_gens = [g for _, gens in spec for g in gens]
     ref_gens = [g for _, gens in ref for g in gens]
-    result = acceptance_stats(spec_gens, drafter.cfg.block_size)
+    result = acceptance_stats(spec_gens, drafter.cfg.verify_size)
     result["num_prompts"] = len(rows)
     result["num_turns"] = len(spec_gens)
     result["dflash"] = speed(spec)
@@ -97,7 +107,9 @@ def evaluate_set(
     return result
 
 
-def _decode_both(target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed, label):
+def _decode_both(
+    target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed, label, confidence_threshold
+):
     """(DFlash, target alone) timed batches of the same prompts, each decoder compiled first."""
     kw = dict(
         max_prompt_len=max(len(p) for p in prompts),
@@ -106,7 +118,7 @@ def _decode_both(target, drafter, prompts, *, max_new_tokens, batch_size, sampli
         sampling=sampling,
         stop_tokens=stop_tokens,
     )
-    dflash = SpeculativeDecoder(target, drafter, **kw)
+    dflash = SpeculativeDecoder(target, drafter, confidence_threshold=confidence_threshold, **kw)
     alone = TargetDecoder(target, **kw)
     lengths = [len(p) for p in prompts]
     dflash.warmup(lengths)  # compile outside the timed runs
@@ -128,9 +140,11 @@ def evaluate(
     batch_size: int = 1,
     sampling: SamplingConfig = GREEDY,
     seed: int = 0,
+    confidence_threshold: float = 0.0,
 ) -> dict:
     """Evaluate every prompt set (specs as `chat.resolve_prompt_set` reads them, or
-    `HeldoutPrompts`); {"run": settings, "sets": {name: result}}."""
+    `HeldoutPrompts`); {"run": settings, "sets": {name: result}}. `confidence_threshold`:
+    DSpark's truncation (0 = the whole block)."""
     prompt_sets = [load_prompt_set(spec, chat, limit=num_prompts) for spec in prompt_specs]
     sets = {}
     for prompt_set in prompt_sets:
@@ -145,9 +159,13 @@ def evaluate(
             batch_size=batch_size,
             sampling=sampling,
             seed=seed,
+            confidence_threshold=confidence_threshold,
         )
     run = {
+        "drafter_kind": drafter.cfg.kind,
         "block_size": drafter.cfg.block_size,
+        "verify_size": drafter.cfg.verify_size,  # the longest acceptance
+        "confidence_threshold": confidence_threshold,
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
         "temperature": sampling.temperature,
@@ -163,4 +181,4 @@ def write_outputs(evaluation: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "eval.json"), "w") as out:
         json.dump(evaluation, out, indent=2)
-    report.plot(evaluation["sets"], evaluation["run"]["block_size"], os.path.join(out_dir, "eval.png"))
+    report.plot(evaluation["sets"], evaluation["run"]["verify_size"], os.path.join(out_dir, "eval.png"))

@@ -5,7 +5,10 @@ is accepted with probability min(1, p(d_i) / q(d_i)); at the first rejection the
 drawn from normalize(max(p - q, 0)), and after a fully accepted block from p. This makes the
 output distribution exactly the target's (after the same temperature / top-k / top-p warping),
 whatever the drafter proposes. DFlash drafts every slot independently from its own distribution
-q_i, which is still a valid proposal: q_i is the probability with which d_i was drawn.
+q_i, which is still a valid proposal: q_i is the probability with which d_i was drawn. DFlash2
+and DSpark draw d_i given d_1..d_{i-1} (`drafting.py`); q_i is then that conditional
+distribution, which is what the acceptance test of slot i needs, since it only runs after
+d_1..d_{i-1} were accepted.
 """
 
 from __future__ import annotations
@@ -81,27 +84,32 @@ def verify_block(
     target_logits: jax.Array,
     cfg: SamplingConfig,
     key: jax.Array,
+    proposed: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Accept a prefix of the drafts and choose the bonus token.
 
-    drafts [B, N] were proposed for the N slots after the anchor, from draft_logits [B, N, V];
-    target_logits [B, N+1, V] are the target's predictions after the anchor and after each draft.
+    drafts [B, N] were proposed for the N slots after the anchor, from draft_logits [B, N, V]
+    (the drafts need not be independent: q_i is the distribution slot i was drawn from given the
+    drafts before it); target_logits [B, N+1, V] are the target's predictions after the anchor
+    and after each draft. `proposed` [B] (default N): only the first `proposed` drafts are
+    offered; the rest are neither accepted nor subtracted from the bonus distribution.
     Returns (accepted [B] in 0..N, tokens [B, N+1]) where tokens[:, :accepted+1] is the output of
     this step: the accepted drafts followed by the bonus token.
     """
+    offered = jnp.arange(drafts.shape[1])[None, :] < (drafts.shape[1] if proposed is None else proposed[:, None])
     if cfg.greedy:
         target_choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
-        accepted = _leading_true(drafts == target_choice[:, :-1])
+        accepted = _leading_true((drafts == target_choice[:, :-1]) & offered)
         # Where drafts were accepted they equal the target's choice, so the target's row is the output.
         return accepted, target_choice
 
     key_accept, key_bonus = jax.random.split(key)
     p = warp_probs(target_logits, cfg)  # [B, N+1, V]
-    q = warp_probs(draft_logits, cfg)  # [B, N, V]
+    q = jnp.where(offered[..., None], warp_probs(draft_logits, cfg), 0.0)  # [B, N, V]
     p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(key_accept, drafts.shape)
-    accepted = _leading_true(u * q_draft < p_draft)
+    accepted = _leading_true((u * q_draft < p_draft) & offered)
 
     # Bonus distribution at slot `accepted`: the residual max(p - q, 0) after a rejection, or p
     # itself after a full block (q is padded with zeros there).

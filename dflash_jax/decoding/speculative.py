@@ -1,4 +1,6 @@
-"""DFlash speculative decoding (docs/design.md §4), batched, with static shapes.
+"""DFlash speculative decoding (docs/design.md §4), batched, with static shapes, for every drafter
+kind (docs/design.md "Drafter kinds": DSpark drafts one more token per block than DFlash, so its
+target verifies B + 1 tokens per step; below, B is the number verified).
 
 Invariant between steps, per row: the target KV cache and the drafter's context cache both hold
 positions 0..p-1 (prompt and accepted output), and the anchor (the last output token) sits at
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.decoding import drafting
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.generate import Decoder, prefill
 from dflash_jax.decoding.sampling import SamplingConfig, choose, verify_block
@@ -37,24 +40,35 @@ class SpecState:
     key: jax.Array
 
 
-def draft_block(target: Transformer, drafter: DFlashDrafter, anchor, positions, context, sampling, key):
-    """Step 1: drafts [B, B-1] and their logits [B, B-1, V] for the slots after the anchor."""
-    block = jnp.full(positions.shape, drafter.cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
+def draft_block(
+    target: Transformer, drafter: DFlashDrafter, anchor, positions, context, sampling, key, confidence_threshold=0.0
+):
+    """Step 1: one drafter pass over the block at `positions` [B, Bk] -> (drafts [B, K], the
+    logits they were chosen from [B, K, V], the number of drafts proposed [B]), K = the kind's
+    drafts per block. DFlash drafts every slot after the anchor on its own; DFlash2 and DSpark
+    walk the block (`drafting.py`), and DSpark may propose fewer than K."""
+    cfg = drafter.cfg
+    block = jnp.full(positions.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
     hidden = drafter.decode(target.embed(block), positions, context)
+    proposed = jnp.full(anchor.shape, cfg.num_drafts, jnp.int32)
+    if cfg.kind == "dspark":
+        return drafting.markov_walk(target, drafter, hidden, anchor, sampling, key, confidence_threshold)
+    if cfg.kind == "dflash2":
+        return (*drafting.selector_walk(target, drafter, hidden, anchor, sampling, key), proposed)
     logits = target.unembed(hidden[:, 1:])
-    return choose(logits, sampling, key), logits
+    return choose(logits, sampling, key), logits, proposed
 
 
 @functools.cache
-def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
-    """Jitted (prefill, step) for one (target, drafter) structure and sampling setting; see
-    `generate.target_fns` for why they are built once per graphdef."""
+def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_threshold: float = 0.0):
+    """Jitted (prefill, step) for one (target, drafter) structure, sampling setting and DSpark
+    confidence threshold; see `generate.target_fns` for why they are built once per graphdef."""
 
     @functools.partial(jax.jit, static_argnames=("cache_len", "capacity"))
     def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
         target, drafter = nnx.merge(graphdef, state)
         batch, prompt_len = tokens.shape
-        cache = target.new_cache(batch, cache_len, max_step=drafter.cfg.block_size)
+        cache = target.new_cache(batch, cache_len, max_step=drafter.cfg.verify_size)
         key, prefill_key = jax.random.split(key)
         first, features, cache = prefill(
             target, tokens, lengths, cache, prefill_key, sampling, feature_layers=drafter.cfg.target_layer_ids
@@ -73,12 +87,23 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
         target, drafter = nnx.merge(graphdef, state)
         key, draft_key, verify_key = jax.random.split(st.key, 3)
         start = st.target_cache.lengths
-        positions = start[:, None] + jnp.arange(drafter.cfg.block_size)[None, :]
-        drafts, draft_logits = draft_block(target, drafter, st.anchor, positions, st.context, sampling, draft_key)
+        # The target verifies the anchor and the drafts (one more token than the drafter's block
+        # for DSpark, whose every slot drafts).
+        positions = start[:, None] + jnp.arange(drafter.cfg.verify_size)[None, :]
+        drafts, draft_logits, proposed = draft_block(
+            target,
+            drafter,
+            st.anchor,
+            positions[:, : drafter.cfg.block_size],
+            st.context,
+            sampling,
+            draft_key,
+            confidence_threshold,
+        )
 
         block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
         logits, features, cache = target.decode(block, st.target_cache, feature_layers=drafter.cfg.target_layer_ids)
-        accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key)
+        accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key, proposed)
 
         out, emitted = outputs_lib.append(
             st.outputs, tokens, accepted + 1, stop_ids=stop_ids, max_new_tokens=max_new_tokens
@@ -99,10 +124,11 @@ class SpeculativeDecoder(Decoder):
 
     Greedy mode reproduces target-only greedy decoding token for token; sampling mode keeps the
     target's output distribution. `Generation.step_lengths` are the acceptance lengths (a+1,
-    cut where a stop token or max_new_tokens ends the output).
+    cut where a stop token or max_new_tokens ends the output). `confidence_threshold` (DSpark
+    drafters only): propose the drafts up to the first slot whose confidence is below it.
     """
 
-    def __init__(self, target: Transformer, drafter: DFlashDrafter, **kwargs):
+    def __init__(self, target: Transformer, drafter: DFlashDrafter, *, confidence_threshold: float = 0.0, **kwargs):
         if drafter.cfg.vocab_size != target.cfg.vocab_size or drafter.cfg.hidden_size != target.cfg.hidden_size:
             raise ValueError(
                 f"drafter (vocab {drafter.cfg.vocab_size}, hidden {drafter.cfg.hidden_size}) does not "
@@ -113,5 +139,9 @@ class SpeculativeDecoder(Decoder):
                 f"drafter was built for a {drafter.cfg.num_target_layers}-layer target, "
                 f"this target has {target.cfg.num_layers} layers"
             )
-        self.block_size = drafter.cfg.block_size
-        super().__init__((target, drafter), spec_fns, **kwargs)
+        if confidence_threshold and drafter.cfg.kind != "dspark":
+            raise ValueError(f"a confidence threshold needs a DSpark drafter, not a {drafter.cfg.kind!r} one")
+        self.block_size = drafter.cfg.verify_size
+        super().__init__(
+            (target, drafter), functools.partial(spec_fns, confidence_threshold=confidence_threshold), **kwargs
+        )

@@ -23,17 +23,33 @@ def map_block_chunks(fn: Callable, xs: tuple[jax.Array, ...], blocks_per_chunk: 
     [B, c, ...] to an array (or tuple of arrays) of shape [B, c, ...]. The last chunk is padded
     with zeros and the padding dropped from the result, so `fn` must keep blocks independent.
     """
+    split, merge = _chunking(xs, blocks_per_chunk)
+    body = lambda args: fn(*args)  # noqa: E731
+    out = jax.lax.map(jax.checkpoint(body) if remat else body, jax.tree.map(split, xs))
+    return jax.tree.map(merge, out)
+
+
+def scan_block_chunks(fn: Callable, carry, xs, blocks_per_chunk: int):
+    """`fn(carry, chunk) -> (carry, outputs)` over chunks of `blocks_per_chunk` blocks of the
+    pytree `xs` ([B, N, ...] leaves), one chunk at a time; returns (final carry, outputs
+    concatenated [B, N, ...]). The last chunk is padded with zeros, as in `map_block_chunks`:
+    `fn` must add nothing to the carry for an all-zero block."""
+    split, merge = _chunking(jax.tree.leaves(xs), blocks_per_chunk)
+    carry, out = jax.lax.scan(fn, carry, jax.tree.map(split, xs))
+    return carry, jax.tree.map(merge, out)
+
+
+def _chunking(xs, blocks_per_chunk: int):
+    """(split [B, N, ...] -> [N/c, B, c, ...] zero-padded, merge back) for arrays shaped like xs."""
     b, n = xs[0].shape[:2]
     c = min(blocks_per_chunk, n)
     pad = (-n) % c
 
-    def split(x):  # [B, N, ...] -> [N/c, B, c, ...]
+    def split(x):
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(x.reshape(b, (n + pad) // c, c, *x.shape[2:]), 1, 0)
 
-    def merge(y):  # [N/c, B, c, ...] -> [B, N, ...]
+    def merge(y):
         return jnp.moveaxis(y, 0, 1).reshape(b, n + pad, *y.shape[3:])[:, :n]
 
-    body = lambda args: fn(*args)  # noqa: E731
-    out = jax.lax.map(jax.checkpoint(body) if remat else body, tuple(split(x) for x in xs))
-    return jax.tree.map(merge, out)
+    return split, merge

@@ -18,6 +18,16 @@ from dflash_jax.errors import ModelError
 # Dtype names accepted by configs and command-line flags.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# Drafter kinds (docs/design.md "Drafter kinds"): DFlash; DFlash2 (z-lab: grouped dynamic
+# convolutions and a candidate selector); DSpark (DeepSeek: a Markov head and a confidence head).
+DRAFTER_KINDS = ("dflash", "dflash2", "dspark")
+# The fields of `DrafterConfig` that size each kind's heads, which training configs set.
+KIND_FIELDS = {
+    "dflash": (),
+    "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+    "dspark": ("markov_rank",),
+}
+
 # Token mixers a target layer can have (`TransformerConfig.layer_types`).
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -270,6 +280,20 @@ class DrafterConfig:
     # Causal attention inside the block: None = sliding layers causal and full layers not (as in
     # SpecForge's and z-lab's drafters); True / False = every layer (config.json `is_causal`).
     is_causal: bool | None = None
+    # docs/design.md "Drafter kinds": the heads on the DFlash backbone (`DRAFTER_KINDS`).
+    kind: str = "dflash"
+    # 'dflash2': per layer two grouped dynamic convolutions of K taps over groups of g channels,
+    # and a candidate selector of rank r over the top-k unary logits; the unary logits are
+    # scaled by output_multiplier and soft-capped at final_logit_softcapping (0 = none), as
+    # z-lab's released drafters ask (training leaves both off).
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    # 'dspark': rank of the Markov head (and the previous token's part of the confidence input).
+    markov_rank: int = 256
 
     LAYER_TYPES = ("full_attention", "sliding_attention")  # a class constant: no annotation, no field
 
@@ -303,10 +327,49 @@ class DrafterConfig:
             )
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        for problem in self._kind_problems():
+            raise ValueError(problem)
+
+    def _kind_problems(self) -> list[str]:
+        if self.kind not in DRAFTER_KINDS:
+            return [f"kind={self.kind!r} is not one of {', '.join(DRAFTER_KINDS)}"]
+        problems = []
+        if self.kind == "dflash2":
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                problems.append(f"conv_group_size={self.conv_group_size} must divide hidden_size={self.hidden_size}")
+            if not 1 <= self.conv_kernel_size <= self.block_size:
+                problems.append(
+                    f"conv_kernel_size={self.conv_kernel_size} must be in [1, block_size={self.block_size}]"
+                )
+            if not 1 <= self.selector_top_k <= self.vocab_size:
+                problems.append(f"selector_top_k={self.selector_top_k} must be in [1, vocab_size={self.vocab_size}]")
+            if self.selector_rank < 1:
+                problems.append(f"selector_rank={self.selector_rank} must be at least 1")
+        elif (self.output_multiplier, self.final_logit_softcapping) != (1.0, 0.0):
+            problems.append(f"output_multiplier and final_logit_softcapping are 'dflash2' options, not {self.kind!r}")
+        if self.kind == "dspark" and self.markov_rank < 1:
+            problems.append(f"markov_rank={self.markov_rank} must be at least 1")
+        return problems
 
     @property
     def num_context_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The first block slot that drafts: 1 (slot k predicts the token at anchor + k; slot 0
+        holds the anchor) or, for 'dspark', 0 (slot k predicts the token after it)."""
+        return 0 if self.kind == "dspark" else 1
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per block."""
+        return self.block_size - self.first_draft_slot
+
+    @property
+    def verify_size(self) -> int:
+        """Tokens the target verifies per step: the anchor and the drafts (the longest acceptance)."""
+        return self.num_drafts + 1
 
     def attention_pattern(self, layer: int) -> tuple[int, bool]:
         """(window, causal) of a layer's block attention (SpecForge's DFlash mask): a query at
@@ -332,11 +395,14 @@ class DrafterConfig:
         num_context_layers: int | None = None,
         layer_types: tuple[str, ...] = (),
         sliding_window: int = 0,
+        kind: str = "dflash",
+        **head_fields,
     ) -> DrafterConfig:
         """The target's hidden size (the drafter shares its embedding and LM head) and, unless
         given, its head layout and MLP width (the paper's default). The default target layers
         read are `num_context_layers` (default: one per drafter layer) spread over the target.
-        RoPE is the target's, without partial rotation (the drafter's layers are Qwen3's)."""
+        RoPE is the target's, without partial rotation (the drafter's layers are Qwen3's).
+        `head_fields`: the kind's own fields (conv_kernel_size, selector_rank, markov_rank, ...)."""
         if target.intermediate_size == 0 and not intermediate_size:
             raise ValueError("the target has no dense MLP width to copy: set the drafter's intermediate_size")
         context_layers = num_context_layers or num_layers
@@ -357,12 +423,45 @@ class DrafterConfig:
             max_position_embeddings=target.max_position_embeddings,
             layer_types=layer_types,
             sliding_window=sliding_window,
+            kind=kind,
+            **head_fields,
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """The `config.json` of docs/design.md §5 (export format)."""
+        """The `config.json` of docs/design.md §5 (export format), in the layout the serving
+        engines load for the kind: z-lab's `DFlashDraftModel` / `DFlash2DraftModel`, or the
+        `Qwen3DSparkModel` of DeepSeek's DeepSpec and vLLM's `qwen3_dspark.py`."""
+        dflash_config: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        kind_fields: dict[str, Any] = {}
+        if self.kind == "dflash2":
+            dflash_config.update(
+                block_size=self.block_size,
+                conv_group_size=self.conv_group_size,
+                conv_kernel_size=self.conv_kernel_size,
+                selector_rank=self.selector_rank,
+                selector_top_k=self.selector_top_k,
+            )
+            if self.output_multiplier != 1.0:
+                dflash_config["output_multiplier"] = self.output_multiplier
+            if self.final_logit_softcapping:
+                dflash_config["final_logit_softcapping"] = self.final_logit_softcapping
+        elif self.kind == "dspark":
+            # vLLM reads these at the top level (DeepSpec writes them there too); the confidence
+            # head always reads the Markov embedding of the previous token.
+            kind_fields = {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "markov_rank": self.markov_rank,
+                "markov_head_type": "vanilla",
+                "enable_confidence_head": True,
+                "confidence_head_with_markov": True,
+                "draft_vocab_size": self.vocab_size,
+            }
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [_KIND_ARCHITECTURES[self.kind]],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -385,23 +484,27 @@ class DrafterConfig:
             **({} if self.is_causal is None else {"is_causal": self.is_causal}),
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            **kind_fields,
+            "dflash_config": dflash_config,
         }
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DrafterConfig:
-        if "DFlashDraftModel" not in (hf.get("architectures") or []):
+        archs = hf.get("architectures") or []
+        kinds = [_ARCHITECTURE_KINDS[a] for a in archs if a in _ARCHITECTURE_KINDS]
+        if not kinds:
             raise ValueError(
-                f"not a DFlash drafter config (architectures={hf.get('architectures')!r}, "
-                "expected ['DFlashDraftModel'])"
+                f"not a DFlash drafter config (architectures={archs!r}, expected one of {sorted(_ARCHITECTURE_KINDS)})"
             )
+        kind = kinds[0]
         dflash = hf.get("dflash_config") or {}
-        missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+
+        def field(name, default=None):  # dflash_config first, then the top level (DSpark's place)
+            return dflash.get(name, hf.get(name, default))
+
+        missing = [k for k in ("mask_token_id", "target_layer_ids") if field(k) is None]
         if missing:
-            raise ValueError(f"drafter config.json lacks dflash_config fields {missing}")
+            raise ValueError(f"drafter config.json lacks the fields {missing} (in dflash_config or at the top level)")
         num_layers = int(hf["num_hidden_layers"])
         # Read as transformers' Qwen3Config reads them (what SpecForge and SGLang load).
         window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
@@ -418,11 +521,43 @@ class DrafterConfig:
             **decoder_fields(hf),
             num_layers=num_layers,
             num_target_layers=int(hf["num_target_layers"]),
-            target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
-            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in field("target_layer_ids")),
+            mask_token_id=int(field("mask_token_id")),
             # Ours and SGLang's at the top level; some released drafters only in dflash_config.
-            block_size=int(dflash.get("block_size", hf.get("block_size", 16))),
+            block_size=int(field("block_size", 16)),
             layer_types=tuple(layer_types),
             sliding_window=window,
             is_causal=hf.get("is_causal"),
+            kind=kind,
+            **_kind_fields(kind, field),
         )
+
+
+# The architecture each kind is exported as, and every name that loads as a kind: DeepSpec's
+# training-time name `DSparkDraftModel` (model_type qwen3) is vLLM's `Qwen3DSparkModel`.
+_KIND_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
+_ARCHITECTURE_KINDS = {**{a: k for k, a in _KIND_ARCHITECTURES.items()}, "DSparkDraftModel": "dspark"}
+
+
+def _kind_fields(kind: str, field) -> dict[str, Any]:
+    """A released drafter's head fields (`field(name, default)` reads its config.json)."""
+    if kind == "dflash2":
+        return dict(
+            conv_kernel_size=int(field("conv_kernel_size", 2)),
+            conv_group_size=int(field("conv_group_size", 16)),
+            selector_rank=int(field("selector_rank", 256)),
+            selector_top_k=int(field("selector_top_k", 16)),
+            output_multiplier=float(field("output_multiplier", 1.0)),
+            final_logit_softcapping=float(field("final_logit_softcapping") or 0.0),
+        )
+    if kind == "dspark":
+        # The layout vLLM's qwen3_dspark.py and ours share: the vanilla Markov head and a
+        # confidence head on [h; W1 x]; the other variants are not ours to load.
+        wanted = {"markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True}
+        for name, value in wanted.items():
+            if field(name, value) != value:
+                raise ValueError(f"DSpark drafter with {name}={field(name)!r}: only {name}={value!r} is supported")
+        if int(field("draft_vocab_size") or field("vocab_size")) != int(field("vocab_size")):
+            raise ValueError("DSpark drafters with a reduced draft vocabulary (draft_vocab_size) are not supported")
+        return dict(markov_rank=int(field("markov_rank", 256)))
+    return {}

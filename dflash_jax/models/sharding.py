@@ -84,6 +84,16 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(gate|up)_proj\.kernel", (EMBED, MLP)),
     (r"down_proj\.kernel", (MLP, EMBED)),
     (r"fc\.kernel", (FEATURES, EMBED)),
+    # Drafter heads (models/heads/): DFlash2's convolutions and candidate selector, DSpark's
+    # Markov and confidence heads.
+    (r"\w+_conv\.base_kernel", (None, None, EMBED)),
+    (r"\w+_conv\.kernel_projection\.kernel", (EMBED, None)),
+    (r"(predecessor|successor)_codebook", (VOCAB, None)),
+    (r"hidden_projection\.kernel", (EMBED, None)),
+    (r"markov_w1\.embedding", (VOCAB, None)),
+    (r"markov_w2\.kernel", (None, VOCAB)),
+    (r"confidence_head\.proj\.kernel", (EMBED, None)),
+    (r"confidence_head\.proj\.bias", (NORM,)),
     (r"\w*norm\.weight", (NORM,)),  # norm, hidden_norm, q_norm, k_norm, *_layernorm
 )
 

@@ -31,12 +31,12 @@ from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.chat import HeldoutPrompts, resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.models import families
-from dflash_jax.models.config import DTYPES, DrafterConfig, TransformerConfig
+from dflash_jax.models.config import DTYPES, KIND_FIELDS, DrafterConfig, TransformerConfig
 from dflash_jax.models.gguf import gguf_source
 from dflash_jax.models.hf import read_config
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.mesh import mesh_shape
-from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
+from dflash_jax.training.objective import DSPARK_LOSS_DECAY_GAMMA, PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
 from dflash_jax.training.sections import (
     SECTIONS,
     CheckpointSettings,
@@ -190,10 +190,20 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     _require(
         train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be at most data.seq_len={seq_len}"
     )
+    kind = drafter_section.kind
     _require(
-        bool(train.loss_decay_gamma) or block_size in PAPER_LOSS_DECAY_GAMMA,
+        bool(train.loss_decay_gamma) or kind == "dspark" or block_size in PAPER_LOSS_DECAY_GAMMA,
         f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
         f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma",
+    )
+    _require(
+        kind != "dspark" or train.loss == "dflash",
+        f"train.loss={train.loss!r} does not apply to drafter.kind='dspark', whose slots have DeepSpec's "
+        "weights exp(-k/4): use train.loss='dflash'",
+    )
+    _require(
+        kind != "dspark" or not train.distill,
+        "train.distill does not apply to drafter.kind='dspark': its loss always reads the target's distribution",
     )
 
     try:
@@ -219,6 +229,10 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     )
 
     evaluation = _section(config, "eval")
+    _require(
+        kind == "dspark" or not evaluation.confidence_threshold,
+        f"eval.confidence_threshold applies to drafter.kind='dspark' only (this drafter is {kind!r})",
+    )
     if evaluation.prompts and check_files:
         try:
             evaluation = dataclasses.replace(evaluation, prompts=resolve_prompt_set(evaluation.prompts)[1])
@@ -243,6 +257,8 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             num_context_layers=drafter_section.num_context_layers or None,
             layer_types=drafter_section.layer_types,
             sliding_window=drafter_section.sliding_window,
+            kind=kind,
+            **{name: getattr(drafter_section, name) for name in KIND_FIELDS[kind]},
         )
     except ValueError as e:  # the drafter's shape checks (heads, layer_types, ...)
         raise ConfigError(f"drafter: {e}") from None
@@ -262,7 +278,12 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             loss=train.loss,
             dpace_alpha=train.dpace_alpha,
             distill=train.distill,
-            loss_decay_gamma=float(train.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA[block_size]),
+            loss_decay_gamma=float(
+                train.loss_decay_gamma
+                or (DSPARK_LOSS_DECAY_GAMMA if kind == "dspark" else PAPER_LOSS_DECAY_GAMMA[block_size])
+            ),
+            kind=kind,
+            selector_alpha=train.selector_alpha,
             target_layer_ids=drafter.target_layer_ids,
             attention_chunk_blocks=train.attention_chunk_blocks,
             lm_head_chunk_blocks=train.lm_head_chunk_blocks,

@@ -17,6 +17,7 @@ import numpy as np
 from dflash_jax.decoding import evaluation
 from dflash_jax.decoding.acceptance import measure_acceptance
 from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
+from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.transformer import Transformer
@@ -27,18 +28,36 @@ from dflash_jax.training.drafters import load_any_drafter
 class AcceptanceEval:
     """Callable (target, drafter) -> acceptance statistics on a fixed prompt set."""
 
-    def __init__(self, prompts: list[np.ndarray], stop: tuple[int, ...], *, max_new_tokens: int):
+    def __init__(
+        self,
+        prompts: list[np.ndarray],
+        stop: tuple[int, ...],
+        *,
+        max_new_tokens: int,
+        confidence_threshold: float = 0.0,
+    ):
         self.prompts, self.stop, self.max_new_tokens = prompts, stop, max_new_tokens
+        self.confidence_threshold = confidence_threshold
 
     @classmethod
     def for_setup(cls, setup: TrainSetup) -> AcceptanceEval:
         chat = ChatTokenizer(setup.target_path, enable_thinking=setup.data.enable_thinking)
         _, prompts = load_prompts(setup.eval.prompts, chat, limit=setup.eval.num_prompts)
-        return cls(prompts, chat.stop_tokens, max_new_tokens=setup.eval.max_new_tokens)
+        return cls(
+            prompts,
+            chat.stop_tokens,
+            max_new_tokens=setup.eval.max_new_tokens,
+            confidence_threshold=setup.eval.confidence_threshold,
+        )
 
     def __call__(self, target: Transformer, drafter: DFlashDrafter) -> dict:
         return measure_acceptance(
-            target, drafter, self.prompts, max_new_tokens=self.max_new_tokens, stop_tokens=self.stop
+            target,
+            drafter,
+            self.prompts,
+            max_new_tokens=self.max_new_tokens,
+            stop_tokens=self.stop,
+            confidence_threshold=self.confidence_threshold,
         )
 
 
@@ -57,6 +76,10 @@ def run_evaluation(
     chat = ChatTokenizer(target_path, enable_thinking=enable_thinking)
     target = load_target(target_path, param_dtype=dtype, compute_dtype=dtype)
     drafter = load_any_drafter(drafter_path, step=drafter_step, param_dtype=dtype, compute_dtype=dtype)
+    if kwargs.get("confidence_threshold") and drafter.cfg.kind != "dspark":
+        raise UserError(
+            f"a confidence threshold applies to DSpark drafters; {drafter_path} is a {drafter.cfg.kind!r} one"
+        )
     result = evaluation.evaluate(target, drafter, chat, prompt_specs, **kwargs)
     result["run"].update(
         target=target_path, drafter=drafter_path, drafter_step=drafter_step, dtype=jnp.dtype(dtype).name
@@ -83,6 +106,7 @@ def final_evaluation(setup: TrainSetup) -> dict | None:
         max_new_tokens=setup.eval.max_new_tokens,
         dtype=setup.target_dtype,
         enable_thinking=setup.data.enable_thinking,
+        confidence_threshold=setup.eval.confidence_threshold,
     )
     evaluation.write_outputs(result, workdir.eval)
     return result

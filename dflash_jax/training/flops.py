@@ -3,7 +3,8 @@
 The count is the model's matmul FLOPs as the implementation computes them: the frozen target's
 forward through its last feature layer (causal attention by the query x key tiles on or below
 the diagonal, `models.attention.packed_causal_pairs`), the drafter's
-forward, twice that again for its backward (dX and dW), and dX through the frozen LM head.
+forward, twice that again for its backward (dX and dW), and dX through the frozen LM head; for
+the drafter kinds, their heads' matmuls too (docs/design.md "Drafter kinds").
 Recomputation in the backward pass is not counted here; `remat_flops_per_step` counts it.
 """
 
@@ -64,7 +65,10 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     h, hd = t.hidden_size, d.head_dim
 
     def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
-        return hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
+        weights = hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
+        if d.kind == "dflash2":  # the kernel projections of the two convolutions (H -> 2·K·G each)
+            weights += 2 * hidden * 2 * d.conv_kernel_size * (hidden // d.conv_group_size)
+        return weights
 
     # Target: forward through the last feature layer (the last layer, and the LM head on the
     # slots, to distill).
@@ -78,10 +82,19 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     blocks = 2 * tokens * layer_weights(h, d.intermediate_size, d.num_heads, d.num_kv_heads)
     attention = 2 * 2 * tokens * (seq_len + obj.block_size) * d.num_heads * hd
     drafter_forward = fc + d.num_layers * (ctx_kv + blocks + attention)
-    lm_head = 2 * rows * obj.num_anchors * (obj.block_size - 1) * h * t.vocab_size
-    target += lm_head if obj.distill else 0
+    slots = rows * obj.num_anchors * obj.num_drafts
+    lm_head = 2 * slots * h * t.vocab_size
+    target += lm_head if obj.needs_target_distribution else 0
+    # The kind's heads on every scored slot, forward: DFlash2's selector (projection H -> r and
+    # the k candidates' scores), DSpark's Markov bias (r -> V) and confidence head (H + r -> 1).
+    if d.kind == "dflash2":
+        heads = 2 * slots * d.selector_rank * (h + d.selector_top_k)
+    elif d.kind == "dspark":
+        heads = 2 * slots * (d.markov_rank * t.vocab_size + h + d.markov_rank)
+    else:
+        heads = 0
     # Backward: dX and dW for trained matmuls (fc needs no dX: its input is frozen), dX only
     # through the frozen LM head (computed in its forward pass, objective.lm_head_cross_entropy).
-    drafter_total = 3 * drafter_forward - fc + 2 * lm_head
+    drafter_total = 3 * drafter_forward - fc + 2 * lm_head + 3 * heads
     layers = d.num_layers * (ctx_kv + blocks + attention)
     return float(target), float(drafter_total), float(layers), float(d.num_layers * attention)

@@ -8,6 +8,10 @@ run the drafter over all blocks at once, and score slot k ≥ 1 against the data
 a weighted cross-entropy: the paper's position decay ('dflash') or D-PACE's confidence weights
 ('dpace').
 
+The drafter kinds (docs/design.md "Drafter kinds") add their terms to the same blocks: DFlash2
+the candidate selector's cross-entropy (`dflash2_loss.py`), DSpark its own loss on every slot,
+which drafts the token after it (`dspark_loss.py`).
+
 The frozen target side (features, block embeddings) is `frozen_inputs`; the differentiable
 drafter side is `drafter_loss`. The LM head is applied in chunks of blocks, each computing its
 own gradient with respect to the hidden states, so the [blocks × vocab] logits never exist at
@@ -17,24 +21,28 @@ once and are never recomputed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.chunking import map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, constrain_spec
 from dflash_jax.models.transformer import Transformer
+from dflash_jax.training.dflash2_loss import dflash2_terms
+from dflash_jax.training.dspark_loss import dspark_terms
+from dflash_jax.training.head_terms import vocab_parallel_logits
 
 Batch = dict[str, jax.Array]
 
 # docs/design.md §3.3: the paper's loss decay γ per block size; other sizes need an explicit γ.
 PAPER_LOSS_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# DeepSpec's γ for DSpark, whatever the block size.
+DSPARK_LOSS_DECAY_GAMMA = 4.0
 
 # docs/design.md §3.1: how anchors are drawn. 'document': response-token anchors shared out per
 # document; 'response': response-token anchors uniform over the row; 'row': the original scheme
@@ -62,20 +70,35 @@ class ObjectiveConfig:
     lm_head_chunk_blocks: int = 32
     remat: bool = False  # recompute each drafter layer in the backward pass
     distill: bool = False  # score slots against the target's distribution (docs/design.md §3.3)
+    kind: str = "dflash"  # the drafter's kind (models.config.DRAFTER_KINDS): which terms score it
+    selector_alpha: float = 1.0  # 'dflash2': weight of the candidate cross-entropy
+
+    @property
+    def num_drafts(self) -> int:
+        """Scored slots per block: B - 1 after the anchor, or B for 'dspark' (every slot drafts
+        the token after it)."""
+        return self.block_size if self.kind == "dspark" else self.block_size - 1
+
+    @property
+    def needs_target_distribution(self) -> bool:
+        """Whether the target's next-token distribution at each label is computed ('dspark'
+        always scores against it)."""
+        return self.distill or self.kind == "dspark"
 
 
 @flax.struct.dataclass
 class Blocks:
-    """One block per anchor. R rows, N anchors per row, Bk = block size, S = seq_len."""
+    """One block per anchor. R rows, N anchors per row, Bk = block size, S = seq_len, K = drafts
+    per block (Bk - 1, or Bk for 'dspark': `ObjectiveConfig.num_drafts`)."""
 
     tokens: jax.Array  # [R, N, Bk]   anchor token then MASK tokens
     positions: jax.Array  # [R, N, Bk]   anchor's in-document position + slot
-    labels: jax.Array  # [R, N, Bk-1] data token at anchor + k, k = 1..Bk-1
-    label_mask: jax.Array  # [R, N, Bk-1] slot is scored: inside the row and the document, a response token
+    labels: jax.Array  # [R, N, K] data token at anchor + k, k = 1..K
+    label_mask: jax.Array  # [R, N, K] slot is scored: inside the row and the document, a response token
     valid: jax.Array  # [R, N] the anchor exists (rows may have fewer candidates than N)
     ctx_mask: jax.Array  # [R, N, S] context positions each block may attend to
     documents: jax.Array  # [R] documents in the row ('dpace' divides by their global count)
-    # [R, N, Bk-1, D] 'distill': the target's normed last hidden state that predicts each label
+    # [R, N, K, D] 'distill' and 'dspark': the target's normed last hidden state that predicts each label
     target_hidden: jax.Array | None = None
 
 
@@ -155,8 +178,7 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, cfg: ObjectiveConfig) -> Blocks:
     seq_len = batch["tokens"].shape[1]
-    offsets = jnp.arange(cfg.block_size)
-    index = anchor_index[:, :, None] + offsets  # [R, N, Bk]
+    index = anchor_index[:, :, None] + jnp.arange(cfg.num_drafts + 1)  # the anchor and the labels
     in_row = index < seq_len
     index = jnp.minimum(index, seq_len - 1)
     tokens_at = _gather_rows(batch["tokens"], index)
@@ -167,9 +189,12 @@ def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, 
         & (segment_at == segment_at[:, :, :1])
         & (_gather_rows(batch["loss_mask"], index) == 1)
     )[:, :, 1:]
+    if cfg.kind == "dspark":  # DeepSpec scores the prefix of scored slots only
+        scored = jnp.cumprod(scored, axis=-1).astype(bool)
     anchor_position = _gather_rows(batch["positions"], anchor_index)
+    offsets = jnp.arange(cfg.block_size)
     return Blocks(
-        tokens=jnp.where(offsets == 0, tokens_at, cfg.mask_token_id),
+        tokens=jnp.where(offsets == 0, tokens_at[:, :, : cfg.block_size], cfg.mask_token_id),
         positions=anchor_position[:, :, None] + offsets,
         labels=tokens_at[:, :, 1:],
         label_mask=scored,
@@ -195,15 +220,15 @@ def frozen_inputs(
     )
     blocks = make_blocks(batch, anchor_index, anchor_valid, cfg)
     layer_ids = tuple(cfg.target_layer_ids)
-    if cfg.distill:  # the forward also runs to the last layer, whose states predict the labels
+    if cfg.needs_target_distribution:  # the forward also runs to the last layer, whose states predict the labels
         layer_ids += (target.cfg.num_layers - 1,)
     _, hidden = target(
         batch["tokens"], batch["segment_ids"], batch["positions"], hidden_layers=layer_ids, return_logits=False
     )
     features = jnp.concatenate(hidden[: len(cfg.target_layer_ids)], axis=-1)
-    if cfg.distill:
-        # The label at anchor + k is predicted from position anchor + k - 1, k = 1..Bk-1.
-        index = jnp.minimum(anchor_index[:, :, None] + jnp.arange(cfg.block_size - 1), batch["tokens"].shape[1] - 1)
+    if cfg.needs_target_distribution:
+        # The label at anchor + k is predicted from position anchor + k - 1, k = 1..K.
+        index = jnp.minimum(anchor_index[:, :, None] + jnp.arange(cfg.num_drafts), batch["tokens"].shape[1] - 1)
         # The last layer's hidden state is already after the final norm (`layer_outputs`).
         last = jnp.take_along_axis(hidden[-1], index.reshape(index.shape[0], -1, 1), axis=1)
         target_hidden = last.reshape(*index.shape, -1)
@@ -250,13 +275,7 @@ def lm_head_cross_entropy(
 
     def chunk(h, y, *target_h):  # -> (loss, label CE, hit, d loss / d h)
         with jax.named_scope("lm_head"):
-            logits_spec = activation_spec(jax.eval_shape(unembed, h).shape, (BATCH, ..., VOCAB))
-
-            def logits_of(h):
-                if logits_spec is not None:  # rows over what vocab leaves, the model dim whole
-                    h = constrain_spec(h, PartitionSpec(*logits_spec[:-1], None))
-                return constrain_spec(unembed(h).astype(jnp.float32), logits_spec)
-
+            logits_of = vocab_parallel_logits(unembed, h.shape)
             logits, pullback = jax.vjp(logits_of, h)
             top = jnp.max(logits, axis=-1, keepdims=True)
             exp = jnp.exp(logits - top)
@@ -306,15 +325,15 @@ def dpace_weights(prob: jax.Array, scored: jax.Array, alpha: float) -> jax.Array
     return jnp.where(scored, jax.lax.cumsum(reach, axis=reach.ndim - 1, reverse=True), 0.0)
 
 
-def slot_weights(label_ce: jax.Array, blocks: Blocks, cfg: ObjectiveConfig) -> jax.Array:
-    """[R, N, Bk-1] weight of each slot's loss (docs/design.md §3.3), a constant to the
-    gradient. 'dpace' reads the label's probability off its cross-entropy, already computed: no
-    second LM-head pass."""
+def slot_weights(label_ce: jax.Array, label_mask: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
+    """[..., K] weight of each slot's loss (docs/design.md §3.3), a constant to the gradient:
+    exp(-j/γ) for the j-th draft of a block, or D-PACE's. 'dpace' reads the label's probability
+    off its cross-entropy, already computed: no second LM-head pass."""
     if cfg.loss == "dpace":
         prob = jnp.exp(-jax.lax.stop_gradient(label_ce))
-        return jax.lax.stop_gradient(dpace_weights(prob, blocks.label_mask, cfg.dpace_alpha))
-    decay = jnp.exp(-jnp.arange(label_ce.shape[-1], dtype=jnp.float32) / cfg.loss_decay_gamma)
-    return blocks.label_mask * decay
+        return jax.lax.stop_gradient(dpace_weights(prob, label_mask, cfg.dpace_alpha))
+    decay = jnp.exp(-jnp.arange(label_mask.shape[-1], dtype=jnp.float32) / cfg.loss_decay_gamma)
+    return label_mask * decay
 
 
 def loss_denominator(weights: jax.Array, blocks: Blocks, cfg: ObjectiveConfig) -> jax.Array:
@@ -350,15 +369,22 @@ def drafter_loss(
         blocks_per_chunk=cfg.attention_chunk_blocks,
         remat=cfg.remat,
     )
-    loss, label_ce, correct = lm_head_cross_entropy(
-        unembed,
-        hidden[:, :, 1:],
-        blocks.labels,
-        chunk_blocks=cfg.lm_head_chunk_blocks,
-        target_hidden=blocks.target_hidden,
-    )
-    weights = slot_weights(label_ce, blocks, cfg)
-    weighted_ce = (weights * loss).sum()
+    if cfg.kind == "dflash2":
+        weights_of = functools.partial(slot_weights, cfg=cfg)
+        weighted_ce, weights, correct = dflash2_terms(drafter, unembed, hidden, blocks, cfg, weights_of)
+    elif cfg.kind == "dspark":
+        weights = slot_weights(None, blocks.label_mask, cfg)  # 'dflash' decay: no CE needed
+        weighted_ce, correct = dspark_terms(drafter, unembed, hidden, blocks, weights, cfg)
+    else:
+        loss, label_ce, correct = lm_head_cross_entropy(
+            unembed,
+            hidden[:, :, 1:],
+            blocks.labels,
+            chunk_blocks=cfg.lm_head_chunk_blocks,
+            target_hidden=blocks.target_hidden,
+        )
+        weights = slot_weights(label_ce, blocks.label_mask, cfg)
+        weighted_ce = (weights * loss).sum()
     return weighted_ce, metric_sums(weighted_ce, loss_denominator(weights, blocks, cfg), correct, blocks)
 
 

@@ -68,6 +68,7 @@ class Plan:
     block_tokens: int  # drafter tokens per step (rows x anchors x block size)
     collectives: tuple[Collective, ...]
     compile_seconds: float
+    drafter_kind: str = "dflash"  # models.config.DRAFTER_KINDS: its heads' FLOPs are in model_flops
 
     def fits(self, hbm_bytes: float) -> bool:
         return self.peak <= USABLE_FRACTION * hbm_bytes
@@ -145,6 +146,7 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
         remat_flops=remat_flops_per_step(setup, rows, seq_len),
         tokens=rows * seq_len,
         block_tokens=rows * setup.objective.num_anchors * setup.objective.block_size,
+        drafter_kind=setup.drafter.kind,
         collectives=tuple(collectives(hlo)),
         compile_seconds=compile_seconds,
     )
@@ -362,7 +364,8 @@ def format_plan(plan: Plan, hbm_bytes: float, *, title: str, fsdp: int, tensor: 
         f"  {verdict(plan, hbm_bytes, fsdp=fsdp, tensor=tensor, remat=remat)}",
         f"  model FLOPs per step {plan.model_flops / 1e12:,.1f} TFLOP"
         f" (+ {plan.remat_flops / 1e12:,.1f} TFLOP recomputed in the backward pass)",
-        f"  tokens per step {plan.tokens:,} ({plan.rows} x {plan.seq_len}); drafter block tokens {plan.block_tokens:,}",
+        f"  tokens per step {plan.tokens:,} ({plan.rows} x {plan.seq_len}); drafter block tokens {plan.block_tokens:,}"
+        f" ({plan.drafter_kind})",
     ]
     if not plan.collectives:
         lines.append("  collectives: none")

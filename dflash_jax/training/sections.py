@@ -14,7 +14,7 @@ import dataclasses
 
 from dflash_jax.data.config import DataConfig
 from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from dflash_jax.models.config import DTYPES
+from dflash_jax.models.config import DRAFTER_KINDS, DTYPES
 from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES
 from dflash_jax.training.step import OPTIMIZERS
 
@@ -75,9 +75,21 @@ class DrafterSettings:
     layer_types: tuple[str, ...] = ()
     # Context positions a sliding layer's query sees, its own included (released drafters: 2048).
     sliding_window: int = 0
+    # docs/design.md "Drafter kinds": 'dflash'; 'dflash2' (z-lab: grouped dynamic convolutions
+    # around every sublayer and a candidate selector); 'dspark' (DeepSeek: a Markov head and a
+    # confidence head; every slot of the block drafts the token after it).
+    kind: str = "dflash"
+    # 'dflash2': taps and channels per group of the convolutions; rank of the selector and the
+    # candidates it chooses among (the top of the unary logits).
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    # 'dspark': rank of the Markov head.
+    markov_rank: int = 256
 
     def problems(self) -> list[str]:
-        return _at_least(
+        return _one_of("drafter", self, kind=DRAFTER_KINDS) + _at_least(
             "drafter",
             self,
             num_layers=1,
@@ -89,6 +101,11 @@ class DrafterSettings:
             head_dim=0,
             num_context_layers=0,
             sliding_window=0,
+            conv_kernel_size=1,
+            conv_group_size=1,
+            selector_rank=1,
+            selector_top_k=1,
+            markov_rank=1,
         )
 
 
@@ -113,11 +130,14 @@ class TrainSettings:
     loss: str = "dflash"
     # 'dpace': smoothing of the target token's probability, in [0, 1].
     dpace_alpha: float = 0.5
-    # 'dflash': γ of the position decay; 0 = the paper's value for the block size.
+    # 'dflash': γ of the position decay; 0 = the paper's value for the block size (4 for
+    # drafter.kind='dspark', as DeepSpec trains it).
     loss_decay_gamma: float = 0.0
     # docs/design.md §3.3: score each slot against the target's whole next-token distribution
     # (KL divergence) instead of the data token alone.
     distill: bool = False
+    # drafter.kind='dflash2': weight α of the candidate cross-entropy added to the DFlash loss.
+    selector_alpha: float = 1.0
     # docs/design.md §3.5: 'adamw', or 'muon' (the drafter's matrices by Muon, its update scaled
     # to AdamW's size so the same learning rate serves; norm scales by AdamW). Linear warmup over
     # warmup_fraction of the steps, then cosine to 0; b1, b2 are AdamW's; weight decay applies to
@@ -178,6 +198,8 @@ class TrainSettings:
                 out.append(f"train.{name}={getattr(self, name)} must be in [0, 1)")
         if not 0 <= self.dpace_alpha <= 1:
             out.append(f"train.dpace_alpha={self.dpace_alpha} must be in [0, 1]")
+        if self.selector_alpha < 0:
+            out.append(f"train.selector_alpha={self.selector_alpha} must be at least 0")
         return out
 
 
@@ -234,6 +256,9 @@ class EvalSettings:
     # 0 = every prompt of the set.
     num_prompts: int = 32
     max_new_tokens: int = 128
+    # drafter.kind='dspark': propose the drafts only up to the first slot whose confidence is
+    # below this (DSpark's truncation); 0 = the whole block.
+    confidence_threshold: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -244,7 +269,10 @@ class EvalSettings:
         return self.enabled and self.every_steps > 0
 
     def problems(self) -> list[str]:
-        return _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1)
+        out = _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1)
+        if not 0 <= self.confidence_threshold < 1:
+            out.append(f"eval.confidence_threshold={self.confidence_threshold} must be in [0, 1)")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,9 @@ from support.decoding_models import (
     make_drafter,
     make_successor_target,
     make_target,
+    perturbed,
     random_prompts,
+    successor_drafter,
 )
 
 # Lengths straddle the 16-token prompt bucket; 5 prompts with batch 2 leave a short last batch.
@@ -49,14 +51,20 @@ def naive_greedy(target, prompt, max_new):
 
 @pytest.fixture(scope="module")
 def cases(random_target, untrained_drafter):
-    """name -> (target, drafter): almost nothing accepted, everything accepted, in between."""
+    """name -> (target, drafter): almost nothing accepted, everything accepted, in between; for
+    DFlash and, through their own walks, the DFlash2 and DSpark kinds (`successor_drafter`)."""
     copy_target, successor = make_successor_target(seed=3, noise=0.0)
     noisy_target, noisy_successor = make_successor_target(seed=4, noise=2.0)
-    return {
+    cases = {
         "untrained": (random_target, untrained_drafter),
         "copies_target": (copy_target, OracleDrafter(copy_target, successor)),
         "partial": (noisy_target, OracleDrafter(noisy_target, noisy_successor)),
     }
+    for kind in ("dflash2", "dspark"):
+        cases[f"{kind}_untrained"] = (random_target, perturbed(make_drafter(random_target, seed=2, kind=kind)))
+        cases[f"{kind}_copies_target"] = (copy_target, successor_drafter(copy_target, successor, kind))
+        cases[f"{kind}_partial"] = (noisy_target, successor_drafter(noisy_target, noisy_successor, kind))
+    return cases
 
 
 def decode_both(target, drafter, prompts, **kw):
@@ -71,13 +79,25 @@ def test_target_decoder_matches_uncached_greedy(random_target):
         np.testing.assert_array_equal(g.tokens, naive_greedy(random_target, prompt, 10))
 
 
-@pytest.mark.parametrize("batch_size", [1, 2])
 @pytest.mark.parametrize(
-    "name, tau_range",
+    "name, tau_range, batch_size",
     [
-        ("untrained", (1.0, 1.3)),
-        ("copies_target", (BLOCK - 0.5, BLOCK)),
-        ("partial", (1.5, BLOCK - 0.5)),
+        *(
+            (name, tau_range, batch_size)
+            for batch_size in (1, 2)
+            for name, tau_range in (
+                ("untrained", (1.0, 1.3)),
+                ("copies_target", (BLOCK - 0.5, BLOCK)),
+                ("partial", (1.5, BLOCK - 0.5)),
+            )
+        ),
+        # DSpark verifies BLOCK + 1 tokens a step: every slot of its block drafts.
+        ("dflash2_untrained", (1.0, 1.3), 2),
+        ("dflash2_copies_target", (BLOCK - 0.5, BLOCK), 2),
+        ("dflash2_partial", (1.5, BLOCK - 0.5), 2),
+        ("dspark_untrained", (1.0, 1.3), 2),
+        ("dspark_copies_target", (BLOCK + 0.3, BLOCK + 1), 1),
+        ("dspark_partial", (1.5, BLOCK + 0.5), 2),
     ],
 )
 def test_greedy_is_lossless(cases, name, tau_range, batch_size):
@@ -91,7 +111,7 @@ def test_greedy_is_lossless(cases, name, tau_range, batch_size):
     assert tau_range[0] <= np.mean(taus) <= tau_range[1], taus
 
 
-@pytest.mark.parametrize("name", ["untrained", "copies_target", "partial"])
+@pytest.mark.parametrize("name", ["untrained", "copies_target", "partial", "dflash2_partial", "dspark_copies_target"])
 def test_greedy_is_lossless_across_stop_tokens(cases, name):
     target, drafter = cases[name]
     prompts = random_prompts(20, PROMPT_LENGTHS)
@@ -129,9 +149,10 @@ def test_first_token_stop_ends_without_a_step(cases):
     assert len(out.step_lengths) == 0
 
 
-@pytest.mark.parametrize("name", ["untrained", "partial"])
+@pytest.mark.parametrize("name", ["untrained", "partial", "dflash2_partial", "dspark_partial"])
 def test_step_bookkeeping(cases, name):
-    """Per step: a+1 tokens emitted (1..B), both caches hold exactly prompt + output minus anchor."""
+    """Per step: a+1 tokens emitted (1..B, B the tokens verified), both caches hold exactly
+    prompt + output minus anchor."""
     target, drafter = cases[name]
     prompts = random_prompts(50, (5, 13, 20))
     lengths = np.array([len(p) for p in prompts])
@@ -142,7 +163,7 @@ def test_step_bookkeeping(cases, name):
         running = ~np.asarray(st.outputs.done)
         st, emitted = decoder._step(st)
         emitted = np.asarray(emitted)
-        assert np.all((emitted[running] >= 1) & (emitted[running] <= BLOCK))
+        assert np.all((emitted[running] >= 1) & (emitted[running] <= drafter.cfg.verify_size))
         assert np.all(emitted[~running] == 0)
         total += emitted
         np.testing.assert_array_equal(np.asarray(st.outputs.lengths), total)
@@ -184,34 +205,40 @@ def test_rejects_mismatched_drafter_and_long_prompts(random_target):
         decoder.generate(random_prompts(0, (9,)))
 
 
-def test_served_drafts_equal_the_training_forward(random_target, untrained_drafter):
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
+def test_served_drafts_equal_the_training_forward(cases, kind):
     """At every step, the drafter's logits as served equal its training forward for that anchor.
 
     The training forward sees the target features of the final sequence at positions strictly
     before the anchor (docs/design.md §3.2); serving builds the same context incrementally from prefill and
-    accepted tokens. A mismatch here is the train/serve skew that ruins acceptance.
+    accepted tokens. A mismatch here is the train/serve skew that ruins acceptance. DFlash2 and
+    DSpark score each slot after the previous draft: their training-side scores (the selector's
+    over the unary top-k, the Markov-corrected logits), given the served drafts as the previous
+    tokens, are what was served.
     """
-    target, drafter = random_target, untrained_drafter
+    target, drafter = cases["untrained" if kind == "dflash" else f"{kind}_untrained"]
     prompt = random_prompts(70, (9,))
     decoder = SpeculativeDecoder(target, drafter, max_prompt_len=16, max_new_tokens=16)
     graphs = nnx.split((target, drafter))
 
     @jax.jit
-    def served_logits(state, st):
+    def served_drafts(state, st):
         t, d = nnx.merge(graphs[0], state)
         positions = st.target_cache.lengths[:, None] + jnp.arange(BLOCK)[None, :]
-        return speculative.draft_block(t, d, st.anchor, positions, st.context, decoder.sampling, jax.random.key(0))[1]
+        return speculative.draft_block(t, d, st.anchor, positions, st.context, decoder.sampling, jax.random.key(0))[:2]
 
     st = decoder._prefill(*generate_lib.pad_batch(prompt, 1, 16), jax.random.key(0))
-    anchors, served = [], []
+    anchors, drafts, served = [], [], []
     while not np.all(np.asarray(st.outputs.done)):
         anchors.append(int(st.target_cache.lengths[0]))
-        served.append(np.asarray(served_logits(graphs[1], st)[0]))
+        tokens, logits = served_drafts(graphs[1], st)
+        drafts.append(np.asarray(tokens[0]))
+        served.append(np.asarray(logits[0]))
         st, _ = decoder._step(st)
     out = np.asarray(st.outputs.tokens[0, : int(st.outputs.lengths[0])])
 
     @jax.jit
-    def training_logits(state, seq, anchor_index):
+    def training_logits(state, seq, anchor_index, drafts):
         t, d = nnx.merge(graphs[0], state)
         segment_ids, positions = jnp.ones_like(seq), jnp.arange(seq.shape[1])[None]
         features = t.features(seq, segment_ids, positions, d.cfg.target_layer_ids)
@@ -222,11 +249,21 @@ def test_served_drafts_equal_the_training_forward(random_target, untrained_draft
             d.context(features),
             positions,
             block_context_mask(segment_ids, anchor_index),
-        )
-        return t.unembed(hidden[0, :, 1:])
+        )[0, :, d.cfg.first_draft_slot :]
+        unary = t.unembed(hidden)
+        previous = jnp.concatenate([blocks[0, :, :1], drafts[:, :-1]], axis=1)
+        if d.cfg.kind == "dspark":
+            return unary + d.markov_head.bias(d.markov_head.embed(previous))
+        if d.cfg.kind == "dflash2":
+            selector = d.candidate_selector
+            values, candidates = jax.lax.top_k(unary, d.cfg.selector_top_k)
+            scores = values + selector.pair_scores(selector.context(hidden, previous), candidates)
+            block, slot, _ = jnp.indices(candidates.shape)
+            return jnp.full(unary.shape, -jnp.inf).at[block, slot, candidates].set(scores)
+        return unary
 
     seq = jnp.asarray(np.concatenate([prompt[0], out]))[None]
-    trained = np.asarray(training_logits(graphs[1], seq, jnp.asarray(anchors)[None]))
+    trained = np.asarray(training_logits(graphs[1], seq, jnp.asarray(anchors)[None], jnp.asarray(np.stack(drafts))))
     assert len(anchors) > 3
     np.testing.assert_allclose(np.stack(served), trained, atol=2e-4, rtol=2e-4)
 

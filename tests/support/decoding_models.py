@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -45,11 +46,58 @@ def make_target(seed: int = 0, vocab: int = VOCAB, logit_scale: float = 1.0) -> 
     return target
 
 
-def make_drafter(target: Transformer, seed: int = 0, block_size: int = BLOCK, mask_id: int = MASK_ID):
+def make_drafter(
+    target: Transformer, seed: int = 0, block_size: int = BLOCK, mask_id: int = MASK_ID, kind: str = "dflash", **heads
+):
     cfg = DrafterConfig.for_target(
-        target.cfg, num_layers=1, mask_token_id=mask_id, block_size=block_size, target_layer_ids=(0, 1)
+        target.cfg,
+        num_layers=1,
+        mask_token_id=mask_id,
+        block_size=block_size,
+        target_layer_ids=(0, 1),
+        kind=kind,
+        **heads,
     )
     return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
+
+
+def perturbed(drafter: nnx.Module, seed: int = 0, scale: float = 0.05) -> nnx.Module:
+    """The drafter with every parameter moved off its initial value (DFlash2's identity
+    convolutions included), so that no part can hide behind a zero or an identity."""
+    _, state = nnx.split(drafter)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    nnx.update(
+        drafter, jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    )
+    return drafter
+
+
+def successor_drafter(target: Transformer, successor: np.ndarray, kind: str, scale: float = 5.0) -> DFlashDrafter:
+    """A real DFlash2 or DSpark drafter whose heads draft successor[previous token], slot after
+    slot from the anchor: the oracle of `OracleDrafter`, through the kinds' own walks.
+
+    Its layers add nothing (zero output projections), so every mask slot's hidden state is the
+    same h. DFlash2: every token is a candidate, P(h) = scale·1, A = scale·I and B[b] = scale·e_a
+    for b = successor[a], so the pair score is scale³ for the successor, 0 elsewhere. DSpark:
+    W1 = scale·I and W2[a, successor[a]] = scale², a Markov bias of scale³ for the successor.
+    Either outweighs the unary logits."""
+    fields = dict(selector_rank=VOCAB, selector_top_k=VOCAB) if kind == "dflash2" else dict(markov_rank=VOCAB)
+    drafter = make_drafter(target, kind=kind, **fields)
+    for layer in drafter.layers:
+        layer.self_attn.o_proj.kernel[...] = jnp.zeros_like(layer.self_attn.o_proj.kernel[...])
+        layer.mlp.down_proj.kernel[...] = jnp.zeros_like(layer.mlp.down_proj.kernel[...])
+    identity, inverse = scale * jnp.eye(VOCAB), np.argsort(successor)
+    if kind == "dflash2":
+        h = drafter.norm(target.embed(jnp.asarray([MASK_ID])))[0]
+        selector = drafter.candidate_selector
+        selector.hidden_projection.kernel[...] = jnp.outer(h / jnp.sum(h * h), jnp.full((VOCAB,), scale))
+        selector.predecessor_codebook[...] = identity
+        selector.successor_codebook[...] = identity[inverse]
+    else:
+        drafter.markov_head.markov_w1.embedding[...] = identity
+        drafter.markov_head.markov_w2.kernel[...] = scale * identity[successor]  # row a: scale² at successor[a]
+    return drafter
 
 
 def make_successor_target(seed: int = 0, noise: float = 0.0) -> tuple[Transformer, np.ndarray]:

@@ -110,6 +110,26 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"train.remat": 1}, 1, "train.remat=1 must be True or False"),
         ({"train.max_steps": True}, 1, "train.max_steps=True must be an integer"),
         ({"drafter.target_layer_ids": (0, "1")}, 1, r"drafter.target_layer_ids=\(0, '1'\) must be a tuple of integers"),
+        # Drafter kinds: a bad value, a bad size, a bad combination.
+        ({"drafter.kind": "eagle"}, 1, "^drafter.kind='eagle' is not one of dflash, dflash2, dspark$"),
+        (
+            {"drafter.kind": "dflash2", "drafter.conv_group_size": 24},
+            1,
+            "^drafter: conv_group_size=24 must divide hidden_size=32$",
+        ),
+        ({"drafter.kind": "dflash2", "drafter.selector_top_k": 0}, 1, "^drafter.selector_top_k=0 must be at least 1$"),
+        (
+            {"drafter.kind": "dspark", "train.loss": "dpace"},
+            1,
+            "^train.loss='dpace' does not apply to drafter.kind='dspark'",
+        ),
+        (
+            {"drafter.kind": "dspark", "train.loss": "dflash", "train.distill": True},
+            1,
+            "^train.distill does not apply to drafter.kind='dspark'",
+        ),
+        ({"eval.confidence_threshold": 0.5}, 1, "^eval.confidence_threshold applies to drafter.kind='dspark' only"),
+        ({"train.selector_alpha": -1.0}, 1, "^train.selector_alpha=-1.0 must be at least 0$"),
     ],
 )
 def test_config_error_messages(tiny_run, tmp_path, fields, num_devices, message):
@@ -199,6 +219,29 @@ def test_loss_fields_reach_the_objective(tiny_run, tmp_path):
     fields = {"train.loss": "dpace", "train.dpace_alpha": 0.25, "train.distill": True}
     objective = resolve(tiny_config(tiny_run, tmp_path, **fields), num_devices=1).objective
     assert (objective.loss, objective.dpace_alpha, objective.distill) == ("dpace", 0.25, True)
+
+
+@pytest.mark.parametrize(
+    "fields, drafter, gamma",
+    [
+        (
+            {"drafter.kind": "dflash2", "drafter.selector_rank": 32, "drafter.conv_kernel_size": 3},
+            dict(kind="dflash2", selector_rank=32, conv_kernel_size=3, markov_rank=256),
+            4.0,  # the paper's for block size 8
+        ),
+        (
+            {"drafter.kind": "dspark", "drafter.markov_rank": 16, "drafter.block_size": 7, "train.loss": "dflash"},
+            dict(kind="dspark", markov_rank=16),
+            4.0,
+        ),
+    ],
+)
+def test_kind_fields_reach_the_drafter_and_the_objective(tiny_run, tmp_path, fields, drafter, gamma):
+    setup = resolve(tiny_config(tiny_run, tmp_path, **{**fields, "train.selector_alpha": 0.5}), num_devices=1)
+    assert {k: getattr(setup.drafter, k) for k in drafter} == drafter
+    assert (setup.objective.kind, setup.objective.selector_alpha) == (drafter["kind"], 0.5)
+    assert setup.objective.loss_decay_gamma == gamma  # DSpark: DeepSpec's 4 whatever the block size
+    assert type(setup.drafter).from_hf(setup.drafter.to_hf()) == setup.drafter  # what a checkpoint keeps
 
 
 def test_train_py_names_a_mistyped_field_in_one_line():

@@ -1,0 +1,71 @@
+"""From one drafter pass to a block of drafts, for the drafter kinds that draft in sequence
+(docs/design.md "Drafter kinds"; DFlash drafts every slot on its own: `speculative.draft_block`).
+
+Both walk the block slot by slot, each choice conditioning the next, and return what
+verification needs: the drafts and, per slot, the logits whose `sampling.warp_probs` is the
+distribution the draft was chosen from (the proposal q of rejection sampling).
+
+* DFlash2 (z-lab's `CandidateSelector.select`): slot t chooses among the top-k of its unary
+  logits, scoring candidate b after the previous choice a by U_t(b) + ⟨A[a] ⊙ P(h_t), B[b]⟩; q is
+  zero outside the k candidates (their logits are -inf).
+* DSpark (DeepSpec's Markov walk): slot k's logits are U_k + W2·W1[x_{k-1}], x_{k-1} the previous
+  draft (the anchor for slot 0); its confidence head gives the probability that the draft is
+  accepted, and `confidence_threshold` > 0 proposes the drafts only up to the first slot below it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.decoding.sampling import SamplingConfig, choose
+from dflash_jax.models.heads.dflash2 import unary_logits
+
+
+def _walk(step, first, xs, key: jax.Array):
+    """lax.scan of `step(previous, (slot inputs..., key))` over the slots (axis 1 of every xs)."""
+    slots = jax.tree.leaves(xs)[0].shape[1]
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), xs)
+    _, out = jax.lax.scan(step, first, (*xs, jax.random.split(key, slots)))
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1), out)
+
+
+def selector_walk(target, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array):
+    """DFlash2: hidden [B, Bk, D] of the block -> (drafts [B, Bk-1], draft logits [B, Bk-1, V])."""
+    d, selector = drafter.cfg, drafter.candidate_selector
+    h = hidden[:, 1:]
+    unary = unary_logits(target.unembed(h).astype(jnp.float32), d.output_multiplier, d.final_logit_softcapping)
+    values, candidates = jax.lax.top_k(unary, d.selector_top_k)
+
+    def step(previous, xs):
+        h_t, values_t, candidates_t, key_t = xs
+        scores = values_t + selector.pair_scores(selector.context(h_t, previous), candidates_t)
+        token = jnp.take_along_axis(candidates_t, choose(scores, sampling, key_t)[:, None], axis=1)[:, 0]
+        return token, (token, scores)
+
+    drafts, scores = _walk(step, anchor, (h, values, candidates), key)
+    rows, slots = jnp.indices(candidates.shape[:2])
+    logits = jnp.full(unary.shape, -jnp.inf, jnp.float32).at[rows[..., None], slots[..., None], candidates].set(scores)
+    return drafts, logits
+
+
+def markov_walk(
+    target, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array, threshold: float
+):
+    """DSpark: hidden [B, γ, D] -> (drafts [B, γ], draft logits [B, γ, V], drafts proposed [B])."""
+    markov = drafter.markov_head
+    unary = target.unembed(hidden).astype(jnp.float32)
+
+    def step(previous, xs):
+        unary_k, h_k, key_k = xs
+        embedding = markov.embed(previous)
+        logits = unary_k + markov.bias(embedding)
+        token = choose(logits, sampling, key_k)
+        return token, (token, logits, jax.nn.sigmoid(drafter.confidence_head(h_k, embedding)))
+
+    drafts, logits, confidence = _walk(step, anchor, (unary, hidden), key)
+    if threshold > 0:  # the drafts before the first slot whose confidence is below the threshold
+        proposed = jnp.sum(jnp.cumprod(confidence >= threshold, axis=1), axis=1)
+    else:
+        proposed = jnp.full(drafts.shape[:1], drafts.shape[1])
+    return drafts, logits, proposed.astype(jnp.int32)

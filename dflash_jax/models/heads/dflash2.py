@@ -1,0 +1,124 @@
+"""DFlash2's additions to the DFlash backbone (z-lab's `DFlash2DraftModel`, docs/design.md
+"Drafter kinds"): grouped dynamic convolutions around every sublayer and the candidate selector.
+
+Convolution: around each sublayer of a drafter layer, `prepare` convolves the normalised input u
+with kernel base[0] + δ₀ and keeps δ₁; `finish` convolves the sublayer's output with base[1] + δ₁.
+δ = kernel_projection(u) [..., 2, K, G] is one number per tap and group of g channels:
+
+    conv(x, δ, b)[t, c] = Σ_{o<K} (b[o, c] + δ[t, o, c // g]) · x[t - o, c],   x[t < 0] = 0,
+
+t the position inside the block, so nothing crosses a block boundary. At initialisation
+base[:, 0] = 1 and everything else is 0: the identity, so a fresh DFlash2 drafter is a DFlash one.
+
+Selector: U_t are the unary logits of slot t (the frozen LM head, scaled and soft-capped as the
+config asks), C_t its top-k candidates; a candidate b after predecessor a scores
+S_t(a, b) = U_t(b) + ⟨A[a] ⊙ P(h_t), B[b]⟩ (A, B the predecessor / successor codebooks [V, r],
+P a projection H -> r). Shapes: L block length, H hidden, G groups, K taps, k candidates.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.models.layers import DecoderBlock, linear
+
+
+def grouped_dynamic_conv(x: jax.Array, delta: jax.Array, base: jax.Array) -> jax.Array:
+    """x [..., L, H], delta [..., L, K, G], base [K, H] -> [..., L, H] (the module docstring)."""
+    taps, hidden = base.shape
+    groups = delta.shape[-1]
+    out = jnp.zeros_like(x)
+    for o in range(taps):
+        # x[t - o]: shifted along the block, zeros before its start.
+        shifted = x if o == 0 else jnp.pad(x[..., :-o, :], [(0, 0)] * (x.ndim - 2) + [(o, 0), (0, 0)])
+        dynamic = jnp.repeat(delta[..., o, :], hidden // groups, axis=-1)
+        out = out + (base[o].astype(x.dtype) + dynamic) * shifted
+    return out
+
+
+class GroupedDynamicConv(nnx.Module):
+    """The pair of convolutions around one sublayer: `prepare` its input, `finish` its output."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, *, param_dtype, compute_dtype, rngs):
+        self.kernel_size = kernel_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nnx.Param(jnp.zeros((2, kernel_size, hidden_size), param_dtype).at[:, 0].set(1.0))
+        # Zero: no dynamic part at initialisation (normal(0) draws zeros).
+        self.kernel_projection = linear(
+            hidden_size,
+            2 * kernel_size * self.groups,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            rngs=rngs,
+            init_std=0.0,
+        )
+
+    def prepare(self, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The normalised sublayer input u [..., L, H] -> (its convolution, δ₁ [..., L, K, G])."""
+        delta = self.kernel_projection(u).reshape(*u.shape[:-1], 2, self.kernel_size, self.groups)
+        return grouped_dynamic_conv(u, delta[..., 0, :, :], self.base_kernel[0]), delta[..., 1, :, :]
+
+    def finish(self, y: jax.Array, delta: jax.Array) -> jax.Array:
+        return grouped_dynamic_conv(y, delta, self.base_kernel[1])
+
+
+class ConvolvedDecoderBlock(DecoderBlock):
+    """A drafter layer with `attention_conv` around its attention and `mlp_conv` around its MLP;
+    δ comes from each sublayer's normalised input."""
+
+    def __init__(self, mixer_name, mixer, mlp, *, hidden_size, norm_kw, kernel_size, group_size, rngs):
+        super().__init__(mixer_name, mixer, mlp, hidden_size=hidden_size, norm_kw=norm_kw)
+        conv_kw = dict(kernel_size=kernel_size, group_size=group_size, rngs=rngs, **_dtypes(norm_kw))
+        self.attention_conv = GroupedDynamicConv(hidden_size, **conv_kw)
+        self.mlp_conv = GroupedDynamicConv(hidden_size, **conv_kw)
+
+    def _mlp_residual(self, x: jax.Array) -> jax.Array:
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
+
+    def __call__(self, x: jax.Array, inputs) -> jax.Array:
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        return self._mlp_residual(x + self.attention_conv.finish(self.mixer(h, inputs), delta))
+
+    def decode(self, x: jax.Array, inputs, cache):
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        out, cache = self.mixer.decode(h, inputs, cache)
+        return self._mlp_residual(x + self.attention_conv.finish(out, delta)), cache
+
+
+def _dtypes(norm_kw: dict) -> dict:
+    return {k: norm_kw[k] for k in ("param_dtype", "compute_dtype")}
+
+
+class CandidateSelector(nnx.Module):
+    def __init__(
+        self, hidden_size: int, vocab_size: int, rank: int, top_k: int, *, init_std, param_dtype, compute_dtype, rngs
+    ):
+        self.top_k = top_k
+        self.compute_dtype = compute_dtype
+        normal = nnx.initializers.normal(init_std)
+        self.predecessor_codebook = nnx.Param(normal(rngs.params(), (vocab_size, rank), param_dtype))
+        self.successor_codebook = nnx.Param(normal(rngs.params(), (vocab_size, rank), param_dtype))
+        self.hidden_projection = linear(
+            hidden_size, rank, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std
+        )
+
+    def context(self, hidden: jax.Array, predecessors: jax.Array) -> jax.Array:
+        """A[a] ⊙ P(h): hidden [..., H], predecessor ids [...] -> [..., r]."""
+        return self.predecessor_codebook[...].astype(self.compute_dtype)[predecessors] * self.hidden_projection(hidden)
+
+    def pair_scores(self, context: jax.Array, candidates: jax.Array, successors: jax.Array | None = None) -> jax.Array:
+        """⟨context, B[b]⟩ for every candidate b: context [..., r], candidates [..., k] -> [..., k]
+        fp32. `successors`: the codebook B to use instead of the module's own (training passes it
+        in to take its gradient)."""
+        table = self.successor_codebook[...] if successors is None else successors
+        rows = table.astype(self.compute_dtype)[candidates]
+        return jnp.einsum("...r,...kr->...k", context, rows, preferred_element_type=jnp.float32)
+
+
+def unary_logits(logits: jax.Array, output_multiplier: float, softcap: float) -> jax.Array:
+    """The LM head's logits as the selector reads them: scaled, then soft-capped (0 = no cap)."""
+    logits = logits * output_multiplier if output_multiplier != 1.0 else logits
+    return softcap * jnp.tanh(logits / softcap) if softcap else logits
