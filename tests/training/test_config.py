@@ -21,6 +21,7 @@ from dflash_jax.training.config import (
     field_paths,
     load_config_file,
     resolve,
+    target_for_plan,
 )
 from dflash_jax.training.objective import ObjectiveConfig
 from dflash_jax.training.step import OptimizerConfig
@@ -304,10 +305,35 @@ def test_train_py_reports_config_errors_before_compiling(tiny_run, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was set up, let alone compiled
 
 
-@pytest.mark.parametrize("name", ["default", "qwen3", "smollm2"])
+CONFIG_FILES = sorted(p.stem for p in (testing.REPO / "configs").glob("*.py"))
+
+
+def preset_sizes() -> list[tuple[str, str]]:
+    """Every size of every preset planned from a public config.json (configs/<name>.py's SIZES)."""
+    found = []
+    for name in CONFIG_FILES:
+        tree = ast.parse(Path(config_file(name)).read_text())
+        sizes = [n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SIZES"]
+        found += [(name, ast.literal_eval(key)) for value in sizes for key in value.keys]
+    return found
+
+
+@pytest.mark.parametrize("name, size", preset_sizes())
+def test_every_preset_resolves_against_its_published_config(name, size):
+    """What `python -m dflash_jax.plan` checks before compiling: the preset's fields against the
+    target's public config.json, its mask token a row of that target's embedding included."""
+    config = load_config_file(config_file(name), size)
+    target, source = target_for_plan(config)
+    setup = resolve(config, num_devices=8, target=target, check_files=False)
+    # An id the preset sets is a row of the target's embedding (-1: looked up in the tokenizer).
+    assert config.drafter.mask_token_id in (-1, setup.drafter.mask_token_id), source
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
 def test_config_files_open_with_their_command(name):
     docstring = ast.get_docstring(ast.parse(Path(config_file(name)).read_text()))
-    assert docstring.splitlines()[2].strip().startswith("python train.py")
+    paragraphs = docstring.split("\n\n")
+    assert paragraphs[1].strip().startswith("python train.py"), paragraphs[:2]
 
 
 def test_qwen3_variants_pick_size_block_and_mesh(tmp_path):

@@ -1,0 +1,46 @@
+"""DFlash drafters for Llama-3.1-8B-Instruct with the paper's recipe, on one host with 8 accelerators.
+
+    python train.py --config=configs/llama3.py:8b --config.target.path=meta-llama/Llama-3.1-8B-Instruct \
+        --config.data.train=/data/train.jsonl --config.workdir=/ckpt/llama3_8b_dflash
+    python -m dflash_jax.plan --config=configs/llama3.py:8b    # will it fit? (no weights needed)
+
+Variants, comma-separated:
+  size      8b (default): the public config.json the memory plan reads (configs/targets/)
+  block     b10 (default, as z-lab's Llama-3.1 drafter drafts 9 tokens after the anchor) | b16 |
+            b8: the drafter's block size, with the paper's loss decay γ
+  fsdp      split the frozen target's weights over 4 devices (mesh data=2 x fsdp=4)
+The drafter has 5 layers in the target's head layout (32 query heads over 8 kv heads of 128) and
+reads target layers [1, 8, 15, 22, 29] of the 32. Llama-3's tokenizer has no <|MASK|>: the mask is
+<|reserved_special_token_0|> (128002), a reserved row of the 128,256-token embedding that no text
+produces.
+"""
+
+import os
+
+from dflash_jax.training.config import base_config, choose_variants
+
+TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+SIZES = {"8b": dict(plan_config="Llama-3.1-8B-Instruct.json")}
+BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
+FSDP_DEVICES = 4
+RESERVED_MASK_TOKEN = 128002  # <|reserved_special_token_0|>
+
+
+def get_config(variants: str = "8b"):
+    size_name, block, flags = choose_variants(
+        variants, sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="8b"
+    )
+    c = base_config()  # the recipe: 6 epochs, 4% warmup, cosine, clip 1.0, 512 anchors
+    c.target.plan_config = os.path.join(TARGETS, SIZES[size_name]["plan_config"])
+    c.drafter.num_layers = 5
+    c.drafter.block_size = BLOCK_SIZES[block or "b10"]
+    c.drafter.mask_token_id = RESERVED_MASK_TOKEN
+    c.data.seq_len = 3072
+    c.data.global_batch_rows = 16
+    c.data.read_threads = 4
+    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
+    c.train.remat = True
+    c.log.every_steps = 20
+    if "fsdp" in flags:
+        c.mesh.fsdp = FSDP_DEVICES
+    return c
