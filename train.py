@@ -7,7 +7,7 @@ r"""Train a DFlash drafter against a frozen target LLM.
 target.path is a model directory or a Hugging Face hub id (org/name[@revision], through the hub
 cache). Any field can be overridden (`--config.train.learning_rate=3e-4`); every field, its
 default and its meaning are in the section dataclasses of dflash_jax/training/sections.py (the
-data section: dflash_jax/data/config.py). Rerunning with the same workdir resumes. Exit status:
+data section: dflash_jax/data/settings.py). Rerunning with the same workdir resumes. Exit status:
 0 finished, 1 error, 75 stopped on request after saving (rerun to resume); see dflash_jax/cli.py.
 """
 
@@ -16,8 +16,8 @@ import os
 import jax
 
 from dflash_jax import cli
-from dflash_jax.training import config as config_lib
-from dflash_jax.training.evaluation import final_evaluation
+from dflash_jax.training import run_config
+from dflash_jax.training.acceptance_eval import final_evaluation
 from dflash_jax.training.loop import train
 from dflash_jax.training.mesh import initialize_distributed
 from dflash_jax.training.summary import summary
@@ -27,9 +27,9 @@ _CONFIG = cli.define_config(os.path.join(os.path.dirname(os.path.abspath(__file_
 
 def main(argv) -> int:  # cli.run has refused stray arguments already
     config = _CONFIG.value
-    dist = config_lib.resolve_distributed(config)
+    dist = run_config.resolve_distributed(config)
     initialize_distributed(dist.coordinator_address, dist.num_processes, dist.process_id)
-    setup = config_lib.resolve(config, num_devices=jax.device_count())  # before anything touches disk
+    setup = run_config.resolve(config, num_devices=jax.device_count())  # before anything touches disk
     outcome = train(setup)
     if not outcome.finished:
         if jax.process_index() == 0:

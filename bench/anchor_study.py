@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.decoding.acceptance import measure_acceptance
-from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
+from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.models.hf import load_drafter, load_target
-from dflash_jax.training.config import load_config_file, resolve
 from dflash_jax.training.loop import train
+from dflash_jax.training.run_config import load_config_file, resolve
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 

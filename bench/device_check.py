@@ -51,10 +51,10 @@ from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models import attention, block_attention
-from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training.config import base_config, resolve
+from dflash_jax.training.run_config import base_config, resolve
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
 PEAK_BF16_TFLOPS = (

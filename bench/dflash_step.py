@@ -35,7 +35,7 @@ from flax import nnx
 from dflash_jax.decoding.generate import TargetDecoder, pad_batch, run_loop
 from dflash_jax.decoding.sampling import GREEDY, verify_block
 from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
-from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.models.hub import resolve_model

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from dflash_jax.models.config import LinearAttentionConfig, MoeConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import LinearAttentionConfig, MoeConfig, RopeConfig, TransformerConfig
 
 FAMILIES = ("dense", "moe", "hybrid", "hybrid_moe")
 # The size flags every family benchmark takes (the bundled tiny target's by default).

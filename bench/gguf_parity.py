@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import transformers
 
-from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.models.gguf import weights_file
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.hub import resolve_model

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.models.config import MoeConfig
+from dflash_jax.models.architecture import MoeConfig
 from dflash_jax.models.layers import SwiGLU
 from dflash_jax.models.moe import MoE
 

@@ -39,9 +39,9 @@ from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention
-from dflash_jax.models.config import RopeConfig, TransformerConfig
-from dflash_jax.training.config import TrainSetup, load_config_file, resolve
+from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.training.flops import model_flops_per_step
+from dflash_jax.training.run_config import TrainSetup, load_config_file, resolve
 from dflash_jax.training.step import OPTIMIZERS
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")

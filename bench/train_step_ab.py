@@ -49,7 +49,7 @@ def extract_base(revision: str, into: Path) -> None:
 
 def resolved_setup(package: str, config_path: str):
     """The config file resolved by `package`'s own config code (each revision its own schema)."""
-    config = importlib.import_module(f"{package}.training.config")
+    config = importlib.import_module(f"{package}.training.run_config")
     return config.resolve(config.load_config_file(config_path), num_devices=jax.device_count())
 
 

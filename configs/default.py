@@ -6,7 +6,7 @@ python train.py --config=configs/default.py --config.workdir=/tmp/dflash_run --c
 
 import os
 
-from dflash_jax.training.config import base_config
+from dflash_jax.training.run_config import base_config
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 

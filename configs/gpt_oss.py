@@ -18,7 +18,7 @@ unused reserved row (200017, <|reserved_200017|>; check it against your tokenize
 
 import os
 
-from dflash_jax.training.config import base_config, choose_variants
+from dflash_jax.training.run_config import base_config, choose_variants
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {

@@ -17,7 +17,7 @@ produces.
 
 import os
 
-from dflash_jax.training.config import base_config, choose_variants
+from dflash_jax.training.run_config import base_config, choose_variants
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"8b": dict(plan_config="Llama-3.1-8B-Instruct.json")}

@@ -19,7 +19,7 @@ target's shape from its own config.json.
 
 import os
 
-from dflash_jax.training.config import base_config, choose_variants
+from dflash_jax.training.run_config import base_config, choose_variants
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {

@@ -52,7 +52,7 @@ def define_config(default: str | None = None) -> flags.FlagHolder:
     With a default file, ml_collections reads it and looks the overrides up right here, when the
     flag is defined, rather than when `run` parses the flags: hence the same checks here.
     """
-    from dflash_jax.training.config import FIELDS_DOCUMENTED  # only these commands need the schema
+    from dflash_jax.training.run_config import FIELDS_DOCUMENTED  # only these commands need the schema
 
     with _flag_errors_exit():
         _check_config_arguments(sys.argv)
@@ -101,7 +101,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def _check_config_arguments(argv: list[str]) -> None:
     """What ml_collections would report with a traceback, caught first: an override of a field
     that does not exist (naming the closest one) and a config file that does not exist."""
-    from dflash_jax.training.config import check_field_path
+    from dflash_jax.training.run_config import check_field_path
 
     for i, arg in enumerate(argv[1:], start=1):
         if arg == "--":

@@ -27,14 +27,14 @@ from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.decoding import report
-from dflash_jax.decoding.evaluation import write_outputs
+from dflash_jax.decoding.measurement import write_outputs
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.config import DTYPES
+from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.hub import resolve_model
+from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import is_export_dir
-from dflash_jax.training.evaluation import run_evaluation
 from dflash_jax.training.workdir import Workdir
 
 

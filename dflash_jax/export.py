@@ -13,7 +13,7 @@ from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.errors import UserError
-from dflash_jax.models.config import DTYPES
+from dflash_jax.models.architecture import DTYPES
 from dflash_jax.training.drafters import export_checkpoint
 from dflash_jax.training.workdir import Workdir
 

@@ -73,8 +73,8 @@ def main(argv) -> int:
     if jax.device_count() < n or (on_cpu and not os.environ.get(_SIMULATED)):
         _rerun_on_simulated_devices(n)
 
-    from dflash_jax.training.config import resolve, target_for_plan
     from dflash_jax.training.planning import GIB, format_plan, plan_train_step
+    from dflash_jax.training.run_config import resolve, target_for_plan
 
     config = _CONFIG.value
     target, source = target_for_plan(config, _TARGET_CONFIG.value)

@@ -32,7 +32,7 @@ from dflash_jax.decoding.backends import HttpBackend, JaxBackend
 from dflash_jax.decoding.regeneration import Regeneration, failures_path
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.config import DTYPES
+from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.hub import resolve_model
 
 
@@ -54,7 +54,7 @@ def make_backend(f):
         )
     if not f.target:
         raise UserError("--target is required with --backend=jax: a model directory or hub id (org/name)")
-    from dflash_jax.decoding.chat import ChatTokenizer
+    from dflash_jax.decoding.prompt_sets import ChatTokenizer
     from dflash_jax.models.hf import load_target
 
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jax.training.config import FIELDS_DOCUMENTED
+from dflash_jax.training.run_config import FIELDS_DOCUMENTED
 
 REPO = Path(__file__).resolve().parents[1]
 

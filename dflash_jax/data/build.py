@@ -30,10 +30,10 @@ import numpy as np
 import tqdm
 
 from dflash_jax.data import cache as cache_lib
-from dflash_jax.data.chat import SampleEncoder, tokenizer_fingerprint
-from dflash_jax.data.config import DataConfig
 from dflash_jax.data.formats import SKIP_REASONS, BadSample, decode_json_line, normalize_record
 from dflash_jax.data.heldout import first_prompt, prompt_key
+from dflash_jax.data.sample_encoder import SampleEncoder, tokenizer_fingerprint
+from dflash_jax.data.settings import DataConfig
 from dflash_jax.data.sources import RawChunk, describe_sources, iter_chunks, resolve_sources
 from dflash_jax.errors import DataError
 

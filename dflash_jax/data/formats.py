@@ -4,7 +4,7 @@ Everything that can be wrong with one input row is reported as a `BadSample` who
 key of `SKIP_REASONS` and whose detail says, in words, what is wrong and where in the record
 (`messages[1].content is null, not a string`); the cache builder counts them by reason (or stops
 at the first one, by config). Nothing here depends on the tokenizer; the checks that do (control
-tokens in the text, the chat template) live in `dflash_jax.data.chat`.
+tokens in the text, the chat template) live in `dflash_jax.data.sample_encoder`.
 """
 
 from __future__ import annotations

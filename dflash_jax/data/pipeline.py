@@ -44,9 +44,9 @@ import orbax.checkpoint as ocp
 
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.cache import TokenizedCache
-from dflash_jax.data.config import DataConfig
 from dflash_jax.data.heldout import heldout_samples
 from dflash_jax.data.packing import FIELDS, EpochPlan, plan_epoch
+from dflash_jax.data.settings import DataConfig
 
 
 class DataPipeline:

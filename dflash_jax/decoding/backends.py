@@ -16,9 +16,9 @@ from collections.abc import Generator, Iterable, Iterator
 
 import numpy as np
 
-from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder, prompt_bucket
 from dflash_jax.decoding.http_client import ChatCompletionsClient, Reply
+from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.transformer import Transformer
 

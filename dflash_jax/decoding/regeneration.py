@@ -16,7 +16,7 @@ from pathlib import Path
 from absl import logging
 from tqdm import tqdm
 
-from dflash_jax.decoding.chat import conversation, decode_row, jsonl_lines
+from dflash_jax.decoding.prompt_sets import conversation, decode_row, jsonl_lines
 from dflash_jax.errors import DataError
 
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models import block_attention
+from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.cache import KVCache, LayerCache
-from dflash_jax.models.config import DrafterConfig
 from dflash_jax.models.heads import dflash2, dspark
 from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
 from dflash_jax.models.mixers import AttentionProjections

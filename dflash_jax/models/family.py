@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models.config import TransformerConfig, decoder_fields
+from dflash_jax.models.architecture import TransformerConfig, decoder_fields
 from dflash_jax.models.weight_maps import Tensor, WeightMap
 
 

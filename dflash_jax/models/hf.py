@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 
 from dflash_jax.errors import ModelError
 from dflash_jax.models import families
-from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.gguf import GgufTensors, gguf_source, model_dir, weights_file
 from dflash_jax.models.sharding import param_sharding

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.models.config import RopeConfig
+from dflash_jax.models.architecture import RopeConfig
 from dflash_jax.models.sharding import BATCH, EMBED, MLP, constrain
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from dflash_jax.models.config import MoeConfig
+from dflash_jax.models.architecture import MoeConfig
 from dflash_jax.models.layers import Linear, SwiGLU, linear
 from dflash_jax.models.sharding import BATCH, EMBED, activation_spec, active_mesh, constrain, per_device
 

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.cache import KVCache
-from dflash_jax.models.config import TransformerConfig
 from dflash_jax.models.layers import DecoderBlock, RMSNorm, SwiGLU, rotary
 from dflash_jax.models.linear_attention import GatedDeltaNet
 from dflash_jax.models.mixers import DecodeStep, PackedRows, SelfAttention

@@ -10,9 +10,9 @@ Recomputation in the backward pass is not counted here; `remat_flops_per_step` c
 
 from __future__ import annotations
 
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.attention import packed_causal_pairs
-from dflash_jax.models.config import TransformerConfig
-from dflash_jax.training.config import TrainSetup
+from dflash_jax.training.run_config import TrainSetup
 
 
 def model_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:

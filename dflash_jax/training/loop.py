@@ -22,13 +22,13 @@ from jax.experimental import multihost_utils
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.errors import UserError
 from dflash_jax.models.hf import load_target
+from dflash_jax.training.acceptance_eval import AcceptanceEval
 from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints, optimizer_of
-from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.drafters import export_params
 from dflash_jax.training.ema import served_params
-from dflash_jax.training.evaluation import AcceptanceEval
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 from dflash_jax.training.monitoring import Monitor
+from dflash_jax.training.run_config import TrainSetup
 from dflash_jax.training.step import build_train_step
 
 log = logging.getLogger(__name__)

@@ -70,7 +70,7 @@ class ObjectiveConfig:
     lm_head_chunk_blocks: int = 32
     remat: bool = False  # recompute each drafter layer in the backward pass
     distill: bool = False  # score slots against the target's distribution (docs/design.md §3.3)
-    kind: str = "dflash"  # the drafter's kind (models.config.DRAFTER_KINDS): which terms score it
+    kind: str = "dflash"  # the drafter's kind (models.architecture.DRAFTER_KINDS): which terms score it
     selector_alpha: float = 1.0  # 'dflash2': weight of the candidate cross-entropy
 
     @property

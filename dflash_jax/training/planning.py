@@ -26,9 +26,9 @@ from jax.sharding import Mesh
 from dflash_jax.data.packing import FIELDS
 from dflash_jax.models import sharding
 from dflash_jax.training import step as step_lib
-from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.mesh import batch_sharding, make_mesh, mesh_axes_description
+from dflash_jax.training.run_config import TrainSetup
 
 GIB = 2**30
 # Of the HBM, what a step may plan to use: the runtime, the compiler's scratch and
@@ -68,7 +68,7 @@ class Plan:
     block_tokens: int  # drafter tokens per step (rows x anchors x block size)
     collectives: tuple[Collective, ...]
     compile_seconds: float
-    drafter_kind: str = "dflash"  # models.config.DRAFTER_KINDS: its heads' FLOPs are in model_flops
+    drafter_kind: str = "dflash"  # models.architecture.DRAFTER_KINDS: its heads' FLOPs are in model_flops
 
     def fits(self, hbm_bytes: float) -> bool:
         return self.peak <= USABLE_FRACTION * hbm_bytes

@@ -3,18 +3,18 @@
 Each section is a frozen dataclass whose defaults are the paper's recipe (docs/design.md §3.5);
 a sentinel value (-1, 0, '') is explained next to its field, and nowhere else. `problems()`
 checks what a section can check alone, one message per field named `section.field`; checks
-that span sections or read files are `training.config.resolve`'s. `training.config.base_config`
+that span sections or read files are `training.run_config.resolve`'s. `training.run_config.base_config`
 is generated from `TopLevelSettings` and `SECTIONS`; the `data` section is
-`data.config.DataConfig`.
+`data.settings.DataConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from dflash_jax.data.config import DataConfig
+from dflash_jax.data.settings import DataConfig
+from dflash_jax.models.architecture import DRAFTER_KINDS, DTYPES
 from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from dflash_jax.models.config import DRAFTER_KINDS, DTYPES
 from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES
 from dflash_jax.training.step import OPTIMIZERS
 
@@ -249,7 +249,7 @@ class EvalSettings:
 
     # JSONL of chat prompts, a bundled set or benchmark name (evaluate --help); '' = the prompts
     # data.heldout_rows keeps out of training ("heldout:<N> of <data.train>") when it is > 0, else
-    # no acceptance evaluation. Resolved, it can also be a `decoding.chat.HeldoutPrompts`.
+    # no acceptance evaluation. Resolved, it can also be a `decoding.prompt_sets.HeldoutPrompts`.
     prompts: str = ""
     # 0 = only the closing evaluation.
     every_steps: int = 1000

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.data.packing import FIELDS
-from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
 from dflash_jax.models.transformer import Transformer
@@ -34,7 +34,7 @@ from dflash_jax.training.ema import with_weight_average
 from dflash_jax.training.mesh import batch_sharding
 
 if TYPE_CHECKING:
-    from dflash_jax.training.config import TrainSetup
+    from dflash_jax.training.run_config import TrainSetup
 
 
 @flax.struct.dataclass

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.data.build import ensure_cache
-from dflash_jax.data.chat import MASK_TOKEN
 from dflash_jax.data.formats import SKIP_REASONS
+from dflash_jax.data.sample_encoder import MASK_TOKEN
 from dflash_jax.errors import DataError
 from support.chat_data import TEMPLATES, data_config, write_tiny_target
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dflash_jax.data.benchmarks import BENCHMARKS, read_benchmark
-from dflash_jax.decoding.chat import resolve_prompt_set
+from dflash_jax.decoding.prompt_sets import resolve_prompt_set
 from dflash_jax.errors import DataError, UserError
 from support.benchmark_files import (
     GSM8K,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dflash_jax.data.chat import SampleEncoder, control_tokens
 from dflash_jax.data.formats import BadSample, normalize_record
+from dflash_jax.data.sample_encoder import SampleEncoder, control_tokens
 from support.chat_data import chat, write_tiny_target
 
 

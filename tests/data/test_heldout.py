@@ -14,7 +14,7 @@ import pytest
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.heldout import heldout_prompts, heldout_samples, prompt_key
 from dflash_jax.data.pipeline import DataPipeline
-from dflash_jax.decoding.chat import ChatTokenizer, HeldoutPrompts, load_prompt_set
+from dflash_jax.decoding.prompt_sets import ChatTokenizer, HeldoutPrompts, load_prompt_set
 from dflash_jax.errors import DataError
 from support.chat_data import chat, data_config, write_jsonl, write_tiny_target
 

@@ -1,11 +1,11 @@
-"""Prompt files for evaluation (`dflash_jax.decoding.chat.load_prompts`) are read as robustly as
+"""Prompt files for evaluation (`dflash_jax.decoding.prompt_sets.load_prompts`) are read as robustly as
 training data: a byte-order mark is ignored, and every problem is a one-line `DataError` naming
 the file and, for a row, its line."""
 
 import numpy as np
 import pytest
 
-from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
+from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.errors import DataError
 from support.chat_data import chat, write_jsonl, write_tiny_target
 

@@ -14,8 +14,8 @@ import pytest
 from dflash_jax.data import build
 from dflash_jax.data.build import cache_inputs, ensure_cache, stale_reasons
 from dflash_jax.data.cache import read_manifest
-from dflash_jax.data.chat import SampleEncoder
 from dflash_jax.data.formats import normalize_record
+from dflash_jax.data.sample_encoder import SampleEncoder
 from support.chat_data import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
 
 JSONL_RECORDS = [

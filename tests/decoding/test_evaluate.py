@@ -16,12 +16,12 @@ from absl import flags
 from flax import nnx
 
 from dflash_jax import evaluate
-from dflash_jax.decoding.chat import BadRow, ChatTokenizer, PromptSet, load_prompts
-from dflash_jax.decoding.evaluation import evaluate_set
 from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.measurement import evaluate_set
+from dflash_jax.decoding.prompt_sets import BadRow, ChatTokenizer, PromptSet, load_prompts
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import UserError
-from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.families import target_config
 from dflash_jax.models.hf import export_drafter, load_drafter, load_target, read_config
 from dflash_jax.training.checkpoint import RunCheckpoints

@@ -14,7 +14,7 @@ from dflash import model as reference
 from flax import nnx
 
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.config import DrafterConfig
+from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import export_drafter, load_target
 

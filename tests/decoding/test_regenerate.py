@@ -14,9 +14,9 @@ from absl import flags
 
 from dflash_jax import regenerate
 from dflash_jax.decoding.backends import HttpBackend, JaxBackend, Regenerated
-from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.http_client import ChatCompletionsClient
+from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.decoding.regeneration import Regeneration
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import DataError, UserError

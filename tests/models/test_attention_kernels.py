@@ -20,7 +20,7 @@ from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention, block_attention, kernels
-from dflash_jax.models.config import RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.kernels import block as fused_block
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.config import KIND_FIELDS, DrafterConfig
+from dflash_jax.models.architecture import KIND_FIELDS, DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.heads.dflash2 import grouped_dynamic_conv
 from dflash_jax.models.hf import export_drafter, load_drafter

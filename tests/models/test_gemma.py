@@ -13,7 +13,7 @@ import transformers
 from flax import nnx
 from transformers.models.gemma4 import modeling_gemma4 as g4
 
-from dflash_jax.models.config import RopeConfig
+from dflash_jax.models.architecture import RopeConfig
 from dflash_jax.models.gemma import Gemma4Attention, Gemma4Block
 from dflash_jax.models.layers import SwiGLU, rotary
 from dflash_jax.models.mixers import DecodeStep, PackedRows

@@ -13,8 +13,8 @@ import torch
 import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from dflash_jax.decoding.chat import ChatTokenizer
 from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.errors import ModelError, UserError
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.hub import resolve_model

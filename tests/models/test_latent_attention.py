@@ -14,7 +14,7 @@ import transformers
 from flax import nnx
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-from dflash_jax.models.config import RopeConfig
+from dflash_jax.models.architecture import RopeConfig
 from dflash_jax.models.latent_attention import LatentAttention, rope_rows_deinterleaved, yarn_softmax_scale
 from dflash_jax.models.layers import rotary
 from dflash_jax.models.mixers import DecodeStep, PackedRows

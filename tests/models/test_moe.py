@@ -15,7 +15,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from dflash_jax.models.config import MoeConfig
+from dflash_jax.models.architecture import MoeConfig
 from dflash_jax.models.families import FAMILIES, qwen3_moe
 from dflash_jax.models.moe import TILE_ROWS, MoE, grouped_matmul
 from dflash_jax.models.weight_maps import WeightMap

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dflash_jax.models.config import RopeConfig
+from dflash_jax.models.architecture import RopeConfig
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.layers import rotary
 

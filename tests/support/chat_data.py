@@ -116,7 +116,7 @@ def write_tiny_target(directory: pathlib.Path, chat_template: str = QWEN3_STYLE_
 
 def data_config(train, cache_dir, **overrides):
     """`config.data` for tests: in-process tokenization and loading, small rows."""
-    from dflash_jax.data.config import DataConfig
+    from dflash_jax.data.settings import DataConfig
 
     settings = {"tokenize_processes": 1, "read_threads": 0, "seq_len": 64, "global_batch_rows": 4, **overrides}
     return DataConfig(train=str(train), cache_dir=str(cache_dir), **settings)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
 from dflash_jax.models.transformer import Transformer
 

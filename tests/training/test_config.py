@@ -14,7 +14,8 @@ import pytest
 
 from dflash_jax.errors import ConfigError
 from dflash_jax.training import sections
-from dflash_jax.training.config import (
+from dflash_jax.training.objective import ObjectiveConfig
+from dflash_jax.training.run_config import (
     FIELDS_DOCUMENTED,
     base_config,
     check_field_path,
@@ -23,7 +24,6 @@ from dflash_jax.training.config import (
     resolve,
     target_for_plan,
 )
-from dflash_jax.training.objective import ObjectiveConfig
 from dflash_jax.training.step import OptimizerConfig
 from support import training_runs as testing
 

@@ -14,7 +14,7 @@ import torch
 from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models.config import KIND_FIELDS, DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import KIND_FIELDS, DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective

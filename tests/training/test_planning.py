@@ -13,8 +13,8 @@ import pytest
 from dflash_jax.errors import ConfigError
 from dflash_jax.training import planning
 from dflash_jax.training import step as step_lib
-from dflash_jax.training.config import load_config_file, resolve, target_for_plan
 from dflash_jax.training.mesh import make_mesh
+from dflash_jax.training.run_config import load_config_file, resolve, target_for_plan
 from support import training_runs as testing
 
 HLO = textwrap.dedent(

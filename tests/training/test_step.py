@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models.config import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh

@@ -13,7 +13,7 @@ import pkgutil
 from typing import Any
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models.config import TransformerConfig
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.family import Family, text_fields
 from dflash_jax.models.weight_maps import WeightMap
 

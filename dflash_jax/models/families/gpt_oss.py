@@ -10,7 +10,7 @@ dequantized at load); transformers writes them dense and already [in, out]: `gat
 
 from __future__ import annotations
 
-from dflash_jax.models.config import MoeConfig, TransformerConfig
+from dflash_jax.models.architecture import MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
 from dflash_jax.models.mxfp4 import mxfp4_expert_weight
 from dflash_jax.models.weight_maps import Tensor, Transform, as_is, split

@@ -3,7 +3,7 @@ frequency scaling where the config says so. Every tensor is named as its paramet
 
 from __future__ import annotations
 
-from dflash_jax.models.config import TransformerConfig
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
 
 

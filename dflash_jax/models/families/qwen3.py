@@ -3,7 +3,7 @@ SwiGLU MLPs, no biases. Every tensor is named as its parameter (the generic weig
 
 from __future__ import annotations
 
-from dflash_jax.models.config import TransformerConfig
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
 
 

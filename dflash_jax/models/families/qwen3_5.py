@@ -10,7 +10,7 @@ The hub publishes the multimodal `...ForConditionalGeneration` checkpoints: the 
 
 from __future__ import annotations
 
-from dflash_jax.models.config import LinearAttentionConfig, TransformerConfig
+from dflash_jax.models.architecture import LinearAttentionConfig, TransformerConfig
 from dflash_jax.models.families import qwen3_moe
 from dflash_jax.models.family import Family, decoder, reject
 

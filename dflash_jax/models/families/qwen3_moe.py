@@ -10,7 +10,7 @@ first and `down_proj` [E, D, I]. The router is `mlp.gate` there, `mlp.router` he
 from __future__ import annotations
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models.config import MoeConfig, TransformerConfig
+from dflash_jax.models.architecture import MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
 from dflash_jax.models.weight_maps import Tensor, chain, split, transpose
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_jax.models.config import TransformerConfig
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.families import qwen3_5, qwen3_moe
 from dflash_jax.models.family import Family, decoder, reject
 from dflash_jax.models.weight_maps import Tensor, Transform, chain, transpose

@@ -14,15 +14,15 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding import evaluation
+from dflash_jax.decoding import measurement
 from dflash_jax.decoding.acceptance import measure_acceptance
-from dflash_jax.decoding.chat import ChatTokenizer, load_prompts
+from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training.config import TrainSetup
 from dflash_jax.training.drafters import load_any_drafter
+from dflash_jax.training.run_config import TrainSetup
 
 
 class AcceptanceEval:
@@ -71,7 +71,7 @@ def run_evaluation(
     enable_thinking=False,
     **kwargs,
 ) -> dict:
-    """`decoding.evaluation.evaluate` on models loaded from disk (the drafter: an export or a
+    """`decoding.measurement.evaluate` on models loaded from disk (the drafter: an export or a
     workdir), both in `dtype`."""
     chat = ChatTokenizer(target_path, enable_thinking=enable_thinking)
     target = load_target(target_path, param_dtype=dtype, compute_dtype=dtype)
@@ -80,7 +80,7 @@ def run_evaluation(
         raise UserError(
             f"a confidence threshold applies to DSpark drafters; {drafter_path} is a {drafter.cfg.kind!r} one"
         )
-    result = evaluation.evaluate(target, drafter, chat, prompt_specs, **kwargs)
+    result = measurement.evaluate(target, drafter, chat, prompt_specs, **kwargs)
     result["run"].update(
         target=target_path, drafter=drafter_path, drafter_step=drafter_step, dtype=jnp.dtype(dtype).name
     )
@@ -108,5 +108,5 @@ def final_evaluation(setup: TrainSetup) -> dict | None:
         enable_thinking=setup.data.enable_thinking,
         confidence_threshold=setup.eval.confidence_threshold,
     )
-    evaluation.write_outputs(result, workdir.eval)
+    measurement.write_outputs(result, workdir.eval)
     return result

@@ -33,8 +33,6 @@ import numpy as np
 
 from dflash_jax.data.benchmarks import BENCHMARKS, read_benchmark
 from dflash_jax.data.build import ensure_cache
-from dflash_jax.data.chat import control_tokens
-from dflash_jax.data.config import DataConfig
 from dflash_jax.data.formats import (
     UTF8_BOM,
     BadSample,
@@ -45,6 +43,8 @@ from dflash_jax.data.formats import (
     split_think_block,
 )
 from dflash_jax.data.heldout import heldout_prompts
+from dflash_jax.data.sample_encoder import control_tokens
+from dflash_jax.data.settings import DataConfig
 from dflash_jax.data.sources import check_jsonl_start
 from dflash_jax.errors import DataError
 from dflash_jax.models.hub import resolve_dataset_files

@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from dflash_jax.decoding import report
 from dflash_jax.decoding.acceptance import acceptance_stats
-from dflash_jax.decoding.chat import ChatTokenizer, PromptSet, load_prompt_set
 from dflash_jax.decoding.generate import Decoder, TargetDecoder
+from dflash_jax.decoding.prompt_sets import ChatTokenizer, PromptSet, load_prompt_set
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.drafter import DFlashDrafter

@@ -1,7 +1,7 @@
 """The training config: one schema (`base_config`), checked once (`resolve`).
 
 `base_config()` is generated from the section dataclasses of training/sections.py (and
-data/config.py's `DataConfig` for `data`): each field's default and meaning are written there,
+data/settings.py's `DataConfig` for `data`): each field's default and meaning are written there,
 once. Config files (configs/*.py) override what differs.
 
 `resolve(config, num_devices=...)` is the only code that reads a config: every section checks
@@ -25,13 +25,13 @@ from typing import Any
 
 import ml_collections
 
-from dflash_jax.data.chat import MASK_TOKEN
-from dflash_jax.data.config import DataConfig
+from dflash_jax.data.sample_encoder import MASK_TOKEN
+from dflash_jax.data.settings import DataConfig
 from dflash_jax.data.sources import resolve_sources
-from dflash_jax.decoding.chat import HeldoutPrompts, resolve_prompt_set
+from dflash_jax.decoding.prompt_sets import HeldoutPrompts, resolve_prompt_set
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.models import families
-from dflash_jax.models.config import DTYPES, KIND_FIELDS, DrafterConfig, TransformerConfig
+from dflash_jax.models.architecture import DTYPES, KIND_FIELDS, DrafterConfig, TransformerConfig
 from dflash_jax.models.gguf import gguf_source
 from dflash_jax.models.hf import read_config
 from dflash_jax.models.hub import resolve_model
@@ -52,13 +52,13 @@ from dflash_jax.training.workdir import Workdir
 # Where a user finds every field, its default and its meaning (messages, --help).
 FIELDS_DOCUMENTED = (
     "every field, its default and its meaning are documented in the section dataclasses of "
-    "dflash_jax/training/sections.py (data: DataConfig in dflash_jax/data/config.py)"
+    "dflash_jax/training/sections.py (data: DataConfig in dflash_jax/data/settings.py)"
 )
 
 
 def base_config() -> ml_collections.ConfigDict:
     """Every field with its default, generated from the section dataclasses (training/sections.py,
-    data/config.py for `data`), where each field is documented."""
+    data/settings.py for `data`), where each field is documented."""
     config = _config_dict(TopLevelSettings())
     for name, section in SECTIONS.items():
         config[name] = _config_dict(section())

@@ -1,6 +1,6 @@
 """The data settings of a run: where the conversations are and how they become batches.
 
-`DataConfig` is the `config.data` section after `training.config.resolve` has checked it; its
+`DataConfig` is the `config.data` section after `training.run_config.resolve` has checked it; its
 defaults are the section's defaults, and each sentinel value is documented here, once.
 """
 
