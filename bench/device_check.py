@@ -20,6 +20,11 @@ What it measures, in this order:
   tiles below the diagonal and every block against its whole row; the same numerator for both
   paths, so their MFUs compare) / step time / the device's dense bf16 peak (table below; None
   for a device not in it). A measured bf16 matmul peak is reported beside it.
+  Beside each, the roofline estimate of the same compiled step (`dflash_jax/training/roofline.py`:
+  its kernels' matmul FLOPs and memory traffic at the device's published peak and bandwidth; on
+  a CPU, measured): predicted step time and its ratio to the measured one. Custom calls (the
+  fused path's Pallas kernels) count by their operands only, not their FLOPs; their runs are
+  reported, and the fused path's prediction is low by their compute.
 * peak device memory (bytes in use at the high-water mark, as the runtime reports it) after the
   fused step, and again after the XLA step.
 * decode: one target-alone step vs one DFlash step (draft a block of 16 + verify it) after a
@@ -54,6 +59,7 @@ from dflash_jax.models import attention, block_attention
 from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
+from dflash_jax.training import roofline
 from dflash_jax.training.run_config import base_config, resolve
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
@@ -107,6 +113,11 @@ def log(message: str) -> None:
 
 def peak_bf16_tflops(kind: str) -> float | None:
     return next((peak for name, peak in PEAK_BF16_TFLOPS if name in kind), None)
+
+
+def roofline_hardware(kind: str) -> roofline.Hardware | None:
+    """The figures the roofline estimate uses: published for a listed GPU, measured on a CPU."""
+    return roofline.hardware("cpu") if jax.default_backend() == "cpu" else roofline.for_device_kind(kind)
 
 
 def peak_memory_gb() -> float | None:
@@ -214,12 +225,13 @@ def step_setup(target: TransformerConfig, *, rows, seq_len, num_anchors, block_s
     return resolve(c, num_devices=1, target=target, check_files=False)
 
 
-def train_steps(setup, steps: int, peak_tflops: float | None) -> dict:
+def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline.Hardware | None) -> dict:
     out = {}
     for impl in ("fused", "xla"):
         log(f"train step ({impl} attention): compiling and timing {steps} steps")
-        r = train_step.bench(train_step.with_attention(setup, impl), steps)
+        r = train_step.bench(train_step.with_attention(setup, impl), steps, hardware=hardware)
         flops = r["flops_per_step"]
+        predicted = r.get("predicted")
         out[impl] = {
             "tokens_per_s": round(r["tokens_per_s"], 1),
             "step_s": round(1 / r["steps_per_s"], 4),
@@ -228,6 +240,10 @@ def train_steps(setup, steps: int, peak_tflops: float | None) -> dict:
             "achieved_tflops": _significant(r["flops_per_s"] / 1e12),
             "mfu": None if peak_tflops is None else round(r["flops_per_s"] / (peak_tflops * 1e12), 4),
             "peak_memory_gb": peak_memory_gb(),
+            # the roofline estimate of the compiled step (training/roofline.py) against the measured time
+            "predicted_step_s": None if predicted is None else round(predicted.step_s, 4),
+            "predicted_over_measured": None if predicted is None else round(predicted.step_s * r["steps_per_s"], 3),
+            "predicted_uncounted_kernel_runs": None if predicted is None else predicted.opaque_runs,
         }
         log(f"train step ({impl}): {out[impl]}")
     return out
@@ -302,7 +318,7 @@ def main() -> None:
             "block_size": setup.objective.block_size,
             "drafter_layers": setup.drafter.num_layers,
             "dtype": dtype,
-            **train_steps(setup, steps, peak),
+            **train_steps(setup, steps, peak, roofline_hardware(kind)),
         }
     if "decode" in parts:
         result["decode"] = decode_cost(

@@ -40,6 +40,7 @@ from flax import nnx
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
+from dflash_jax.training import hlo, roofline
 from dflash_jax.training.flops import model_flops_per_step
 from dflash_jax.training.run_config import TrainSetup, load_config_file, resolve
 from dflash_jax.training.step import OPTIMIZERS
@@ -125,11 +126,11 @@ def matmul_peak(dtype, n: int = 2048, repeats: int = 10) -> float:
 class CompiledStep:
     """A train step compiled and run once, with its state and synthetic batches."""
 
-    step: Callable
+    step: Callable  # compiled ahead of time (`jax.stages.Compiled`)
     state: object
     target_params: object
     batches: list
-    compile_seconds: float  # the first call: compiling and one step
+    compile_seconds: float  # compiling and the first step
 
     def __call__(self, batch) -> dict:
         """One step on `batch`; its metrics, once they are computed."""
@@ -166,8 +167,9 @@ def compile_step(setup, num_batches: int, package: str = "dflash_jax") -> Compil
         )
         for _ in range(num_batches)
     ]
-    compiled = CompiledStep(step, state, target_params, batches, compile_seconds=0.0)
     start = time.perf_counter()
+    executable = step.lower(state, target_params, batches[0]).compile()
+    compiled = CompiledStep(executable, state, target_params, batches, compile_seconds=0.0)
     compiled(batches[0])
     compiled.compile_seconds = time.perf_counter() - start
     return compiled
@@ -201,9 +203,18 @@ def _legacy_step(module, setup, mesh):
     return step, state, target_params
 
 
-def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict:
-    """Times `steps` train steps (the fastest counts); `peak` measures one matmul after each."""
+def bench(
+    setup: TrainSetup, steps: int, peak: MatmulPeak | None = None, hardware: roofline.Hardware | None = None
+) -> dict:
+    """Times `steps` train steps (the fastest counts); `peak` measures one matmul after each;
+    with `hardware`, also the roofline estimate of the compiled step on it ('predicted', from its
+    'kernels' and 'collectives')."""
     compiled = compile_step(setup, steps + 1)
+    program = {}
+    if hardware is not None:
+        module = hlo.Module(compiled.step.as_text())
+        program = {"kernels": hlo.kernels(module), "collectives": hlo.collectives(module)}
+        program["predicted"] = roofline.estimate(program["kernels"], program["collectives"], hardware)
     rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
     flops = model_flops_per_step(setup, rows, seq_len)
     real_tokens, times, paired = 0.0, [], []
@@ -225,6 +236,7 @@ def bench(setup: TrainSetup, steps: int, peak: MatmulPeak | None = None) -> dict
         "flops_per_s": flops / seconds,
         # each step against the matmul timed right after it: robust to the machine's slow phases
         "paired_median": float(np.median(paired)) if paired else float("nan"),
+        **program,
     }
 
 

@@ -3,6 +3,7 @@
     python -m dflash_jax.plan --config=configs/qwen3.py:8b           # 8 devices, 80 GiB each
     python -m dflash_jax.plan --config=configs/qwen3.py:8b,fsdp --hbm_gb=141
     python -m dflash_jax.plan --config=configs/default.py --num_devices=2 --config.data.global_batch_rows=4
+    python -m dflash_jax.plan --config=configs/qwen3.py:8b --hardware=h200 --epoch_tokens=2e9
 
 Reads only the target's config.json: `--target_config`, else the config's `target.plan_config`
 (configs/qwen3.py names the public Qwen3 configs checked in under configs/targets/), else the
@@ -10,8 +11,10 @@ one in `target.path`. No weights, no data. Lowers and compiles the train step a 
 jit, on `--num_devices` devices (when this machine has fewer, the command reruns itself on as
 many simulated CPU devices), and prints per device: target, drafter, optimizer and batch bytes,
 temporaries and the total against `--hbm_gb` with a verdict, the model FLOPs and tokens of a
-step, and the collectives of the compiled program with their bytes per step
-(docs/design.md §8). Exit status 0 when the step fits, 1 when it does not.
+step, the collectives of the compiled program with their bytes per step, and how fast the step
+runs on `--hardware` by a roofline estimate of the compiled program: step time, tokens/s per
+device, MFU and the time of an epoch of `--epoch_tokens` (docs/design.md §8). Exit status 0
+when the step fits, 1 when it does not.
 
 The figures are the compiler's for the platform it compiled for: with simulated CPU devices they
 are XLA:CPU's plan (with its memory-minimizing scheduler), which tracks but does not equal what
@@ -28,6 +31,7 @@ from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.errors import UserError
+from dflash_jax.training.roofline import HARDWARE_NAMES
 
 _CONFIG = cli.define_config()
 _NUM_DEVICES = flags.DEFINE_integer(
@@ -36,6 +40,12 @@ _NUM_DEVICES = flags.DEFINE_integer(
 _HBM_GB = flags.DEFINE_float("hbm_gb", 80.0, "Memory per device, GiB (H100 80, H200 141).")
 _TARGET_CONFIG = flags.DEFINE_string(
     "target_config", "", "The target's config.json (or its directory); '' = target.plan_config, else target.path."
+)
+_HARDWARE = flags.DEFINE_enum(
+    "hardware", "h100", HARDWARE_NAMES, "The devices the speed is estimated for (cpu: this host, measured)."
+)
+_EPOCH_TOKENS = flags.DEFINE_float(
+    "epoch_tokens", 1e9, "Token slots (packed rows x seq_len) of an epoch.", lower_bound=1
 )
 _HLO_OUTPUT = flags.DEFINE_string("hlo_output", "", "Also write the compiled program's HLO text to this file.")
 
@@ -74,6 +84,7 @@ def main(argv) -> int:
         _rerun_on_simulated_devices(n)
 
     from dflash_jax.training.planning import GIB, format_plan, plan_train_step
+    from dflash_jax.training.roofline import format_speed, hardware
     from dflash_jax.training.run_config import resolve, target_for_plan
 
     config = _CONFIG.value
@@ -87,6 +98,8 @@ def main(argv) -> int:
     _, fsdp, tensor = setup.mesh_shape
     hbm = _HBM_GB.value * GIB
     print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, remat=setup.objective.remat))
+    hw = hardware(_HARDWARE.value, devices=n if on_cpu else 1)
+    print(format_speed(plan, hw, epoch_tokens=_EPOCH_TOKENS.value))
     return 0 if plan.fits(hbm) else cli.EXIT_ERROR
 
 

@@ -32,5 +32,7 @@ def test_device_check_tiny_prints_one_json_line():
     for impl in ("fused", "xla"):
         assert step[impl]["tokens_per_s"] > 0 and step[impl]["model_tflop_per_step"] > 0
         assert step[impl]["mfu"] is None  # no known peak for a CPU
+        # the roofline estimate for this CPU (measured) beside the measured step
+        assert step[impl]["predicted_step_s"] > 0 and step[impl]["predicted_over_measured"] > 0
     assert report["matmul_peak_tflops"] > 0
     assert report["decode"]["cost_ratio"] > 0

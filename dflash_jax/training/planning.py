@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from collections import defaultdict
 
@@ -25,8 +24,10 @@ from jax.sharding import Mesh
 
 from dflash_jax.data.packing import FIELDS
 from dflash_jax.models import sharding
+from dflash_jax.training import hlo
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
+from dflash_jax.training.hlo import Collective, Kernel, collectives
 from dflash_jax.training.mesh import batch_sharding, make_mesh, mesh_axes_description
 from dflash_jax.training.run_config import TrainSetup
 
@@ -34,17 +35,6 @@ GIB = 2**30
 # Of the HBM, what a step may plan to use: the runtime, the compiler's scratch and
 # fragmentation need the rest.
 USABLE_FRACTION = 0.9
-COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    kind: str  # one of COLLECTIVE_KINDS
-    region: str  # the named scope it came from: target, drafter, lm_head, or other
-    group_size: int  # devices taking part in each group (0 = unknown, e.g. collective-permute)
-    bytes: int  # per device and occurrence: the full buffer (gathered, reduced or sent)
-    count: int  # occurrences per step (trip counts of the loops around it multiplied in)
-    in_unknown_loop: bool  # inside a loop whose trip count could not be read: count is per iteration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +59,7 @@ class Plan:
     collectives: tuple[Collective, ...]
     compile_seconds: float
     drafter_kind: str = "dflash"  # models.architecture.DRAFTER_KINDS: its heads' FLOPs are in model_flops
+    kernels: tuple[Kernel, ...] = ()  # of one device's program, for the roofline (training/roofline.py)
 
     def fits(self, hbm_bytes: float) -> bool:
         return self.peak <= USABLE_FRACTION * hbm_bytes
@@ -114,10 +105,11 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    hlo = compiled.as_text()
+    text = compiled.as_text()
     if hlo_path:
         with open(hlo_path, "w", encoding="utf-8") as f:
-            f.write(hlo)
+            f.write(text)
+    program = hlo.Module(text)
     num_devices = mesh.devices.size
     peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
     derived = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -147,172 +139,10 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
         tokens=rows * seq_len,
         block_tokens=rows * setup.objective.num_anchors * setup.objective.block_size,
         drafter_kind=setup.drafter.kind,
-        collectives=tuple(collectives(hlo)),
+        collectives=tuple(collectives(program)),
         compile_seconds=compile_seconds,
+        kernels=tuple(hlo.kernels(program)),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Collectives of a compiled (optimized, SPMD-partitioned) HLO module.
-
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
-_CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-REGIONS = ("lm_head", "drafter", "target")  # named scopes of the step, innermost first
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
-
-
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
-        if size is None:
-            continue
-        total += size * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-def _group_size(attrs: str) -> int:
-    """Devices per replica group, from any of the three ways HLO prints them."""
-    mesh = _GROUPS_MESH.search(attrs)
-    if mesh:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in sizes)
-    listed = _GROUPS_LIST.search(attrs)
-    if listed:
-        return len([d for d in listed.group(1).split(",") if d])
-    iota = _GROUPS_IOTA.search(attrs)
-    if iota:
-        return int(iota.group(1).split(",")[-1])
-    return 0
-
-
-def _parse_computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
-    computations: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and "=" not in line.split("(")[0]:
-            current = header.group(1)
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if current is not None:
-            if line.strip() == "}":
-                current = None
-            else:
-                computations[current].append(line)
-    return computations, entry
-
-
-def _trip_count(line: str, condition: list[str]) -> int | None:
-    known = _TRIP_COUNT.search(line)
-    if known:
-        return int(known.group(1))
-    # A counted loop `i < N` with i from 0: the condition compares with one integer constant.
-    constants = re.findall(r"s32\[\]\s+constant\((\d+)\)", "\n".join(condition))
-    if len(constants) == 1 and any("direction=LT" in c for c in condition):
-        return int(constants[0])
-    return None
-
-
-def collectives(hlo: str) -> list[Collective]:
-    """Every collective of a compiled HLO module, with how often one step runs it.
-
-    Bytes are per device and occurrence, the whole buffer: the gathered result of an all-gather,
-    the reduced buffer of an all-reduce or reduce-scatter, what an all-to-all or
-    collective-permute sends. Ops inside while loops are
-    multiplied by the loop's trip count when it can be read from the program.
-    """
-    computations, entry = _parse_computations(hlo)
-    # (callee, multiplier, unknown) edges from each computation.
-    calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
-    found: dict[str, list[tuple[str, str, int, int]]] = defaultdict(list)
-    for name, lines in computations.items():
-        for line in lines:
-            instruction = _INSTRUCTION.match(line)
-            if not instruction:
-                continue
-            rhs = instruction.group(2)
-            opcode = _OPCODE.search(" " + rhs)
-            if not opcode:
-                continue
-            op = opcode.group(1)
-            if op == "while":
-                callee = dict(_CALLED.findall(rhs))
-                body, cond = callee.get("body"), callee.get("condition")
-                trips = _trip_count(rhs, computations.get(cond, []))
-                if body:
-                    calls[name].append((body, trips or 1, trips is None))
-                if cond:
-                    calls[name].append((cond, (trips or 0) + 1, trips is None))
-                continue
-            for _, callee in _CALLED.findall(rhs):
-                calls[name].append((callee, 1, False))
-            for group in _BRANCHES.findall(rhs):
-                for callee in group.split(","):
-                    calls[name].append((callee.strip().lstrip("%"), 1, False))
-            kind = op.removesuffix("-start")
-            if kind not in COLLECTIVE_KINDS or op.endswith("-done"):
-                continue
-            result_type = rhs[: opcode.start(0)]
-            if op.endswith("-start"):  # (operands, results, ...) of an asynchronous collective
-                size = max((_shape_bytes(f"{d}[{s}]") for d, s in _SHAPE.findall(result_type)), default=0)
-            else:
-                size = _shape_bytes(result_type)
-            group = _group_size(rhs)
-            if kind == "reduce-scatter":  # the result is one device's share of the reduced buffer
-                size *= max(group, 1)
-            op_name = _OP_NAME.search(rhs)
-            scopes = op_name.group(1).split("/") if op_name else []
-            region = next((r for r in REGIONS if r in scopes), "other")
-            found[name].append((kind, region, group, size))
-
-    multiplier: dict[str, tuple[int, bool]] = {}
-
-    def visit(name: str, mult: int, unknown: bool, depth: int = 0) -> None:
-        if depth > 64:
-            return
-        old = multiplier.get(name, (0, False))
-        multiplier[name] = (old[0] + mult, old[1] or unknown)
-        for callee, m, u in calls.get(name, []):
-            if callee in computations:
-                visit(callee, mult * m, unknown or u, depth + 1)
-
-    if entry is not None:
-        visit(entry, 1, False)
-    merged: dict[tuple, int] = defaultdict(int)
-    for name, ops in found.items():
-        mult, unknown = multiplier.get(name, (1, True))
-        for kind, region, group, size in ops:
-            merged[(kind, region, group, size, unknown)] += mult
-    ordered = sorted(merged.items(), key=lambda kv: -kv[0][3] * kv[1])
-    return [Collective(k, r, g, s, c, u) for (k, r, g, s, u), c in ordered]
 
 
 # ---------------------------------------------------------------------------------------------

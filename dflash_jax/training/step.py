@@ -29,7 +29,7 @@ from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import objective
+from dflash_jax.training import muon, objective
 from dflash_jax.training.ema import with_weight_average
 from dflash_jax.training.mesh import batch_sharding
 
@@ -82,8 +82,8 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     schedule = learning_rate_schedule(cfg, total_steps)
     if cfg.optimizer == "muon":
         # Muon takes every 2-D leaf (all the drafter's matrices) and decays them; the rest get
-        # AdamW with b1, b2 and no decay.
-        update = optax.contrib.muon(
+        # AdamW with b1, b2 and no decay. Its Newton-Schulz iterations run on whole matrices.
+        update = muon.muon(
             schedule,
             consistent_rms=MUON_UPDATE_RMS,
             weight_decay=cfg.weight_decay,

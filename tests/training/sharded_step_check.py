@@ -2,7 +2,9 @@
 data=2 x fsdp=4, data=2 x fsdp=2 x tensor=2 — and checks that weights and metrics agree, and
 that each layout placed what it promises (docs/design.md §8): the optimizer state split over
 all 8 devices in every layout, the target split over fsdp (vocab for the LM head) or over tensor
-(heads, MLP). Needs 8 simulated devices, so test_step.py runs it in a subprocess with
+(heads, MLP). Muon's Newton-Schulz runs on whole matrices (training/muon.py): its step gathers
+and reduces no more than AdamW's, and its all-to-alls move less than two copies of the
+drafter's matrices. Needs 8 simulated devices, so test_step.py runs it in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8."""
 
 import jax
@@ -14,7 +16,7 @@ from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.sharding import param_shardings
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import objective, step
+from dflash_jax.training import hlo, objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 
 # Every split divides: hidden 128 over 8 devices (ZeRO), vocab 256 over fsdp x tensor, 4 heads,
@@ -65,11 +67,31 @@ def run(mesh, optimizer="adamw"):
         mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),
     )
+    batches = [jax.device_put(batch, batch_sharding(mesh)) for batch in BATCHES]
+    compiled = train_step.lower(state, target_params, batches[0]).compile()
     metrics = []
-    for batch in BATCHES:
-        state, m = train_step(state, target_params, jax.device_put(batch, batch_sharding(mesh)))
+    for batch in batches:
+        state, m = compiled(state, target_params, batch)
         metrics.append(jax.device_get(m))
-    return jax.device_get(state.params), metrics
+    return jax.device_get(state.params), metrics, compiled.as_text()
+
+
+def bytes_by_kind(hlo_text: str) -> dict[str, int]:
+    totals = {kind: 0 for kind in hlo.COLLECTIVE_KINDS}
+    for c in hlo.collectives(hlo_text):
+        totals[c.kind] += c.bytes * c.count
+    return totals
+
+
+def check_muon_collectives(label, muon_hlo, adamw_hlo, params):
+    muon, adamw = bytes_by_kind(muon_hlo), bytes_by_kind(adamw_hlo)
+    matrices = sum(x.nbytes for x in jax.tree.leaves(params) if x.ndim == 2)
+    print(f"{label}: collective bytes per device {muon} (AdamW {adamw}); matrices {matrices}")
+    for kind in ("all-gather", "all-reduce", "reduce-scatter"):
+        # AdamW's gathers of the weights and reductions of the gradients, plus one scalar per
+        # matrix (its Frobenius norm)
+        assert muon[kind] <= adamw[kind] + 1024, (label, kind, muon[kind], adamw[kind])
+    assert 0 < muon["all-to-all"] <= 2 * matrices, (label, muon["all-to-all"], matrices)
 
 
 def fraction_held(x) -> float:
@@ -90,16 +112,17 @@ def check_placement(mesh, state, target_params):
 
 def main():
     assert jax.device_count() == 8, jax.devices()
-    single = {name: run(make_mesh(1, 1, devices=jax.devices()[:1]), name) for name in step.OPTIMIZERS}
+    single = {name: run(make_mesh(1, 1, devices=jax.devices()[:1]), name)[:2] for name in step.OPTIMIZERS}
     layouts = {
         "data=8": make_mesh(8, 1),
         "data=2,fsdp=4": make_mesh(2, 4),
         "data=2,fsdp=2,tensor=2": make_mesh(2, 2, 2),
     }
-    # Muon's Newton-Schulz iterations on matrices split over devices: the most split layout.
-    runs = [(name, "adamw") for name in layouts] + [("data=2,fsdp=2,tensor=2", "muon")]
+    # Muon's whole-matrix Newton-Schulz: one axis moved per all-to-all (data=8), two (tensor).
+    runs = [(name, "adamw") for name in layouts] + [("data=8", "muon"), ("data=2,fsdp=2,tensor=2", "muon")]
+    compiled = {}
     for name, optimizer in runs:
-        params, metrics = run(layouts[name], optimizer)
+        params, metrics, compiled[name, optimizer] = run(layouts[name], optimizer)
         label = f"{name} {optimizer}"
         for step_index, (got, want) in enumerate(zip(metrics, single[optimizer][1])):
             for key in want:
@@ -115,6 +138,8 @@ def main():
             params,
             single[optimizer][0],
         )
+        if optimizer == "muon":
+            check_muon_collectives(label, compiled[name, optimizer], compiled[name, "adamw"], params)
     print("OK")
 
 

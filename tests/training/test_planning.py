@@ -11,8 +11,10 @@ import jax
 import pytest
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.training import hlo as hlo_lib
 from dflash_jax.training import planning
 from dflash_jax.training import step as step_lib
+from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.run_config import load_config_file, resolve, target_for_plan
 from support import training_runs as testing
@@ -147,6 +149,7 @@ def test_plan_command_on_the_tiny_config(tmp_path):
             f"--config={testing.REPO / 'configs' / 'default.py'}",
             "--num_devices=2",
             "--config.mesh.fsdp=2",
+            "--config.train.optimizer=adamw",  # the analytic FLOP count below has no Muon iterations
             f"--hlo_output={hlo}",
         ],
         env=env,
@@ -161,6 +164,15 @@ def test_plan_command_on_the_tiny_config(tmp_path):
         assert line in out, out
     for word in ("optimizer state", "temporaries", "fits:", "model FLOPs per step", "tokens per step", "all-gather"):
         assert word in out, out
+    for words in ("speed on h100 (roofline: 989.4 TFLOP/s", "tokens/s per device, MFU", "tokens per epoch:"):
+        assert words in out, out
+    # The roofline's matmul FLOPs, read from the compiled program with its loops' trip counts,
+    # are the analytic count's (model + recomputed), per device.
+    setup = resolve(load_config_file(str(testing.REPO / "configs" / "default.py")), num_devices=1)
+    rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
+    analytic = (model_flops_per_step(setup, rows, seq_len) + remat_flops_per_step(setup, rows, seq_len)) / 2
+    compiled_flops = sum(k.flops * k.count for k in hlo_lib.kernels(hlo.read_text()))
+    assert 0.9 < compiled_flops / analytic < 1.1, (compiled_flops, analytic)
     # the tiny target ties its embeddings: LM head = embedding table, vocab 4096 x hidden 256
     lm_head_bytes = 4096 * 256 * 4
     lm_head_gathers = [

@@ -1,0 +1,374 @@
+"""What one step of a compiled HLO module does, read from its text (optimized and SPMD-partitioned:
+one device's program), with the trip counts of the loops around each op multiplied in.
+
+`collectives` lists the collectives with their bytes; `kernels` lists every kernel the device
+runs (a top-level op or fusion) with its matmul FLOPs and the memory it reads and writes.
+XLA's own cost analysis counts a loop's body once, and a train step is mostly loops
+(micro-batches, attention and LM-head chunks), hence this walk. The plan prints both
+(`training/planning.py`) and the roofline estimate reads them (`training/roofline.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+REGIONS = ("lm_head", "drafter", "target")  # named scopes of the step, innermost first
+
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
+_NAME = re.compile(r"%([\w.\-]+)")
+_PAREN = re.compile(r"[()]")
+_CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=[^_]*_([^-]*)->")
+
+# Ops whose callees run as programs of their own (loops, calls, branches); any other op's callee
+# is a fusion's body (`calls=` of a fusion) or a scalar function applied elementwise (`to_apply=`).
+_CONTROL_FLOW = ("while", "call", "conditional", "async-start")
+# Ops that move no data of their own: aliases, tuples, control flow (their bodies are counted).
+_NO_TRAFFIC = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "async-start",
+    "async-done",
+}
+_SLICING = ("dynamic-slice", "slice", "gather")  # read only what they output
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    type: str  # the result type: 'f32[8,4]{1,0}', or a tuple of them
+    opcode: str
+    operands: tuple[str, ...]  # names of the operands
+    arguments: str  # the text between the parentheses (a constant's value)
+    attributes: str  # the text after them
+    is_root: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # one of COLLECTIVE_KINDS
+    region: str  # the named scope it came from: target, drafter, lm_head, or other
+    group_size: int  # devices taking part in each group (0 = unknown, e.g. collective-permute)
+    bytes: int  # per device and occurrence: the full buffer (gathered, reduced or sent)
+    count: int  # occurrences per step (trip counts of the loops around it multiplied in)
+    in_unknown_loop: bool  # inside a loop whose trip count could not be read: count is per iteration
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    opcode: str  # the top-level op ('fusion' for a fused kernel)
+    flops: float  # matmul FLOPs (dot, convolution) per run
+    bytes: float  # memory read and written per run
+    count: int  # runs per step
+
+
+class Module:
+    """A parsed HLO module: computations (instructions in order) and how often each runs."""
+
+    def __init__(self, text: str):
+        self.computations: dict[str, list[Instruction]] = {}
+        self.entry: str | None = None
+        current = None
+        for line in text.splitlines():
+            header = _COMPUTATION.match(line)
+            if header and "=" not in line.split("(")[0]:
+                current = header.group(1)
+                self.computations[current] = []
+                if line.startswith("ENTRY"):
+                    self.entry = current
+                continue
+            if current is None:
+                continue
+            if line.strip() == "}":
+                current = None
+                continue
+            instruction = _parse_instruction(line)
+            if instruction is not None:
+                self.computations[current].append(instruction)
+        self.types = {c: {i.name: i.type for i in body} for c, body in self.computations.items()}
+        self.runs = self._runs()
+
+    def _runs(self) -> dict[str, tuple[int, bool]]:
+        """(runs per step, inside a loop of unknown trip count) of each computation that runs as a
+        program (the entry, loop bodies and conditions, called computations, branches)."""
+        calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+        for name, body in self.computations.items():
+            for ins in body:
+                if ins.opcode not in _CONTROL_FLOW:
+                    continue
+                callee = dict(_CALLED.findall(ins.attributes))
+                if ins.opcode == "while":
+                    trips = _trip_count(ins.attributes, self.computations.get(callee.get("condition"), []))
+                    calls[name].append((callee["body"], trips or 1, trips is None))
+                    calls[name].append((callee["condition"], (trips or 0) + 1, trips is None))
+                    continue
+                for key in ("to_apply", "calls", "true_computation", "false_computation"):
+                    if key in callee:
+                        calls[name].append((callee[key], 1, False))
+                for group in _BRANCHES.findall(ins.attributes):
+                    calls[name].extend((c.strip().lstrip("%"), 1, False) for c in group.split(","))
+        runs: dict[str, tuple[int, bool]] = {}
+
+        def visit(name: str, mult: int, unknown: bool, depth: int = 0) -> None:
+            if depth > 64 or name not in self.computations:
+                return
+            old = runs.get(name, (0, False))
+            runs[name] = (old[0] + mult, old[1] or unknown)
+            for callee, m, u in calls.get(name, []):
+                visit(callee, mult * m, unknown or u, depth + 1)
+
+        if self.entry is not None:
+            visit(self.entry, 1, False)
+        return runs
+
+    def operand_type(self, computation: str, name: str) -> str:
+        return self.types[computation].get(name, "")
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    match = _INSTRUCTION.match(line)
+    if not match:
+        return None
+    rhs = match.group(3)
+    opcode = _OPCODE.search(" " + rhs)
+    if not opcode:
+        return None
+    start = opcode.end(0) - 1  # just after '(' in rhs (the search ran on ' ' + rhs)
+    depth, end = 1, len(rhs) + 1
+    for paren in _PAREN.finditer(rhs, start):
+        depth += 1 if paren.group(0) == "(" else -1
+        if not depth:
+            end = paren.end(0)
+            break
+    return Instruction(
+        name=match.group(2),
+        type=rhs[: opcode.start(0)].strip(),
+        opcode=opcode.group(1),
+        operands=tuple(_NAME.findall(rhs[start : end - 1])),
+        arguments=rhs[start : end - 1],
+        attributes=rhs[end:],
+        is_root=bool(match.group(1)),
+    )
+
+
+def _trip_count(attributes: str, condition: list[Instruction]) -> int | None:
+    known = _TRIP_COUNT.search(attributes)
+    if known:
+        return int(known.group(1))
+    # A counted loop `i < N` with i from 0: the condition compares with one integer constant.
+    constants = [i for i in condition if i.opcode == "constant" and i.type.startswith("s32[]")]
+    compares = [i for i in condition if i.opcode == "compare" and "direction=LT" in i.attributes]
+    if len(constants) == 1 and compares and constants[0].arguments.isdigit():
+        return int(constants[0].arguments)
+    return None
+
+
+def type_bytes(text: str) -> int:
+    """Bytes of every array in a type ('f32[8,4]{1,0}', tuples summed)."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is None:
+            continue
+        total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _dims(text: str) -> list[int]:
+    shape = _SHAPE.search(text)
+    return [int(d) for d in shape.group(2).split(",") if d] if shape else []
+
+
+def _group_size(attributes: str) -> int:
+    """Devices per replica group, from any of the three ways HLO prints them."""
+    mesh = _GROUPS_MESH.search(attributes)
+    if mesh:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in sizes)
+    listed = _GROUPS_LIST.search(attributes)
+    if listed:
+        return len([d for d in listed.group(1).split(",") if d])
+    iota = _GROUPS_IOTA.search(attributes)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    return 0
+
+
+def collectives(text: str | Module) -> list[Collective]:
+    """Every collective of a compiled HLO module, with how often one step runs it.
+
+    Bytes are per device and occurrence, the whole buffer: the gathered result of an all-gather,
+    the reduced buffer of an all-reduce or reduce-scatter, what an all-to-all or
+    collective-permute sends.
+    """
+    module = text if isinstance(text, Module) else Module(text)
+    merged: dict[tuple, int] = defaultdict(int)
+    for name, (runs, unknown) in module.runs.items():
+        for ins in module.computations[name]:
+            kind = ins.opcode.removesuffix("-start")
+            if kind not in COLLECTIVE_KINDS or ins.opcode.endswith("-done"):
+                continue
+            if ins.opcode.endswith("-start"):  # (operands, results, ...) of an asynchronous collective
+                size = max((type_bytes(f"{d}[{s}]") for d, s in _SHAPE.findall(ins.type)), default=0)
+            else:
+                size = type_bytes(ins.type)
+            group = _group_size(ins.attributes)
+            if kind == "reduce-scatter":  # the result is one device's share of the reduced buffer
+                size *= max(group, 1)
+            op_name = _OP_NAME.search(ins.attributes)
+            scopes = op_name.group(1).split("/") if op_name else []
+            region = next((r for r in REGIONS if r in scopes), "other")
+            merged[(kind, region, group, size, unknown)] += runs
+    ordered = sorted(merged.items(), key=lambda kv: -kv[0][3] * kv[1])
+    return [Collective(k, r, g, s, c, u) for (k, r, g, s, u), c in ordered]
+
+
+def kernels(text: str | Module) -> list[Kernel]:
+    """Every kernel one step runs (top-level ops and fusions of the computations that run as
+    programs; collectives excepted, see `collectives`) with its matmul FLOPs and memory traffic.
+
+    Traffic is what a kernel reads and writes: its operands and result, except that slicing ops
+    read only the slice, a fusion reads only the slices it takes of an operand, and an update in
+    place (dynamic-update-slice, scatter, a fusion whose result is one) writes only the update.
+    """
+    module = text if isinstance(text, Module) else Module(text)
+    merged: dict[tuple, int] = defaultdict(int)
+    for name, (runs, _) in module.runs.items():
+        for ins in module.computations[name]:
+            if ins.opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVE_KINDS:
+                continue
+            flops = _flops(module, name, ins)
+            traffic = 0 if ins.opcode in _NO_TRAFFIC else _traffic(module, name, ins)
+            if flops or traffic:
+                merged[(ins.opcode, flops, traffic)] += runs
+    return [Kernel(op, f, b, c) for (op, f, b), c in merged.items()]
+
+
+def _flops(module: Module, computation: str, ins: Instruction) -> float:
+    """Matmul FLOPs of a dot or convolution, or of those a fusion computes."""
+    if ins.opcode == "dot":
+        contracting = _CONTRACTING.search(ins.attributes)
+        lhs = _dims(module.operand_type(computation, ins.operands[0]))
+        depth = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+        return 2.0 * math.prod(_dims(ins.type)) * depth
+    if ins.opcode == "convolution":
+        # Each output is one kernel window over the input features: kernel size / output features.
+        rhs = _dims(module.operand_type(computation, ins.operands[1]))
+        labels = _DIM_LABELS.search(ins.attributes)
+        out_features = rhs[labels.group(1).index("o")] if labels and "o" in labels.group(1) else 1
+        return 2.0 * math.prod(_dims(ins.type)) * math.prod(rhs) / out_features
+    if ins.opcode == "fusion":
+        body = dict(_CALLED.findall(ins.attributes)).get("calls")
+        return sum(_flops(module, body, inner) for inner in module.computations.get(body, []))
+    return 0.0
+
+
+def _traffic(module: Module, computation: str, ins: Instruction) -> float:
+    def operand_bytes(i: int) -> int:
+        return type_bytes(module.operand_type(computation, ins.operands[i])) if i < len(ins.operands) else 0
+
+    if ins.opcode in _SLICING:
+        return 2 * type_bytes(ins.type)
+    if ins.opcode == "dynamic-update-slice":
+        return 2 * operand_bytes(1)
+    if ins.opcode == "scatter":
+        return 2 * operand_bytes(2) + operand_bytes(1)
+    if ins.opcode == "fusion":
+        body = dict(_CALLED.findall(ins.attributes)).get("calls")
+        if body in module.computations:
+            return _fusion_traffic(module, body)
+    return type_bytes(ins.type) + sum(operand_bytes(i) for i in range(len(ins.operands)))
+
+
+def _fusion_traffic(module: Module, body: str) -> float:
+    instructions = module.computations[body]
+    by_name = {i.name: i for i in instructions}
+    users: dict[str, list[Instruction]] = defaultdict(list)
+    for ins in instructions:
+        for operand in ins.operands:
+            users[operand].append(ins)
+
+    def final_users(name: str) -> list[tuple[Instruction, str]]:
+        """(user, the operand it reads) through bitcasts."""
+        out = []
+        for user in users[name]:
+            if user.opcode == "bitcast":
+                out.extend(final_users(user.name))
+            else:
+                out.append((user, name))
+        return out
+
+    def parameter_of(name: str) -> str | None:
+        ins = by_name.get(name)
+        while ins is not None and ins.opcode == "bitcast":
+            ins = by_name.get(ins.operands[0])
+        return ins.name if ins is not None and ins.opcode == "parameter" else None
+
+    root = next((i for i in reversed(instructions) if i.is_root), instructions[-1])
+    outputs = [by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
+    in_place: set[str] = set()  # parameters updated in place by a dynamic-update-slice output
+    written = 0
+    for out in outputs:
+        if out.opcode == "dynamic-update-slice" and parameter_of(out.operands[0]):
+            in_place.add(parameter_of(out.operands[0]))
+            written += type_bytes(module.operand_type(body, out.operands[1]))
+        else:
+            written += type_bytes(out.type)
+
+    def slice_read(user: Instruction, via: str) -> bool:
+        return user.opcode in _SLICING and user.operands[0] == via
+
+    read = 0
+    for param in (i for i in instructions if i.opcode == "parameter"):
+        uses = final_users(param.name)
+        updated = param.name in in_place
+        if uses and all(
+            slice_read(u, via) or (updated and u.opcode == "dynamic-update-slice" and u.operands[0] == via)
+            for u, via in uses
+        ):
+            read += sum(type_bytes(u.type) for u, via in uses if slice_read(u, via))
+        else:
+            read += type_bytes(param.type)
+    return read + written

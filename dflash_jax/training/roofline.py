@@ -1,0 +1,186 @@
+"""How long a step takes on named hardware: a roofline estimate from the compiled program.
+
+Each kernel of one device's program (`training/hlo.py`: its matmul FLOPs and the memory it reads
+and writes, loop trip counts multiplied in) takes the longer of its matmul time at the device's
+peak and its memory time at the device's bandwidth; collectives take their bytes on the wire
+(a ring's share of the buffer) over the link bandwidth, not overlapped with compute. The step
+time is the sum: an estimate of a well-run program, with no launch gaps, no overlap and peak
+rates (compute-bound kernels rarely get more than 70-80% of peak, so real steps run longer).
+
+`python -m dflash_jax.plan --hardware=h100|h200|b200|cpu` prints it (`format_speed`);
+`bench/roofline_check.py` and `bench/device_check.py` print it against measured step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dflash_jax.training.hlo import Collective, Kernel
+
+if TYPE_CHECKING:
+    from dflash_jax.training.planning import Plan
+
+# Published per-GPU figures, SXM parts: dense bf16 tensor-core FLOP/s (no sparsity), HBM bandwidth,
+# and NVLink bandwidth per direction (half the bidirectional figure NVIDIA quotes).
+#   H100 SXM5 (NVIDIA H100 Tensor Core GPU datasheet): 989.4 TFLOP/s bf16, HBM3 3.35 TB/s,
+#     NVLink 4 900 GB/s bidirectional.
+#   H200 SXM (NVIDIA H200 datasheet): the H100's compute, HBM3e 4.8 TB/s, NVLink 4 900 GB/s.
+#   B200 (NVIDIA HGX B200 datasheet, per GPU): 2.25 PFLOP/s bf16 dense (4.5 with sparsity),
+#     HBM3e 8 TB/s, NVLink 5 1.8 TB/s bidirectional.
+HARDWARE_NAMES = ("h100", "h200", "b200", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    matmul_flops: float  # FLOP/s of a dense matmul in the compute dtype, per device
+    memory_bandwidth: float  # bytes/s, per device
+    link_bandwidth: float  # bytes/s each way between devices, per device
+
+
+PUBLISHED = {
+    "h100": Hardware("h100", 989.4e12, 3.35e12, 450e9),
+    "h200": Hardware("h200", 989.4e12, 4.8e12, 450e9),
+    "b200": Hardware("b200", 2250e12, 8.0e12, 900e9),
+}
+
+
+def hardware(name: str, *, devices: int = 1) -> Hardware:
+    """Published figures of a GPU, or this host's CPU measured (shared by `devices` simulated
+    devices, as when the plan compiles for 8 devices on one host)."""
+    if name == "cpu":
+        flops, bandwidth = _measured_cpu()
+        return Hardware("cpu", flops / devices, bandwidth / devices, bandwidth / devices)
+    if name not in PUBLISHED:
+        raise ValueError(f"hardware {name!r} is not one of {', '.join(HARDWARE_NAMES)}")
+    return PUBLISHED[name]
+
+
+def for_device_kind(kind: str) -> Hardware | None:
+    """The published figures of a JAX device kind ('NVIDIA H100 80GB HBM3'); None for a part not
+    listed (PCIe and NVL parts run at lower clocks)."""
+    if "PCIe" in kind or "NVL" in kind:
+        return None
+    return next((hw for name, hw in PUBLISHED.items() if name.upper() in kind.upper()), None)
+
+
+def measure_cpu(matmul_size: int = 1024, copy_bytes: int = 2**28, repeats: int = 5) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, memory bandwidth in bytes/s) of this host, best of `repeats`: XLA:CPU
+    runs even bf16 matmuls in fp32. Takes about a second."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.float32), device)
+    big = jax.device_put(jnp.ones((copy_bytes // 4,), jnp.float32), device)
+    matmul, scale = jax.jit(lambda x: x @ x), jax.jit(lambda x: x * 2.0)
+
+    def best(f, x) -> float:
+        f(x).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return 2 * matmul_size**3 / best(matmul, a), 2 * copy_bytes / best(scale, big)
+
+
+_measured_cpu = functools.cache(measure_cpu)  # once per process
+
+
+# Bytes each device sends per byte of the (whole) buffer, ring algorithms over a group of n.
+def _wire_fraction(kind: str, n: int) -> float:
+    if n <= 1:
+        return 0.0 if kind != "collective-permute" else 1.0
+    share = (n - 1) / n
+    return {"all-reduce": 2 * share, "collective-permute": 1.0}.get(kind, share)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    hardware: Hardware
+    matmul_flops: float  # per device and step, from the compiled program
+    memory_bytes: float  # per device and step: what its kernels read and write
+    wire_bytes: float  # per device and step: what its collectives send
+    kernels_s: float  # Σ over kernels of max(matmul time, memory time)
+    compute_bound_s: float  # the part of kernels_s spent in compute-bound kernels
+    collectives_s: float
+    opaque_runs: int  # runs of custom calls (Pallas kernels on a GPU): their FLOPs are not counted
+
+    @property
+    def step_s(self) -> float:
+        return self.kernels_s + self.collectives_s
+
+
+def estimate(kernels: Sequence[Kernel], collectives: Sequence[Collective], hw: Hardware) -> Estimate:
+    """The roofline time of one step of a program on `hw` (see the module docstring)."""
+    kernels_s = compute_bound_s = 0.0
+    for k in kernels:
+        compute, memory = k.flops / hw.matmul_flops, k.bytes / hw.memory_bandwidth
+        kernels_s += k.count * max(compute, memory)
+        compute_bound_s += k.count * compute if compute >= memory else 0.0
+    wire = sum(c.bytes * c.count * _wire_fraction(c.kind, c.group_size) for c in collectives)
+    return Estimate(
+        hardware=hw,
+        matmul_flops=sum(k.flops * k.count for k in kernels),
+        memory_bytes=sum(k.bytes * k.count for k in kernels),
+        wire_bytes=wire,
+        kernels_s=kernels_s,
+        compute_bound_s=compute_bound_s,
+        collectives_s=wire / hw.link_bandwidth,
+        opaque_runs=sum(k.count for k in kernels if k.opcode == "custom-call"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    step_s: float
+    tokens_per_s_per_device: float
+    mfu: float  # model FLOPs / step time / peak, per device
+    epoch_s: float  # steps to cover `epoch_tokens` x step time
+
+
+def speed(est: Estimate, *, model_flops: float, tokens: int, devices: int, epoch_tokens: float) -> Speed:
+    """What the estimate means for a run: `model_flops` and `tokens` per global step."""
+    step = est.step_s
+    return Speed(
+        step_s=step,
+        tokens_per_s_per_device=tokens / devices / step,
+        mfu=model_flops / devices / step / est.hardware.matmul_flops,
+        epoch_s=math.ceil(epoch_tokens / tokens) * step,
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def format_speed(plan: Plan, hw: Hardware, *, epoch_tokens: float) -> str:
+    """The plan's speed section."""
+    est = estimate(plan.kernels, plan.collectives, hw)
+    s = speed(
+        est, model_flops=plan.model_flops, tokens=plan.tokens, devices=plan.num_devices, epoch_tokens=epoch_tokens
+    )
+    peak = f"{hw.matmul_flops / 1e12:,.1f} TFLOP/s, {hw.memory_bandwidth / 1e12:,.2f} TB/s memory"
+    return "\n".join(
+        [
+            f"  speed on {hw.name} (roofline: {peak}, {hw.link_bandwidth / 1e9:,.0f} GB/s links), per device:",
+            f"    matmuls {est.matmul_flops / 1e12:,.1f} TFLOP, memory traffic {est.memory_bytes / 1e9:,.1f} GB,"
+            f" collectives {est.wire_bytes / 1e9:,.2f} GB on the wire",
+            f"    kernels {est.kernels_s:.3f} s ({est.compute_bound_s:.3f} s of it compute-bound)"
+            f" + collectives {est.collectives_s:.3f} s = step {s.step_s:.3f} s",
+            f"    {s.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * s.mfu:.1f}%;"
+            f" {epoch_tokens:,.0f} tokens per epoch: {_duration(s.epoch_s)}",
+        ]
+    )

@@ -1,0 +1,118 @@
+"""The roofline estimate: kernels read from HLO (loop trip counts, slices, updates in place) and
+the arithmetic from kernels and collectives to step time, tokens/s, MFU and epoch time."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+
+from dflash_jax.training import hlo, roofline
+
+# A loop of 16 iterations: slice row i of x, a matmul of it (fused with exp), and x updated in place
+# at row i; then one matmul of the result.
+LOOP_HLO = textwrap.dedent(
+    """
+    HloModule jit_step, entry_computation_layout={()->()}
+
+    %fused_slice (param_0: f32[16,64], param_1: s32[]) -> f32[1,64] {
+      %param_0 = f32[16,64]{1,0} parameter(0)
+      %param_1 = s32[] parameter(1)
+      %zero = s32[] constant(0)
+      ROOT %ds = f32[1,64]{1,0} dynamic-slice(%param_0, %param_1, %zero), dynamic_slice_sizes={1,64}
+    }
+
+    %fused_dot (param_0: f32[1,64], param_1: f32[64,32]) -> f32[1,32] {
+      %param_0 = f32[1,64]{1,0} parameter(0)
+      %param_1 = f32[64,32]{1,0} parameter(1)
+      %d = f32[1,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      ROOT %e = f32[1,32]{1,0} exponential(%d)
+    }
+
+    %fused_update (param_0: f32[16,64], param_1: f32[1,64], param_2: s32[]) -> f32[16,64] {
+      %param_0 = f32[16,64]{1,0} parameter(0)
+      %param_1 = f32[1,64]{1,0} parameter(1)
+      %param_2 = s32[] parameter(2)
+      %zero = s32[] constant(0)
+      %neg = f32[1,64]{1,0} negate(%param_1)
+      ROOT %dus = f32[16,64]{1,0} dynamic-update-slice(%param_0, %neg, %param_2, %zero)
+    }
+
+    %cond (p: (s32[], f32[16,64], f32[64,32])) -> pred[] {
+      %p = (s32[], f32[16,64]{1,0}, f32[64,32]{1,0}) parameter(0)
+      %i = s32[] get-tuple-element(%p), index=0
+      %n = s32[] constant(16)
+      ROOT %lt = pred[] compare(%i, %n), direction=LT
+    }
+
+    %body (p: (s32[], f32[16,64], f32[64,32])) -> (s32[], f32[16,64], f32[64,32]) {
+      %p = (s32[], f32[16,64]{1,0}, f32[64,32]{1,0}) parameter(0)
+      %i = s32[] get-tuple-element(%p), index=0
+      %x = f32[16,64]{1,0} get-tuple-element(%p), index=1
+      %w = f32[64,32]{1,0} get-tuple-element(%p), index=2
+      %row = f32[1,64]{1,0} fusion(%x, %i), kind=kLoop, calls=%fused_slice
+      %y = f32[1,32]{1,0} fusion(%row, %w), kind=kOutput, calls=%fused_dot
+      %x2 = f32[16,64]{1,0} fusion(%x, %row, %i), kind=kLoop, calls=%fused_update
+      %one = s32[] constant(1)
+      %i2 = s32[] add(%i, %one)
+      ROOT %t = (s32[], f32[16,64]{1,0}, f32[64,32]{1,0}) tuple(%i2, %x2, %w)
+    }
+
+    ENTRY %main (a: f32[16,64], w: f32[64,32]) -> f32[16,32] {
+      %a = f32[16,64]{1,0} parameter(0)
+      %w = f32[64,32]{1,0} parameter(1)
+      %z = s32[] constant(0)
+      %t = (s32[], f32[16,64]{1,0}, f32[64,32]{1,0}) tuple(%z, %a, %w)
+      %loop = (s32[], f32[16,64]{1,0}, f32[64,32]{1,0}) while(%t), condition=%cond, body=%body
+      %out = f32[16,64]{1,0} get-tuple-element(%loop), index=1
+      ROOT %m = f32[16,32]{1,0} dot(%out, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    }
+    """
+)
+
+
+def test_kernels_count_loops_slices_and_updates_in_place():
+    found = {(k.opcode, k.flops, k.bytes): k.count for k in hlo.kernels(LOOP_HLO)}
+    row, weights = 64 * 4, 64 * 32 * 4
+    assert found == {
+        # the slice fusion reads its row, not x (+ the s32 index); the update fusion reads the
+        # new row and writes it in place: the same bytes, 32 runs merged
+        ("fusion", 0.0, row + 4 + row): 32,
+        # a [1,64] x [64,32] matmul: 2·32·64 FLOPs; reads row and weights, writes [1,32]
+        ("fusion", 2.0 * 32 * 64, row + weights + 32 * 4): 16,
+        ("add", 0.0, 12): 16,  # the loop counter
+        ("compare", 0.0, 9): 17,  # the condition runs once more than the body
+        ("dot", 2.0 * 16 * 32 * 64, 16 * 64 * 4 + weights + 16 * 32 * 4): 1,
+    }
+
+
+def test_roofline_arithmetic():
+    hw = roofline.Hardware("test", matmul_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10)
+    kernels = [
+        hlo.Kernel("fusion", flops=2e9, bytes=1e8, count=10),  # compute-bound: 2 ms (memory 1 ms)
+        hlo.Kernel("fusion", flops=0.0, bytes=5e8, count=4),  # memory-bound: 5 ms
+    ]
+    collectives = [
+        hlo.Collective("all-reduce", "other", 8, int(1e8), 2, False),  # ring: 2·7/8 of 100 MB, twice
+        hlo.Collective("all-gather", "other", 4, int(4e8), 1, False),  # 3/4 of 400 MB
+    ]
+    est = roofline.estimate(kernels, collectives, hw)
+    assert est.matmul_flops == 2e10 and est.memory_bytes == 3e9
+    assert math.isclose(est.wire_bytes, 3.5e8 + 3e8)
+    assert math.isclose(est.kernels_s, 0.04) and math.isclose(est.compute_bound_s, 0.02)
+    assert math.isclose(est.collectives_s, 0.065) and math.isclose(est.step_s, 0.105)
+    s = roofline.speed(est, model_flops=8e10, tokens=4096, devices=8, epoch_tokens=1e6)
+    assert math.isclose(s.tokens_per_s_per_device, 4096 / 8 / 0.105)
+    assert math.isclose(s.mfu, 8e10 / 8 / 0.105 / 1e12)
+    assert math.isclose(s.epoch_s, 245 * 0.105)  # ceil(1e6 / 4096) steps
+
+
+def test_named_hardware():
+    h100, b200 = roofline.hardware("h100"), roofline.hardware("b200")
+    assert (h100.matmul_flops, h100.memory_bandwidth, h100.link_bandwidth) == (989.4e12, 3.35e12, 450e9)
+    assert b200.matmul_flops > 2 * h100.matmul_flops and roofline.hardware("h200").memory_bandwidth == 4.8e12
+    assert roofline.for_device_kind("NVIDIA H100 80GB HBM3") == h100
+    assert roofline.for_device_kind("NVIDIA H100 PCIe") is None  # not the SXM part's figures
+    with pytest.raises(ValueError, match="not one of h100, h200, b200, cpu"):
+        roofline.hardware("tpu")
