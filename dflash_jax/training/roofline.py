@@ -41,6 +41,10 @@ class Hardware:
     matmul_flops: float  # FLOP/s of a dense matmul in the compute dtype, per device
     memory_bandwidth: float  # bytes/s, per device
     link_bandwidth: float  # bytes/s each way between devices, per device
+    # A kernel moving at most `cache_bytes` runs at `cache_bandwidth` (a CPU's caches are a large
+    # share of its memory; a GPU's L2 is left out, as rooflines do).
+    cache_bytes: float = 0.0
+    cache_bandwidth: float = 0.0
 
 
 PUBLISHED = {
@@ -54,8 +58,9 @@ def hardware(name: str, *, devices: int = 1) -> Hardware:
     """Published figures of a GPU, or this host's CPU measured (shared by `devices` simulated
     devices, as when the plan compiles for 8 devices on one host)."""
     if name == "cpu":
-        flops, bandwidth = _measured_cpu()
-        return Hardware("cpu", flops / devices, bandwidth / devices, bandwidth / devices)
+        cpu = _measured_cpu()
+        rates = ("matmul_flops", "memory_bandwidth", "link_bandwidth", "cache_bandwidth")
+        return dataclasses.replace(cpu, **{f: getattr(cpu, f) / devices for f in rates})
     if name not in PUBLISHED:
         raise ValueError(f"hardware {name!r} is not one of {', '.join(HARDWARE_NAMES)}")
     return PUBLISHED[name]
@@ -69,18 +74,23 @@ def for_device_kind(kind: str) -> Hardware | None:
     return next((hw for name, hw in PUBLISHED.items() if name.upper() in kind.upper()), None)
 
 
-def measure_cpu(matmul_size: int = 1024, copy_bytes: int = 2**28, repeats: int = 5) -> tuple[float, float]:
-    """(fp32 matmul FLOP/s, memory bandwidth in bytes/s) of this host, best of `repeats`: XLA:CPU
-    runs even bf16 matmuls in fp32. Takes about a second."""
+def measure_cpu(repeats: int = 5) -> Hardware:
+    """This host's CPU as XLA:CPU's kernels see it, best of `repeats` each (about a second):
+    an fp32 matmul (XLA:CPU runs even bf16 matmuls in fp32); memory, an elementwise op writing a
+    fresh 256 MB buffer, as the step's kernels write fresh temporaries; cache, the same op looped
+    over a 2 MB array (4 MB moved per pass). Collectives between simulated devices are copies in
+    memory."""
     import jax
     import jax.numpy as jnp
 
-    device = jax.devices("cpu")[0]
-    a = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.float32), device)
-    big = jax.device_put(jnp.ones((copy_bytes // 4,), jnp.float32), device)
-    matmul, scale = jax.jit(lambda x: x @ x), jax.jit(lambda x: x * 2.0)
+    cpu = jax.devices("cpu")[0]
+    n, big, small, passes = 1024, 2**28, 2**21, 64
+    matmul = jax.jit(lambda x: x @ x)
+    scale = jax.jit(lambda x: x * 2.0)
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, passes, lambda _, y: y * 1.0001, x))
 
-    def best(f, x) -> float:
+    def best(f, shape) -> float:
+        x = jax.device_put(jnp.ones(shape, jnp.float32), cpu)
         f(x).block_until_ready()
         times = []
         for _ in range(repeats):
@@ -89,7 +99,15 @@ def measure_cpu(matmul_size: int = 1024, copy_bytes: int = 2**28, repeats: int =
             times.append(time.perf_counter() - start)
         return min(times)
 
-    return 2 * matmul_size**3 / best(matmul, a), 2 * copy_bytes / best(scale, big)
+    memory = 2 * big / best(scale, (big // 4,))
+    return Hardware(
+        "cpu",
+        matmul_flops=2 * n**3 / best(matmul, (n, n)),
+        memory_bandwidth=memory,
+        link_bandwidth=memory,
+        cache_bytes=2 * small,
+        cache_bandwidth=2 * small * passes / best(looped, (small // 4,)),
+    )
 
 
 _measured_cpu = functools.cache(measure_cpu)  # once per process
@@ -123,7 +141,8 @@ def estimate(kernels: Sequence[Kernel], collectives: Sequence[Collective], hw: H
     """The roofline time of one step of a program on `hw` (see the module docstring)."""
     kernels_s = compute_bound_s = 0.0
     for k in kernels:
-        compute, memory = k.flops / hw.matmul_flops, k.bytes / hw.memory_bandwidth
+        bandwidth = hw.cache_bandwidth if k.bytes <= hw.cache_bytes else hw.memory_bandwidth
+        compute, memory = k.flops / hw.matmul_flops, k.bytes / bandwidth
         kernels_s += k.count * max(compute, memory)
         compute_bound_s += k.count * compute if compute >= memory else 0.0
     wire = sum(c.bytes * c.count * _wire_fraction(c.kind, c.group_size) for c in collectives)

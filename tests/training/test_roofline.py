@@ -3,6 +3,7 @@ the arithmetic from kernels and collectives to step time, tokens/s, MFU and epoc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 
@@ -106,6 +107,12 @@ def test_roofline_arithmetic():
     assert math.isclose(s.tokens_per_s_per_device, 4096 / 8 / 0.105)
     assert math.isclose(s.mfu, 8e10 / 8 / 0.105 / 1e12)
     assert math.isclose(s.epoch_s, 245 * 0.105)  # ceil(1e6 / 4096) steps
+
+    # A kernel moving at most cache_bytes runs at the cache's bandwidth, a larger one at memory's.
+    cached = dataclasses.replace(hw, cache_bytes=1e7, cache_bandwidth=1e12)
+    small, large = hlo.Kernel("fusion", 0.0, 1e7, 100), hlo.Kernel("fusion", 0.0, 2e7, 100)
+    assert math.isclose(roofline.estimate([small, large], [], cached).kernels_s, 100 * (1e7 / 1e12 + 2e7 / 1e11))
+    assert math.isclose(roofline.estimate([small, large], [], hw).kernels_s, 100 * 3e7 / 1e11)
 
 
 def test_named_hardware():
