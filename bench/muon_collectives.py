@@ -39,7 +39,7 @@ from dflash_jax.training import muon, planning  # noqa: E402
 from dflash_jax.training.hlo import COLLECTIVE_KINDS  # noqa: E402
 from dflash_jax.training.run_config import load_config_file, resolve, target_for_plan  # noqa: E402
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def by_kind(plan: planning.Plan) -> dict[str, float]:
@@ -51,10 +51,10 @@ def by_kind(plan: planning.Plan) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=os.path.join(REPO, "configs", "qwen3.py") + ":8b")
+    parser.add_argument("--config", default="configs/qwen3.py:8b", help="file:variants (paths from the repo root)")
     args = parser.parse_args()
     path, _, variants = args.config.partition(":")
-    config = load_config_file(path, variants)
+    config = load_config_file(os.path.join(REPO, path), variants)
     target, _ = target_for_plan(config)
     setup = resolve(config, num_devices=_DEVICES, target=target, check_files=False)
     runs = {}
