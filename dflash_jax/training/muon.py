@@ -125,6 +125,23 @@ def _matrices(updates):
     return jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), updates)
 
 
+# Token-indexed tables and projections onto the vocabulary (the DFlash2 codebooks, the DSpark
+# Markov head): AdamW, as embeddings and LM heads are in Muon practice. Their rows are looked up
+# or scored one token at a time, not a linear map to orthogonalize, and Newton-Schulz on a
+# [V, r] matrix would cost more than the rest of the drafter's update.
+VOCABULARY_TABLES = ("codebook", "markov_w1", "markov_w2")
+
+
+def muon_labels(params):
+    """'muon' for every 2-D leaf but the vocabulary tables, 'adam' for the rest."""
+
+    def label(path, x):
+        name = jax.tree_util.keystr(path)
+        return "muon" if x.ndim == 2 and not any(t in name for t in VOCABULARY_TABLES) else "adam"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -134,11 +151,8 @@ def muon(
     adam_b2: float,
 ) -> optax.GradientTransformation:
     """optax.contrib.muon(learning_rate, consistent_rms=..., weight_decay=..., adam_b1=...,
-    adam_b2=...) with its Newton–Schulz iterations on whole matrices: every 2-D leaf by Muon,
-    the rest by AdamW (Nesterov, no decay), the same state pytree."""
-
-    def labels(params):
-        return jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adam", params)
+    adam_b2=...) with its Newton–Schulz iterations on whole matrices: every 2-D leaf by Muon
+    but the vocabulary tables (`muon_labels`), the rest by AdamW (Nesterov, no decay)."""
 
     return optax.partition(
         {
@@ -153,5 +167,5 @@ def muon(
             ),
             "adam": optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2, eps=EPS, weight_decay=0.0, nesterov=True),
         },
-        labels,
+        muon_labels,
     )

@@ -236,3 +236,17 @@ def test_weight_average_follows_its_recursion_and_is_what_is_served():
     # Without the option the last weights are served, and the state holds no average.
     plain = step.make_optimizer(step.OptimizerConfig(optimizer="adamw"), 10)
     assert served_params(params, plain.init(params)) is params
+
+
+def test_muon_leaves_vocabulary_tables_to_adamw():
+    from dflash_jax.training.muon import muon_labels
+
+    params = {
+        "layers": {"0": {"mlp": {"kernel": jnp.zeros((4, 6)), "scale": jnp.zeros(4)}}},
+        "candidate_selector": {"predecessor_codebook": jnp.zeros((50, 8)), "hidden_projection": jnp.zeros((4, 8))},
+        "markov_head": {"markov_w1": {"embedding": jnp.zeros((50, 8))}, "markov_w2": {"kernel": jnp.zeros((8, 50))}},
+    }
+    labels = muon_labels(params)
+    assert labels["layers"]["0"]["mlp"] == {"kernel": "muon", "scale": "adam"}
+    assert labels["candidate_selector"] == {"predecessor_codebook": "adam", "hidden_projection": "muon"}
+    assert labels["markov_head"] == {"markov_w1": {"embedding": "adam"}, "markov_w2": {"kernel": "adam"}}
