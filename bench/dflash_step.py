@@ -25,6 +25,7 @@ depend on what is accepted (static shapes), only the host loop's step count does
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.generate import TargetDecoder, pad_batch, run_loop
 from dflash_jax.decoding.sampling import GREEDY, verify_block
 from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
@@ -41,16 +43,34 @@ from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
 
 
-def fastest_ms(fn, state, steps: int):
-    """The fastest of `steps` calls `state = fn(state)`, after one to compile: on a shared
-    machine the least disturbed call is the best estimate of the cost itself."""
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """A call's cost: the fastest wall time of several calls (on a shared machine the least
+    disturbed call is the best estimate) and the median CPU time, every thread of the process
+    counted (what the call takes from the machine, whatever else runs)."""
+
+    wall_ms: float
+    cpu_ms: float
+
+    def __truediv__(self, other: Cost) -> Cost:
+        return Cost(self.wall_ms / other.wall_ms, self.cpu_ms / other.cpu_ms)
+
+
+def measure(fn, state, steps: int) -> tuple[Cost, object]:
+    """The cost of `state = fn(state)` over `steps` calls, after one to compile."""
     state = jax.block_until_ready(fn(state))
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         state = jax.block_until_ready(fn(state))
-        times.append(time.perf_counter() - t0)
-    return 1000 * min(times), state
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    return Cost(1000 * min(wall), 1000 * float(np.median(cpu))), state
+
+
+def advance(decoder):
+    """One decoding step, state to state."""
+    return lambda state: decoder._step(state)[0]
 
 
 def prefilled(decoder, prompt: np.ndarray):
@@ -59,11 +79,12 @@ def prefilled(decoder, prompt: np.ndarray):
     return decoder._prefill(tokens, lengths, valid, jax.random.key(0))
 
 
-def parts(target, drafter, decoder: SpeculativeDecoder, st, steps: int) -> dict[str, float]:
+def parts(target, drafter, st, steps: int) -> dict[str, Cost]:
     """Each part of one step, jitted alone on the state `st` (none of them donates or advances
     it, so every call sees the same context)."""
     graphdef, params = nnx.split((target, drafter))
     block_size = drafter.cfg.block_size
+    stop_ids = outputs_lib.stop_ids((2,))
 
     @jax.jit
     def drafter_part(state, st):
@@ -84,7 +105,7 @@ def parts(target, drafter, decoder: SpeculativeDecoder, st, steps: int) -> dict[
         accepted, tokens = verify_block(drafts, draft_logits, logits, GREEDY, st.key)
         start = st.target_cache.lengths
         positions = start[:, None] + jnp.arange(block_size)[None, :]
-        out, _ = outputs_append(st, tokens, accepted, decoder)
+        out, _ = outputs_lib.append(st.outputs, tokens, accepted + 1, stop_ids=stop_ids, max_new_tokens=1 << 20)
         kept = jnp.where(out.done, 0, accepted + 1)
         context = drafter.extend_context(st.context, features, positions, kept)
         return out.lengths, context.lengths, start + kept
@@ -97,35 +118,32 @@ def parts(target, drafter, decoder: SpeculativeDecoder, st, steps: int) -> dict[
         "verify": lambda _: verify_part(params, st, block),
         "bookkeeping": lambda _: bookkeeping_part(params, st, drafts, draft_logits, logits, features),
     }
-    return {name: fastest_ms(fn, None, steps)[0] for name, fn in timed.items()}
+    return {name: measure(fn, None, steps)[0] for name, fn in timed.items()}
 
 
-def outputs_append(st, tokens, accepted, decoder):
-    from dflash_jax.decoding import outputs as outputs_lib
-
-    return outputs_lib.append(
-        st.outputs, tokens, accepted + 1, stop_ids=decoder._stop_ids, max_new_tokens=decoder._max_new
-    )
-
-
-def step_ms(decoder, st, steps: int, rounds: int = 3) -> tuple[float, float, float]:
-    """(fastest step, mean step of a chain, mean step inside the host loop) in ms. A chain is
-    `steps` donated steps dispatched back to back and waited for once; the host loop runs as
-    many through `run_loop`, which reads `done` and the cache lengths back before every step,
-    as `generate` does. The two kinds of chain alternate, `rounds` times, fastest round kept."""
-    fastest, st = fastest_ms(lambda state: decoder._step(state)[0], st, steps)
+def chain_costs(decoder, st, steps: int, rounds: int = 3) -> tuple[Cost, Cost]:
+    """(a step of a chain, a step inside the host loop): a chain is `steps` donated steps
+    dispatched back to back and waited for once; the host loop runs as many through `run_loop`,
+    which reads `done` and the cache lengths back before every step, as `generate` does. The two
+    alternate, `rounds` times; per step, the fastest round's wall time and the least CPU time."""
     chained, looped = [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            st, _ = decoder._step(st)
-        jax.block_until_ready(st)
-        chained.append(1000 * (time.perf_counter() - t0) / steps)
-        t0 = time.perf_counter()
-        st, _ = run_loop(decoder._step, st, block_size=decoder.block_size, max_steps=steps)
-        jax.block_until_ready(st)
-        looped.append(1000 * (time.perf_counter() - t0) / steps)
-    return fastest, min(chained), min(looped)
+        for runs, loop in ((chained, False), (looped, True)):
+            w0, c0 = time.perf_counter(), time.process_time()
+            if loop:
+                st, _ = run_loop(decoder._step, st, block_size=decoder.block_size, max_steps=steps)
+            else:
+                for _ in range(steps):
+                    st, _ = decoder._step(st)
+            jax.block_until_ready(st)
+            runs.append(Cost(1000 * (time.perf_counter() - w0) / steps, 1000 * (time.process_time() - c0) / steps))
+    best = lambda runs: Cost(min(r.wall_ms for r in runs), min(r.cpu_ms for r in runs))  # noqa: E731
+    return best(chained), best(looped)
+
+
+def row(name: str, cost: Cost, base: Cost, note: str = "") -> str:
+    ratio = cost / base
+    return f"{name:<22} {cost.wall_ms:9.2f} {ratio.wall_ms:6.2f}  {cost.cpu_ms:9.2f} {ratio.cpu_ms:6.2f}  {note}"
 
 
 def drafters(target, a, dtype):
@@ -159,26 +177,25 @@ def main():
     prompt = np.random.default_rng(0).integers(17, target.cfg.vocab_size, a.context).astype(np.int32)
     kw = dict(max_prompt_len=a.context, max_new_tokens=4 * a.steps * max(a.block_sizes) + 8)
     base_decoder = TargetDecoder(target, **kw)
-    base, base_chained, base_looped = step_ms(base_decoder, prefilled(base_decoder, prompt), a.steps)
-    print(f"{jax.devices()[0].device_kind}, {a.target}, {a.dtype}, context {a.context}, fastest of {a.steps}")
-    print(
-        f"target decode step: {base:7.2f} ms   (chained {base_chained:7.2f} ms a step, "
-        f"in the host loop {base_looped:7.2f} ms)"
-    )
+    st = prefilled(base_decoder, prompt)
+    base, st = measure(advance(base_decoder), st, a.steps)
+    base_chained, base_looped = chain_costs(base_decoder, st, a.steps)
+    print(f"{jax.devices()[0].device_kind}, {a.target}, {a.dtype}, context {a.context}, {a.steps} calls each")
+    print(f"{'':<22} {'wall ms':>9} {'÷ step':>6}  {'CPU ms':>9} {'÷ step':>6}   (÷ step: in target decode steps)")
+    print(row("target decode step", base, base))
+    print(row("  chained", base_chained, base_chained))
+    print(row("  in the host loop", base_looped, base_looped))
     for drafter in drafters(target, a, dtype):
-        block = drafter.cfg.block_size
         decoder = SpeculativeDecoder(target, drafter, **kw)
-        split = parts(target, drafter, decoder, prefilled(decoder, prompt), a.steps)
-        step, chained, looped = step_ms(decoder, prefilled(decoder, prompt), a.steps)
-        rest = step - sum(split.values())
-        print(
-            f"DFlash block {block:>2}: step {step:7.2f} ms = {step / base:.2f} target steps   (chained "
-            f"{chained:7.2f} ms = {chained / base_chained:.2f}, in the host loop {looped:7.2f} ms = "
-            f"{looped / base_looped:.2f}: {looped - chained:+.2f} ms of round trips)"
-        )
-        for name, ms in split.items():
-            print(f"    {name:<12} {ms:7.2f} ms  {ms / base:5.2f} target steps")
-        print(f"    {'fused away':<12} {rest:7.2f} ms  (the whole step minus its parts timed alone)")
+        st = prefilled(decoder, prompt)
+        split = parts(target, drafter, st, a.steps)
+        step, st = measure(advance(decoder), st, a.steps)
+        chained, looped = chain_costs(decoder, st, a.steps)
+        print(row(f"DFlash step, block {drafter.cfg.block_size}", step, base))
+        for name, cost in split.items():
+            print(row(f"  {name}", cost, base))
+        print(row("  chained", chained, base_chained))
+        print(row("  in the host loop", looped, base_looped))
 
 
 if __name__ == "__main__":

@@ -62,10 +62,21 @@ def warp_probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return jax.nn.softmax(x, axis=-1)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """Logits [..., V] -> int32 [...]: `jnp.argmax` (the lowest id among the largest logits) as a
+    max and a min, which vectorize: XLA:CPU runs argmax as a variadic reduce, about 6x slower
+    over a 49k vocabulary, and a DFlash step takes it over every slot twice (docs/design.md §11).
+    A row holding NaN gives V - 1."""
+    vocab = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    return jnp.min(jnp.where(logits == top, ids, vocab - 1), axis=-1)
+
+
 def choose(logits: jax.Array, cfg: SamplingConfig, key: jax.Array) -> jax.Array:
     """Logits [..., V] -> tokens [...]: argmax when greedy, else a sample of `warp_probs`."""
     if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return _sample(key, warp_probs(logits, cfg))
 
 
@@ -98,7 +109,7 @@ def verify_block(
     """
     offered = jnp.arange(drafts.shape[1])[None, :] < (drafts.shape[1] if proposed is None else proposed[:, None])
     if cfg.greedy:
-        target_choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+        target_choice = argmax(target_logits)
         accepted = _leading_true((drafts == target_choice[:, :-1]) & offered)
         # Where drafts were accepted they equal the target's choice, so the target's row is the output.
         return accepted, target_choice

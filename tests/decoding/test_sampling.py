@@ -10,7 +10,7 @@ from flax import nnx
 from scipy import stats
 
 from dflash_jax.decoding.acceptance import acceptance_stats
-from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, verify_block, warp_probs
+from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, argmax, verify_block, warp_probs
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from support.decoding_models import make_drafter, make_target
 
@@ -28,6 +28,14 @@ def test_warp_probs_applies_temperature_top_k_and_top_p():
     assert (warp_probs(logits, SamplingConfig(1.0, top_p=0.01)) > 0).sum() == 1
     cold = warp_probs(logits, SamplingConfig(0.5))
     np.testing.assert_allclose(cold, np.array([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2 / 0.325, rtol=1e-5)
+
+
+def test_argmax_is_jnp_argmax_ties_included():
+    # Small integer logits tie often; -inf rows and a row of one value included.
+    logits = jax.random.randint(jax.random.key(0), (3, 5, 2000), -4, 4).astype(jnp.float32)
+    logits = logits.at[0, 0].set(-jnp.inf).at[0, 1].set(7.0).at[1, 2, 1999].set(9.0)
+    assert argmax(logits).dtype == jnp.int32
+    np.testing.assert_array_equal(argmax(logits), jnp.argmax(logits, axis=-1))
 
 
 def test_sampling_config_rejects_bad_values():
