@@ -49,6 +49,8 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+# A matmul a GPU compiler handed to a library (cuBLAS, cuBLASLt): its dimensions in backend_config.
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _DIM_LABELS = re.compile(r"dim_labels=[^_]*_([^-]*)->")
 
 # Ops whose callees run as programs of their own (loops, calls, branches); any other op's callee
@@ -287,12 +289,13 @@ def kernels(text: str | Module) -> list[Kernel]:
 
 
 def _flops(module: Module, computation: str, ins: Instruction) -> float:
-    """Matmul FLOPs of a dot or convolution, or of those a fusion computes."""
-    if ins.opcode == "dot":
-        contracting = _CONTRACTING.search(ins.attributes)
+    """Matmul FLOPs of a dot, a library GEMM call or a convolution, or of those a fusion computes."""
+    gemm = _GEMM_CONTRACTING.search(ins.attributes) if ins.opcode == "custom-call" else None
+    if ins.opcode == "dot" or gemm:
+        contracting = gemm or _CONTRACTING.search(ins.attributes)
         lhs = _dims(module.operand_type(computation, ins.operands[0]))
-        depth = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
-        return 2.0 * math.prod(_dims(ins.type)) * depth
+        dims = [int(d.strip('" ')) for d in contracting.group(1).split(",") if d.strip('" ')] if contracting else []
+        return 2.0 * math.prod(_dims(ins.type)) * math.prod(lhs[d] for d in dims)  # first result: the product
     if ins.opcode == "convolution":
         # Each output is one kernel window over the input features: kernel size / output features.
         rhs = _dims(module.operand_type(computation, ins.operands[1]))
@@ -319,7 +322,10 @@ def _traffic(module: Module, computation: str, ins: Instruction) -> float:
         body = dict(_CALLED.findall(ins.attributes)).get("calls")
         if body in module.computations:
             return _fusion_traffic(module, body)
-    return type_bytes(ins.type) + sum(operand_bytes(i) for i in range(len(ins.operands)))
+    read = sum(operand_bytes(i) for i in range(len(ins.operands)))
+    if ins.opcode == "custom-call" and _GEMM_CONTRACTING.search(ins.attributes):
+        return read + type_bytes(_SHAPE.search(ins.type).group(0))  # (product, scratch): the product
+    return read + type_bytes(ins.type)
 
 
 def _fusion_traffic(module: Module, body: str) -> float:

@@ -7,11 +7,13 @@ whole on one device instead, as distributed Muon implementations assign matrices
 1. each matrix is turned (transposed if need be, which moves no data) so that matrices of the same
    shape share one ZeRO split, and those are stacked into [k, m, n], padded with zero matrices to
    a multiple of the device count;
-2. one all-to-all re-splits the stack over k: each device now holds k/N whole matrices;
+2. all-to-alls re-split the stack over k (one per mesh-axes group the matrices are split over):
+   each device now holds k/N whole matrices;
 3. each device orthogonalizes its own matrices;
-4. one all-to-all splits the stack back the ZeRO way, and each update is unstacked and turned back.
+4. all-to-alls split the stack back the ZeRO way, and each update is unstacked and turned back.
 
-Per step that moves each matrix twice over its 1/N share (fp32), against 15 gathers of it.
+Per step each way moves a device's 1/N share of every matrix (fp32) once per mesh-axes group,
+against 15 gathers of every whole matrix.
 
 The update is optax.contrib.muon's: optax's Nesterov momentum and Frobenius normalization run
 first (its `scale_by_muon` with zero Newton–Schulz steps: only the normalization), then the
@@ -39,13 +41,13 @@ MOMENTUM = 0.95
 EPS = 1e-8
 
 
-def newton_schulz(x: jax.Array, steps: int = NS_STEPS) -> jax.Array:
+def newton_schulz(x: jax.Array) -> jax.Array:
     """The quintic Newton–Schulz iteration X <- aX + (bA + cA²)X, A = XXᵀ, on a Frobenius-normalized
     [m, n] matrix; on its transpose when m > n (the same result, smaller A)."""
     if x.shape[0] > x.shape[1]:
-        return newton_schulz(x.T, steps).T
+        return newton_schulz(x.T).T
     a, b, c = NS_COEFFS
-    for _ in range(steps):
+    for _ in range(NS_STEPS):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return x
@@ -80,13 +82,13 @@ def _moves(spec: PartitionSpec) -> list[PartitionSpec]:
     return layouts
 
 
-def orthogonalize_whole(updates, *, steps: int = NS_STEPS):
+def orthogonalize_whole(updates):
     """Newton–Schulz on every matrix of a (masked) update tree, each matrix whole on one device
     when traced inside `sharding.activation_sharding(mesh)` (the train step); plain otherwise."""
     mesh = sharding.active_mesh()
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
     if mesh is None or mesh.devices.size == 1:
-        return jax.tree.unflatten(treedef, [newton_schulz(x, steps) for _, x in leaves_with_paths])
+        return jax.tree.unflatten(treedef, [newton_schulz(x) for _, x in leaves_with_paths])
     groups: dict[tuple, list[tuple[int, bool]]] = defaultdict(list)
     for i, (path, x) in enumerate(leaves_with_paths):
         turn, shape, spec = _canonical(x, sharding.zero_spec(mesh, path, x.shape))
@@ -100,7 +102,7 @@ def orthogonalize_whole(updates, *, steps: int = NS_STEPS):
         stack = jnp.stack(mats + [jnp.zeros(shape, dtype)] * (-len(mats) % owners))
         for layout in layouts:  # to whole matrices, k/owners on each device
             stack = jax.lax.with_sharding_constraint(stack, layout)
-        stack = jax.vmap(lambda m: newton_schulz(m, steps))(stack)
+        stack = jax.vmap(newton_schulz)(stack)
         for layout in reversed(layouts):  # back to the ZeRO split
             stack = jax.lax.with_sharding_constraint(stack, layout)
         for j, (i, turn) in enumerate(members):

@@ -130,7 +130,7 @@ class Estimate:
     kernels_s: float  # Σ over kernels of max(matmul time, memory time)
     compute_bound_s: float  # the part of kernels_s spent in compute-bound kernels
     collectives_s: float
-    opaque_runs: int  # runs of custom calls (Pallas kernels on a GPU): their FLOPs are not counted
+    opaque_runs: int  # runs of custom calls other than GEMMs (Pallas kernels): FLOPs not counted
 
     @property
     def step_s(self) -> float:
@@ -154,7 +154,7 @@ def estimate(kernels: Sequence[Kernel], collectives: Sequence[Collective], hw: H
         kernels_s=kernels_s,
         compute_bound_s=compute_bound_s,
         collectives_s=wire / hw.link_bandwidth,
-        opaque_runs=sum(k.count for k in kernels if k.opcode == "custom-call"),
+        opaque_runs=sum(k.count for k in kernels if k.opcode == "custom-call" and not k.flops),
     )
 
 

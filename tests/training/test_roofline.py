@@ -88,6 +88,34 @@ def test_kernels_count_loops_slices_and_updates_in_place():
     }
 
 
+# What XLA:GPU makes of a dot: a cuBLAS call whose dimensions are in its backend config, and a
+# scratch buffer beside the product; a Pallas kernel (its FLOPs unknown).
+GPU_HLO = textwrap.dedent(
+    """
+    HloModule jit_step, entry_computation_layout={()->()}
+
+    ENTRY %main (a: bf16[8,64,32], b: bf16[8,32,16]) -> bf16[8,64,16] {
+      %a = bf16[8,64,32]{2,1,0} parameter(0)
+      %b = bf16[8,32,16]{2,1,0} parameter(1)
+      %gemm = (bf16[8,64,16]{2,1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+      %product = bf16[8,64,16]{2,1,0} get-tuple-element(%gemm), index=0
+      ROOT %kernel = bf16[8,64,16]{2,1,0} custom-call(%product), custom_call_target="__gpu$xla.gpu.triton"
+    }
+    """
+)
+
+
+def test_library_gemms_count_and_kernels_do_not():
+    found = {(k.opcode, k.flops, k.bytes): k.count for k in hlo.kernels(GPU_HLO)}
+    product = 8 * 64 * 16 * 2
+    assert found == {
+        ("custom-call", 2.0 * 8 * 64 * 16 * 32, 8 * 64 * 32 * 2 + 8 * 32 * 16 * 2 + product): 1,
+        ("custom-call", 0.0, 2 * product): 1,
+    }
+    hw = roofline.Hardware("test", matmul_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10)
+    assert roofline.estimate(hlo.kernels(GPU_HLO), [], hw).opaque_runs == 1
+
+
 def test_roofline_arithmetic():
     hw = roofline.Hardware("test", matmul_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10)
     kernels = [
