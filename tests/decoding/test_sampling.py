@@ -12,7 +12,7 @@ from scipy import stats
 from dflash_jax.decoding.acceptance import acceptance_stats
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, argmax, verify_block, warp_probs
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from support.decoding_models import make_drafter, make_target
+from support.decoding_models import make_drafter, make_target, perturbed
 
 SMALL_VOCAB = 16
 
@@ -113,18 +113,41 @@ def marginal_pvalues(counts, probs):
 
 @pytest.fixture(scope="module")
 def small_models():
+    """kind -> (target, drafter): 2 drafts a block. DFlash2 proposes among 12 of the 16 tokens
+    (q is zero elsewhere); DSpark's block of 2 slots drafts 2."""
     target = make_target(seed=5, vocab=SMALL_VOCAB)
-    return target, make_drafter(target, seed=6, mask_id=SMALL_VOCAB - 1, block_size=3)
+    kw = dict(seed=6, mask_id=SMALL_VOCAB - 1)
+    return {
+        "dflash": (target, make_drafter(target, block_size=3, **kw)),
+        "dflash2": (target, perturbed(make_drafter(target, block_size=3, kind="dflash2", selector_top_k=12, **kw))),
+        "dspark": (target, perturbed(make_drafter(target, block_size=2, kind="dspark", markov_rank=8, **kw))),
+    }
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.8, top_p=0.9, top_k=6)])
-def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models, cfg):
-    target, drafter = small_models
+@pytest.mark.parametrize(
+    "kind, cfg, confidence_threshold",
+    [
+        ("dflash", SamplingConfig(1.0), 0.0),
+        ("dflash", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.0),
+        ("dflash2", SamplingConfig(1.0), 0.0),
+        ("dspark", SamplingConfig(1.0), 0.0),
+        # Truncated blocks: drafts after a low-confidence slot are not offered.
+        ("dspark", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.5),
+    ],
+)
+def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models, kind, cfg, confidence_threshold):
+    target, drafter = small_models[kind]
     prompt = np.array([3, 1, 4, 1, 5], np.int32)
     # 4 tokens: the prefill's, then one block of 2 drafts + bonus covers every verification path.
     batch, rounds, length = 2048, 4, 4
     decoder = SpeculativeDecoder(
-        target, drafter, max_prompt_len=8, max_new_tokens=length, batch_size=batch, sampling=cfg
+        target,
+        drafter,
+        max_prompt_len=8,
+        max_new_tokens=length,
+        batch_size=batch,
+        sampling=cfg,
+        confidence_threshold=confidence_threshold,
     )
     generations = []
     for seed in range(rounds):
@@ -134,7 +157,7 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models
     np.add.at(counts, tuple(samples.T), 1)
 
     # Every path was taken: rejection at each slot and full acceptance.
-    histogram = np.array(acceptance_stats(generations, drafter.cfg.block_size)["histogram"])
+    histogram = np.array(acceptance_stats(generations, drafter.cfg.verify_size)["histogram"])
     assert np.all(histogram > 0.01 * len(samples)), histogram
 
     exact = exact_distribution(target, prompt, cfg, length)
