@@ -225,3 +225,25 @@ def test_hub_ids_that_are_not_cached_are_one_line_errors(tiny_hub, monkeypatch):
         run_cli(evaluate, ["--target=tiny/other", "--drafter=tiny/drafter"])
     assert str(raised.value).startswith("--target=tiny/other: no such directory, and not in the Hugging Face cache")
     assert str(raised.value).endswith("hf download tiny/other")
+
+
+@pytest.mark.parametrize("kind, threshold", [("dflash2", 0.0), ("dspark", 0.3)])
+def test_evaluate_reports_per_slot_acceptance_for_every_kind(chat_target, prompts_file, tmp_path, kind, threshold):
+    """A DFlash2 or DSpark export evaluates like a DFlash one: per-slot acceptance for each of its
+    drafts (DSpark: every slot of its block of 4 drafts, so 5 tokens are verified a step)."""
+    target = load_target(chat_target, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    heads = dict(selector_rank=16) if kind == "dflash2" else dict(markov_rank=16)
+    drafter = make_drafter(target, seed=3, mask_id=CHAT_VOCAB - 1, kind=kind, **heads)
+    export = export_drafter(drafter, tmp_path / "export", dtype=jnp.float32)
+    settings = [f"--drafter={export}", f"--target={chat_target}", f"--prompts={prompts_file}", "--limit=2"]
+    settings += ["--max_new_tokens=12", "--dtype=float32", f"--output={tmp_path / 'eval'}"]
+    run_cli(evaluate, [*settings, f"--confidence_threshold={threshold}"])
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    run, stats = result["run"], result["sets"]["prompts"]
+    drafts = 4 if kind == "dspark" else 3
+    assert (run["drafter_kind"], run["verify_size"], run["confidence_threshold"]) == (kind, drafts + 1, threshold)
+    assert len(stats["slot_acceptance"]) == drafts and len(stats["histogram"]) == drafts + 1
+    assert stats["identical_outputs"] == 1.0  # greedy is lossless for every kind
+    if kind != "dspark":  # the threshold truncates DSpark's blocks only: anything else is a user error
+        with pytest.raises(UserError, match="a confidence threshold applies to DSpark drafters"):
+            run_cli(evaluate, [*settings, "--confidence_threshold=0.5"])

@@ -1,5 +1,6 @@
 """Runs identical train steps on 1 device and on 8 devices in every sharding layout — data=8,
-data=2 x fsdp=4, data=2 x fsdp=2 x tensor=2 — and checks that weights and metrics agree, and
+data=2 x fsdp=4, data=2 x fsdp=2 x tensor=2 (there for every drafter kind too) — and checks that
+weights and metrics agree, and
 that each layout placed what it promises (docs/design.md §8): the optimizer state split over
 all 8 devices in every layout, the target split over fsdp (vocab for the LM head) or over tensor
 (heads, MLP). Muon's Newton-Schulz runs on whole matrices (training/muon.py): its step gathers
@@ -31,16 +32,25 @@ TARGET = TransformerConfig(
     head_dim=32,
     rope=RopeConfig(10000.0),
 )
-DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=255, block_size=8)
-OBJECTIVE = objective.ObjectiveConfig(
-    block_size=8,
-    mask_token_id=255,
-    num_anchors=12,
-    loss_decay_gamma=4.0,
-    target_layer_ids=DRAFTER.target_layer_ids,
-    attention_chunk_blocks=4,
-    lm_head_chunk_blocks=4,
-)
+# Every drafter kind (docs/design.md §12); the heads' vocabulary-sized tables split over 8 too.
+KIND_FIELDS = {"dflash": {}, "dflash2": dict(selector_rank=16), "dspark": dict(markov_rank=16)}
+DRAFTERS = {
+    kind: DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=255, block_size=8, kind=kind, **fields)
+    for kind, fields in KIND_FIELDS.items()
+}
+OBJECTIVES = {
+    kind: objective.ObjectiveConfig(
+        block_size=8,
+        mask_token_id=255,
+        num_anchors=12,
+        loss_decay_gamma=4.0,
+        target_layer_ids=cfg.target_layer_ids,
+        attention_chunk_blocks=4,
+        lm_head_chunk_blocks=4,
+        kind=kind,
+    )
+    for kind, cfg in DRAFTERS.items()
+}
 STEPS, ACCUM = 2, 2
 OPTIMIZERS = {
     name: step.make_optimizer(step.OptimizerConfig(optimizer=name, learning_rate=1e-3, warmup_fraction=0.0), 10)
@@ -49,20 +59,20 @@ OPTIMIZERS = {
 BATCHES = [packed_batch(np.random.default_rng(i), 16, 64, 250) for i in range(STEPS)]
 
 
-def run(mesh, optimizer="adamw"):
+def run(mesh, optimizer="adamw", kind="dflash"):
     graphdef, target_params = nnx.split(nnx.eval_shape(lambda: Transformer(TARGET, rngs=nnx.Rngs(0))))
     target_params = jax.jit(
         lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(0)))[1],
         out_shardings=param_shardings(mesh, target_params),
     )()
-    state = step.init_train_state(DRAFTER, OPTIMIZERS[optimizer], seed=0, compute_dtype=jnp.float32, mesh=mesh)
+    state = step.init_train_state(DRAFTERS[kind], OPTIMIZERS[optimizer], seed=0, compute_dtype=jnp.float32, mesh=mesh)
     check_placement(mesh, state, target_params)
     train_step = step.make_train_step(
-        drafter_graphdef=step.drafter_graph(DRAFTER, jnp.float32),
+        drafter_graphdef=step.drafter_graph(DRAFTERS[kind], jnp.float32),
         target_graphdef=graphdef,
         target_params=target_params,
         tx=OPTIMIZERS[optimizer],
-        cfg=OBJECTIVE,
+        cfg=OBJECTIVES[kind],
         grad_accum_steps=ACCUM,
         mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),
@@ -112,34 +122,40 @@ def check_placement(mesh, state, target_params):
 
 def main():
     assert jax.device_count() == 8, jax.devices()
-    single = {name: run(make_mesh(1, 1, devices=jax.devices()[:1]), name)[:2] for name in step.OPTIMIZERS}
+    one_device = make_mesh(1, 1, devices=jax.devices()[:1])
+    single = {name: run(one_device, name)[:2] for name in step.OPTIMIZERS}
+    single.update({kind: run(one_device, kind=kind)[:2] for kind in ("dflash2", "dspark")})
     layouts = {
         "data=8": make_mesh(8, 1),
         "data=2,fsdp=4": make_mesh(2, 4),
         "data=2,fsdp=2,tensor=2": make_mesh(2, 2, 2),
     }
     # Muon's whole-matrix Newton-Schulz: one axis moved per all-to-all (data=8), two (tensor).
-    runs = [(name, "adamw") for name in layouts] + [("data=8", "muon"), ("data=2,fsdp=2,tensor=2", "muon")]
+    runs = [(name, "adamw", "dflash") for name in layouts]
+    runs += [("data=8", "muon", "dflash"), ("data=2,fsdp=2,tensor=2", "muon", "dflash")]
+    # The drafter kinds' heads in the most split layout.
+    runs += [("data=2,fsdp=2,tensor=2", "adamw", kind) for kind in ("dflash2", "dspark")]
     compiled = {}
-    for name, optimizer in runs:
-        params, metrics, compiled[name, optimizer] = run(layouts[name], optimizer)
-        label = f"{name} {optimizer}"
-        for step_index, (got, want) in enumerate(zip(metrics, single[optimizer][1])):
+    for name, optimizer, kind in runs:
+        params, metrics, compiled[name, optimizer, kind] = run(layouts[name], optimizer, kind)
+        label = f"{name} {optimizer} {kind}"
+        reference = single[optimizer if kind == "dflash" else kind]
+        for step_index, (got, want) in enumerate(zip(metrics, reference[1])):
             for key in want:
                 np.testing.assert_allclose(
                     got[key], want[key], rtol=2e-5, atol=1e-5, err_msg=f"{label} step {step_index} {key}"
                 )
-        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params, single[optimizer][0]))
+        diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params, reference[0]))
         print(f"{label}: max |param difference| vs 1 device = {max(diffs):.3g}")
         # Adam turns the last-bit differences of tiny gradients into differences of a few
         # percent of the learning rate (1e-3); a wrong gradient would move weights by ~1e-3.
         jax.tree.map(
             lambda a, b, label=label: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=label),
             params,
-            single[optimizer][0],
+            reference[0],
         )
         if optimizer == "muon":
-            check_muon_collectives(label, compiled[name, optimizer], compiled[name, "adamw"], params)
+            check_muon_collectives(label, compiled[name, optimizer, kind], compiled[name, "adamw", kind], params)
     print("OK")
 
 

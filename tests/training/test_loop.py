@@ -3,6 +3,7 @@ after SIGTERM, failed saves, non-finite stops, in-training acceptance and the ex
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -52,13 +53,23 @@ def latest_checkpoint(workdir: Path) -> int | None:
         checkpoints.close()
 
 
-def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache, tmp_path):
+# The fields that train each drafter kind (docs/design.md §12); DSpark weights its own slots.
+KINDS = {
+    "dflash": {},
+    "dflash2": {"drafter.kind": "dflash2"},
+    "dspark": {"drafter.kind": "dspark", "train.loss": "dflash"},
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache, tmp_path, kind):
     env = testing.subprocess_env(compilation_cache)
+    run_kind = functools.partial(run_fields, **KINDS[kind])
 
     # Uninterrupted reference, which also measures acceptance with speculative decoding.
     reference = tmp_path / "reference"
     proc = testing.start_training(
-        run_fields(
+        run_kind(
             tiny_run,
             reference,
             **{
@@ -81,7 +92,7 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
 
     # Same run, hard-killed right after its checkpoint at step 8 ...
     interrupted = tmp_path / "interrupted"
-    fields = run_fields(tiny_run, interrupted)
+    fields = run_kind(tiny_run, interrupted)
     proc = testing.start_training(fields, env, tmp_path / "run1.log")
     testing.wait_for(lambda: (interrupted / "checkpoints" / "8").is_dir(), proc, tmp_path / "run1.log")
     testing.kill(proc)
@@ -128,7 +139,8 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     assert exported.keys() == trained.keys() and "fc.weight" in exported
     for name in exported:
         np.testing.assert_array_equal(exported[name], trained[name], err_msg=name)
-    assert load_drafter(reference / "export").cfg.mask_token_id == testing.MASK_TOKEN_ID
+    exported_drafter = load_drafter(reference / "export")
+    assert (exported_drafter.cfg.mask_token_id, exported_drafter.cfg.kind) == (testing.MASK_TOKEN_ID, kind)
 
     # Rerunning a finished run says so; raising its epochs trains on and exports again.
     eval_fields = {
@@ -137,9 +149,9 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
         "eval.num_prompts": 2,
         "eval.max_new_tokens": 8,
     }
-    proc = testing.start_training(run_fields(tiny_run, reference, **eval_fields), env, tmp_path / "again.log")
+    proc = testing.start_training(run_kind(tiny_run, reference, **eval_fields), env, tmp_path / "again.log")
     assert "dflash_jax: this run had already finished" in testing.finish(proc, tmp_path / "again.log")
-    extended = run_fields(tiny_run, reference, **{**eval_fields, "train.num_epochs": EPOCHS + 1})
+    extended = run_kind(tiny_run, reference, **{**eval_fields, "train.num_epochs": EPOCHS + 1})
     proc = testing.start_training(extended, env, tmp_path / "extended.log")
     output = testing.finish(proc, tmp_path / "extended.log")
     assert proc.returncode == 0 and "dflash_jax: training finished" in output, output[-3000:]

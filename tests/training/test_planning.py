@@ -200,3 +200,29 @@ def test_plan_and_device_check_trace_the_attention_they_name():
         kernels[impl] = str(traced.jaxpr).count("pallas_call")
     assert kernels["xla"] == 0
     assert kernels["fused"] >= 2, kernels  # the target's packed causal kernel and the drafter's block kernel
+
+
+def test_plan_counts_each_kinds_heads():
+    """model FLOPs of the default run per drafter kind: DFlash2 adds its convolutions' kernel
+    projections (D -> 2·W·D/g, two per layer) and its selector (D -> r and the 16 candidates'
+    scores, rank r) on every drafted slot; DSpark drafts on every slot (8 a block, not 7), reads
+    the target's distribution there (one more LM-head pass) and adds its Markov projection
+    (r -> V) and confidence head (D + r -> 1). Forward once, and twice more backward."""
+    config = load_config_file(str(testing.REPO / "configs" / "default.py"))
+    flops = {}
+    for kind in ("dflash", "dflash2", "dspark"):
+        config.drafter.kind, config.train.loss = kind, "dflash"
+        setup = resolve(config, num_devices=1, check_files=False)
+        flops[kind] = planning.model_flops_per_step(setup, setup.data.global_batch_rows, setup.data.seq_len)
+    d, v, r, rows, anchors, block = 256, 4096, 256, 4, 64, 8
+    tokens, slots = rows * anchors * block, rows * anchors * (block - 1)
+    convs = 2 * tokens * 2 * d * (2 * 2 * d // 16)  # one layer, two convolutions
+    selector = 2 * slots * r * (d + 16)
+    assert flops["dflash2"] - flops["dflash"] == 3 * (convs + selector)
+    spark_slots = rows * anchors * block
+    lm_head = 2 * d * v
+    markov_and_confidence = 2 * spark_slots * (r * v + d + r)
+    # One more slot a block through the LM head (forward and dX), the target's LM head on every
+    # slot, and the heads.
+    expected = 2 * rows * anchors * lm_head + spark_slots * lm_head + 3 * markov_and_confidence
+    assert flops["dspark"] - flops["dflash"] == expected

@@ -3,9 +3,9 @@
 
 Convolution: around each sublayer of a drafter layer, `prepare` convolves the normalised input u
 with kernel base[0] + δ₀ and keeps δ₁; `finish` convolves the sublayer's output with base[1] + δ₁.
-δ = kernel_projection(u) [..., 2, K, G] is one number per tap and group of g channels:
+δ = kernel_projection(u) [..., 2, W, D/g] is one number per tap and group of g channels:
 
-    conv(x, δ, b)[t, c] = Σ_{o<K} (b[o, c] + δ[t, o, c // g]) · x[t - o, c],   x[t < 0] = 0,
+    conv(x, δ, b)[t, c] = Σ_{o<W} (b[o, c] + δ[t, o, c // g]) · x[t - o, c],   x[t < 0] = 0,
 
 t the position inside the block, so nothing crosses a block boundary. At initialisation
 base[:, 0] = 1 and everything else is 0: the identity, so a fresh DFlash2 drafter is a DFlash one.
@@ -13,7 +13,8 @@ base[:, 0] = 1 and everything else is 0: the identity, so a fresh DFlash2 drafte
 Selector: U_t are the unary logits of slot t (the frozen LM head, scaled and soft-capped as the
 config asks), C_t its top-k candidates; a candidate b after predecessor a scores
 S_t(a, b) = U_t(b) + ⟨A[a] ⊙ P(h_t), B[b]⟩ (A, B the predecessor / successor codebooks [V, r],
-P a projection H -> r). Shapes: L block length, H hidden, G groups, K taps, k candidates.
+P a projection D -> r). Shapes: L block length, D hidden, W taps (conv width), g channels per
+group, r the selector's rank, k candidates.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dflash_jax.models.layers import DecoderBlock, linear
 
 
 def grouped_dynamic_conv(x: jax.Array, delta: jax.Array, base: jax.Array) -> jax.Array:
-    """x [..., L, H], delta [..., L, K, G], base [K, H] -> [..., L, H] (the module docstring)."""
+    """x [..., L, D], delta [..., L, W, D/g], base [W, D] -> [..., L, D] (the module docstring)."""
     taps, hidden = base.shape
     groups = delta.shape[-1]
     out = jnp.zeros_like(x)
@@ -56,7 +57,7 @@ class GroupedDynamicConv(nnx.Module):
         )
 
     def prepare(self, u: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The normalised sublayer input u [..., L, H] -> (its convolution, δ₁ [..., L, K, G])."""
+        """The normalised sublayer input u [..., L, D] -> (its convolution, δ₁ [..., L, W, D/g])."""
         delta = self.kernel_projection(u).reshape(*u.shape[:-1], 2, self.kernel_size, self.groups)
         return grouped_dynamic_conv(u, delta[..., 0, :, :], self.base_kernel[0]), delta[..., 1, :, :]
 
@@ -106,7 +107,7 @@ class CandidateSelector(nnx.Module):
         )
 
     def context(self, hidden: jax.Array, predecessors: jax.Array) -> jax.Array:
-        """A[a] ⊙ P(h): hidden [..., H], predecessor ids [...] -> [..., r]."""
+        """A[a] ⊙ P(h): hidden [..., D], predecessor ids [...] -> [..., r]."""
         return self.predecessor_codebook[...].astype(self.compute_dtype)[predecessors] * self.hidden_projection(hidden)
 
     def pair_scores(self, context: jax.Array, candidates: jax.Array, successors: jax.Array | None = None) -> jax.Array:

@@ -61,6 +61,6 @@ class ConfidenceHead(nnx.Module):
         )
 
     def __call__(self, hidden: jax.Array, embedding: jax.Array) -> jax.Array:
-        """hidden [..., H], embedding [..., r] -> confidence logits [...] fp32."""
+        """hidden [..., D], embedding [..., r] -> confidence logits [...] fp32."""
         features = jnp.concatenate([hidden, embedding], axis=-1).astype(jnp.float32)
         return self.proj(features)[..., 0]
