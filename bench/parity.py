@@ -8,9 +8,7 @@ compute, for Qwen3 (untied and tied embeddings) and Llama-3 (llama3 RoPE scaling
 
 from __future__ import annotations
 
-import sys
 import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +18,32 @@ import transformers
 
 from dflash_jax.models.hf import load_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support/
-from support.hf_reference import write_hf_checkpoint  # noqa: E402
-
 SEQ = 64
+# Tiny random checkpoints transformers writes itself: (config class, model class, fields).
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, head_dim=16)
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+CASES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e4)),
+    "qwen3-tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e4, tie_word_embeddings=True)),
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 64}),
+    ),
+}
+
+
+def tiny_checkpoint(path: str, config_class: str, model_class: str, fields: dict) -> str:
+    """Random weights, the norms moved off 1 so that a wrong norm cannot pass."""
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**SIZES, **HEADS, **fields}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
 
 
 def errors(path: str, compute_dtype) -> tuple[float, float, float]:
@@ -52,12 +72,8 @@ def main():
     transformers.utils.logging.disable_progress_bar()
     print(f"{'model':<12} {'compute':<9} {'max|Δlogit|':>12} {'max|Δhidden|':>13} {'argmax agree':>13}")
     with tempfile.TemporaryDirectory() as tmp:
-        cases = {
-            "qwen3": write_hf_checkpoint(f"{tmp}/q", arch="qwen3"),
-            "qwen3-tied": write_hf_checkpoint(f"{tmp}/t", arch="qwen3", tie_word_embeddings=True),
-            "llama3": write_hf_checkpoint(f"{tmp}/l", arch="llama"),
-        }
-        for name, path in cases.items():
+        for name, case in CASES.items():
+            path = tiny_checkpoint(f"{tmp}/{name}", *case)
             for dtype in (jnp.float32, jnp.bfloat16):
                 logit_err, hidden_err, agree = errors(path, dtype)
                 print(f"{name:<12} {jnp.dtype(dtype).name:<9} {logit_err:>12.2e} {hidden_err:>13.2e} {agree:>13.3f}")

@@ -42,8 +42,8 @@ from dflash_jax.models import attention
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.training import hlo, roofline
 from dflash_jax.training.flops import model_flops_per_step
+from dflash_jax.training.optimizer import OPTIMIZERS, make_optimizer
 from dflash_jax.training.run_config import TrainSetup, load_config_file, resolve
-from dflash_jax.training.step import OPTIMIZERS
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 
@@ -188,7 +188,7 @@ def _legacy_step(module, setup, mesh):
     target_params = jax.jit(
         lambda: nnx.split(new_target())[1], out_shardings=sharding.param_shardings(mesh, abstract)
     )()
-    tx = step_lib.make_optimizer(setup.optimizer, 1000)
+    tx = make_optimizer(setup.optimizer, 1000)
     state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
     step = step_lib.make_train_step(
         drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),

@@ -2,7 +2,8 @@
 
     errors <- models <- data <- decoding <- training <- command-line modules
 
-and the package imports no test framework or reference implementation (torch)."""
+no module imports, through others, itself (no import circles, inside a package included), and
+the package imports no test framework or reference implementation (torch)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def imports(path: Path) -> list[str]:
     return found
 
 
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules a file imports: `from a.b import c` imports a.b.c when that is a module."""
+    found = set(imports(path))
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found & modules
+
+
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
@@ -59,9 +69,48 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
 
 
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each group of modules that import one another, through others or directly (the strongly
+    connected components of more than one module, or a module importing itself), sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1 or node in graph.get(node, ()):
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def import_graph() -> dict[str, set[str]]:
+    names = {module_name(p): p for p in MODULES}
+    return {name: imported_modules(path, set(names)) for name, path in names.items()}
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
 def test_imports_point_down(path):
     assert violations(module_name(path), path) == []
+
+
+def test_no_import_circles():
+    """Imports inside functions and under TYPE_CHECKING count: they are circles all the same."""
+    assert circles(import_graph()) == []
 
 
 def test_the_check_can_fail(tmp_path):
@@ -76,3 +125,9 @@ def test_the_check_can_fail(tmp_path):
     assert any("imports dflash_jax.evaluate (layer 5)" in v for v in found), found
     assert violations("dflash_jax.training.bad", tmp_path / "bad.py") != []  # torch is never allowed
     assert layer_of("dflash_jax.training.loop") > layer_of("dflash_jax.models.transformer")
+    # config -> sections -> step -> config, and a module importing itself, inside one package.
+    graph = {"t.config": {"t.sections"}, "t.sections": {"t.step", "t.mesh"}, "t.step": {"t.config"}, "t.x": {"t.x"}}
+    assert circles(graph) == [["t.config", "t.sections", "t.step"], ["t.x"]]
+    modules = {"dflash_jax.models", "dflash_jax.models.families", "dflash_jax.models.config"}
+    (tmp_path / "f.py").write_text("from dflash_jax.models import families\nfrom dflash_jax.models.config import X\n")
+    assert imported_modules(tmp_path / "f.py", modules) == modules

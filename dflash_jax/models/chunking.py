@@ -14,6 +14,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+# Blocks of a row the drafter's attention takes at a time, unless told (train.attention_chunk_blocks).
+BLOCKS_PER_CHUNK = 32
+
 
 def map_block_chunks(fn: Callable, xs: tuple[jax.Array, ...], blocks_per_chunk: int, *, remat: bool = True):
     """fn(*chunks) applied to `blocks_per_chunk` blocks at a time; results concatenated. With

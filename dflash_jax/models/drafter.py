@@ -26,6 +26,7 @@ from flax import nnx
 from dflash_jax.models import block_attention
 from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.cache import KVCache, LayerCache
+from dflash_jax.models.chunking import BLOCKS_PER_CHUNK
 from dflash_jax.models.heads import dflash2, dspark
 from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
 from dflash_jax.models.mixers import AttentionProjections
@@ -46,7 +47,7 @@ class DraftBlocks:
     ctx_mask: jax.Array  # [B, N, S]: the context each block sees (`block_attention.block_context_mask`)
     positions: jax.Array  # [B, N, L]: in-document positions of the block tokens (sliding windows)
     ctx_positions: jax.Array  # [B, S]: in-document positions of the context
-    blocks_per_chunk: int = flax.struct.field(pytree_node=False, default=32)
+    blocks_per_chunk: int = flax.struct.field(pytree_node=False)
 
 
 @flax.struct.dataclass
@@ -193,7 +194,7 @@ class DFlashDrafter(nnx.Module):
         ctx_positions: jax.Array,
         ctx_mask: jax.Array,
         *,
-        blocks_per_chunk: int = 32,
+        blocks_per_chunk: int = BLOCKS_PER_CHUNK,
         remat: bool = False,
     ) -> jax.Array:
         """Training forward over many blocks of a packed batch.

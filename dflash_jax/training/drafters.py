@@ -21,7 +21,8 @@ from dflash_jax.models.hf import export_drafter, load_drafter
 from dflash_jax.training.checkpoint import RunCheckpoints, ema_decay_of, optimizer_of
 from dflash_jax.training.ema import served_params
 from dflash_jax.training.mesh import make_mesh
-from dflash_jax.training.step import OptimizerConfig, abstract_train_state, drafter_graph, make_optimizer
+from dflash_jax.training.optimizer import OptimizerConfig, make_optimizer
+from dflash_jax.training.step import abstract_train_state, drafter_graph
 from dflash_jax.training.workdir import Workdir
 
 

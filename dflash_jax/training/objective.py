@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models.block_attention import block_context_mask
-from dflash_jax.models.chunking import map_block_chunks
+from dflash_jax.models.chunking import BLOCKS_PER_CHUNK, map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training.dflash2_loss import dflash2_terms
@@ -56,22 +56,46 @@ LOSSES = ("dflash", "dpace")
 
 
 @dataclasses.dataclass(frozen=True)
-class ObjectiveConfig:
-    block_size: int
-    mask_token_id: int
-    num_anchors: int
-    loss_decay_gamma: float
-    target_layer_ids: tuple[int, ...]
-    anchor_scheme: str = "document"  # one of ANCHOR_SCHEMES (docs/design.md §3.1)
-    anchors_per_document: int = 0  # 'document' scheme: cap on a document's share; 0 = no cap
-    loss: str = "dflash"  # one of LOSSES (docs/design.md §3.3)
-    dpace_alpha: float = 0.5  # 'dpace': smoothing of the target token's probability, in [0, 1]
-    attention_chunk_blocks: int = 32
+class ObjectiveSettings:
+    """The objective's fields of the `train` section (training/sections.py's TrainSettings)."""
+
+    # Blocks per row.
+    num_anchors: int = 512
+    # docs/design.md §3.1: 'document' (response-token anchors, every document its share),
+    # 'response' (response-token anchors, uniform over the row) or 'row' (the original scheme).
+    anchor_scheme: str = "document"
+    # 'document': cap on one document's anchors; 0 = no cap.
+    anchors_per_document: int = 0
+    # docs/design.md §3.3: 'dflash' (the paper's position decay) or 'dpace' (D-PACE confidence
+    # weights).
+    loss: str = "dflash"
+    # 'dpace': smoothing of the target token's probability, in [0, 1].
+    dpace_alpha: float = 0.5
+    # 'dflash': γ of the position decay; 0 = the paper's value for the block size (4 for
+    # drafter.kind='dspark', as DeepSpec trains it).
+    loss_decay_gamma: float = 0.0
+    # docs/design.md §3.3: score each slot against the target's whole next-token distribution
+    # (KL divergence) instead of the data token alone.
+    distill: bool = False
+    # drafter.kind='dflash2': weight α of the candidate cross-entropy added to the DFlash loss.
+    selector_alpha: float = 1.0
+    # Recompute each drafter layer in the backward pass.
+    remat: bool = False
+    # Blocks per attention chunk (memory vs speed).
+    attention_chunk_blocks: int = BLOCKS_PER_CHUNK
+    # Blocks per LM-head/cross-entropy chunk.
     lm_head_chunk_blocks: int = 32
-    remat: bool = False  # recompute each drafter layer in the backward pass
-    distill: bool = False  # score slots against the target's distribution (docs/design.md §3.3)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig(ObjectiveSettings):
+    """The settings resolved against the drafter and the target (`training.run_config.resolve`)."""
+
+    block_size: int = dataclasses.field(kw_only=True)
+    mask_token_id: int = dataclasses.field(kw_only=True)
+    target_layer_ids: tuple[int, ...] = dataclasses.field(kw_only=True)
+    loss_decay_gamma: float = dataclasses.field(kw_only=True)  # resolved: never 0
     kind: str = "dflash"  # the drafter's kind (models.architecture.DRAFTER_KINDS): which terms score it
-    selector_alpha: float = 1.0  # 'dflash2': weight of the candidate cross-entropy
 
     @property
     def num_drafts(self) -> int:

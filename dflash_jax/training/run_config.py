@@ -1,8 +1,9 @@
 """The training config: one schema (`base_config`), checked once (`resolve`).
 
-`base_config()` is generated from the section dataclasses of training/sections.py (and
-data/settings.py's `DataConfig` for `data`): each field's default and meaning are written there,
-once. Config files (configs/*.py) override what differs.
+`base_config()` is generated from the section dataclasses of training/sections.py (the train
+section extends training/objective.py's `ObjectiveSettings` and training/optimizer.py's
+`OptimizerConfig`; `data` is data/settings.py's `DataConfig`): each field's default and meaning are
+written there, once. Config files (configs/*.py) override what differs.
 
 `resolve(config, num_devices=...)` is the only code that reads a config: every section checks
 itself, then resolve checks what spans sections, reads the small files the run depends on (the
@@ -36,23 +37,32 @@ from dflash_jax.models.gguf import gguf_source
 from dflash_jax.models.hf import read_config
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.mesh import mesh_shape
-from dflash_jax.training.objective import DSPARK_LOSS_DECAY_GAMMA, PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig
+from dflash_jax.training.objective import (
+    DSPARK_LOSS_DECAY_GAMMA,
+    PAPER_LOSS_DECAY_GAMMA,
+    ObjectiveConfig,
+    ObjectiveSettings,
+)
+from dflash_jax.training.optimizer import OptimizerConfig
 from dflash_jax.training.sections import (
     SECTIONS,
     CheckpointSettings,
     DistributedSettings,
+    DrafterSettings,
     EvalSettings,
     LogSettings,
+    MeshSettings,
     TopLevelSettings,
+    TrainSettings,
     field_path,
 )
-from dflash_jax.training.step import OptimizerConfig
 from dflash_jax.training.workdir import Workdir
 
 # Where a user finds every field, its default and its meaning (messages, --help).
 FIELDS_DOCUMENTED = (
     "every field, its default and its meaning are documented in the section dataclasses of "
-    "dflash_jax/training/sections.py (data: DataConfig in dflash_jax/data/settings.py)"
+    "dflash_jax/training/sections.py (train: also ObjectiveSettings in dflash_jax/training/objective.py "
+    "and OptimizerConfig in dflash_jax/training/optimizer.py; data: DataConfig in dflash_jax/data/settings.py)"
 )
 
 
@@ -157,29 +167,74 @@ def resolve(
 
 
 def _resolve(config, num_devices, target, check_files) -> TrainSetup:
-    """Each section checks itself (training/sections.py); what follows spans sections or reads files."""
+    """Each section checks itself (training/sections.py); then, in order, what spans sections or
+    reads files."""
     check_field_names(config)
-    top = _section(config, "")
-    target_section, drafter_section = _section(config, "target"), _section(config, "drafter")
-    train, mesh = _section(config, "train"), _section(config, "mesh")
+    top, target_section, drafter_section = _section(config, ""), _section(config, "target"), _section(config, "drafter")
+    train = _section(config, "train")
     if check_files:
         _require(bool(top.workdir), "workdir is empty: set --config.workdir=/path/to/run")
-    target_path = _target_path(target_section.path) if check_files or target is None else target_section.path
-    if target is None:
-        target = _target_config(target_path)
+    target_path, target = _target(target_section.path, target, check_files)
     data = _data(config, check_files)
+    _check_blocks(drafter_section, train, target, data.seq_len)
+    mask_token_id = _mask_token(drafter_section.mask_token_id, target, target_path, check_files)
+    _check_drafter_kind(drafter_section, train)
+    shape = _mesh(_section(config, "mesh"), num_devices, target, data.global_batch_rows, train.grad_accum_steps)
+    evaluation = _evaluation(_section(config, "eval"), drafter_section.kind, data, target_path, check_files)
+    drafter = _drafter(drafter_section, target, mask_token_id)
+    return TrainSetup(
+        workdir=Workdir.at(top.workdir) if top.workdir else None,
+        target_path=target_path,
+        target=target,
+        target_dtype=DTYPES[target_section.dtype],
+        compute_dtype=DTYPES[train.compute_dtype],
+        drafter=drafter,
+        objective=_objective(train, drafter),
+        optimizer=OptimizerConfig(**_fields_of(train, OptimizerConfig)),
+        data=data,
+        mesh_shape=shape,
+        run=RunSettings(
+            train.num_epochs,
+            train.max_steps,
+            train.grad_accum_steps,
+            train.max_nonfinite_streak,
+            top.seed,
+            train.attention,
+        ),
+        checkpoint=_section(config, "checkpoint"),
+        log=_section(config, "log"),
+        eval=evaluation,
+        distributed=_section(config, "distributed"),
+        config_dict=json.loads(config.to_json_best_effort()),
+    )
 
-    block_size, seq_len = drafter_section.block_size, data.seq_len
-    _require(block_size < seq_len, f"drafter.block_size={block_size} must be below data.seq_len={seq_len}")
-    layer_ids = drafter_section.target_layer_ids
-    bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
+
+def _target(path: str, target: TransformerConfig | None, check_files: bool) -> tuple[str, TransformerConfig]:
+    """(target directory, target architecture): read from target.path unless given."""
+    target_path = _target_path(path) if check_files or target is None else path
+    return target_path, target or _target_config(target_path)
+
+
+def _check_blocks(drafter: DrafterSettings, train: TrainSettings, target: TransformerConfig, seq_len: int) -> None:
+    """Blocks fit the rows, and the target layers read exist."""
+    _require(
+        drafter.block_size < seq_len, f"drafter.block_size={drafter.block_size} must be below data.seq_len={seq_len}"
+    )
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
     _require(
         not bad,
-        f"drafter.target_layer_ids {list(layer_ids)}: {bad} out of range, the target has "
+        f"drafter.target_layer_ids {list(drafter.target_layer_ids)}: {bad} out of range, the target has "
         f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})",
     )
-    if check_files or drafter_section.mask_token_id >= 0:
-        mask_token_id = _mask_token_id(drafter_section.mask_token_id, target_path)
+    _require(
+        train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be at most data.seq_len={seq_len}"
+    )
+
+
+def _mask_token(configured: int, target: TransformerConfig, target_path: str, check_files: bool) -> int:
+    """The mask token's id: configured, or looked up in the tokenizer; a row of the embedding."""
+    if check_files or configured >= 0:
+        mask_token_id = _mask_token_id(configured, target_path)
     else:  # a plan without a tokenizer: which row is the mask changes nothing planned
         mask_token_id = target.vocab_size - 1
     _require(
@@ -187,13 +242,15 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
         f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}",
     )
+    return mask_token_id
+
+
+def _check_drafter_kind(drafter: DrafterSettings, train: TrainSettings) -> None:
+    """The loss settings the drafter's kind can take."""
+    kind = drafter.kind
     _require(
-        train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be at most data.seq_len={seq_len}"
-    )
-    kind = drafter_section.kind
-    _require(
-        bool(train.loss_decay_gamma) or kind == "dspark" or block_size in PAPER_LOSS_DECAY_GAMMA,
-        f"drafter.block_size={block_size} has no paper loss decay gamma (known for "
+        bool(train.loss_decay_gamma) or kind == "dspark" or drafter.block_size in PAPER_LOSS_DECAY_GAMMA,
+        f"drafter.block_size={drafter.block_size} has no paper loss decay gamma (known for "
         f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma",
     )
     _require(
@@ -206,6 +263,12 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         "train.distill does not apply to drafter.kind='dspark': its loss always reads the target's distribution",
     )
 
+
+def _mesh(
+    mesh: MeshSettings, num_devices: int, target: TransformerConfig, rows: int, accum: int
+) -> tuple[int, int, int]:
+    """(data, fsdp, tensor): the devices' layout, which the target's heads and MLP and the batch
+    rows divide."""
     try:
         shape = mesh_shape(mesh.data, mesh.fsdp, num_devices, mesh.tensor)
     except ValueError as e:
@@ -220,88 +283,74 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             size % tensor == 0,
             f"mesh.tensor={tensor} must divide the target's {name}={size} (heads and MLP are split over it)",
         )
-    rows, accum = data.global_batch_rows, train.grad_accum_steps
     row_groups = shape[0] * shape[1]  # batch rows are split over data x fsdp, not tensor
     _require(
         rows % (row_groups * accum) == 0,
         f"data.global_batch_rows={rows} must be divisible by mesh data x fsdp ({row_groups}) x "
         f"train.grad_accum_steps ({accum}) = {row_groups * accum}",
     )
+    return shape
 
-    evaluation = _section(config, "eval")
+
+def _evaluation(
+    evaluation: EvalSettings, kind: str, data: DataConfig, target_path: str, check_files: bool
+) -> EvalSettings:
+    """The eval section with its prompt set resolved (a file, a benchmark or the held-out rows)."""
     _require(
         kind == "dspark" or not evaluation.confidence_threshold,
         f"eval.confidence_threshold applies to drafter.kind='dspark' only (this drafter is {kind!r})",
     )
     if evaluation.prompts and check_files:
         try:
-            evaluation = dataclasses.replace(evaluation, prompts=resolve_prompt_set(evaluation.prompts)[1])
+            return dataclasses.replace(evaluation, prompts=resolve_prompt_set(evaluation.prompts)[1])
         except FileNotFoundError:
             raise ConfigError(f"eval.prompts={evaluation.prompts!r} does not exist ('' turns evaluation off)") from None
         except UserError as e:  # keeps the hub-cache hint
             raise ConfigError(f"eval.prompts: {e} ('' turns evaluation off)") from None
-    elif data.heldout_rows:
-        evaluation = dataclasses.replace(evaluation, prompts=HeldoutPrompts(data, target_path))
+    if data.heldout_rows:
+        return dataclasses.replace(evaluation, prompts=HeldoutPrompts(data, target_path))
+    return evaluation
 
+
+def _drafter(drafter: DrafterSettings, target: TransformerConfig, mask_token_id: int) -> DrafterConfig:
     try:
-        drafter = DrafterConfig.for_target(
+        return DrafterConfig.for_target(
             target,
-            num_layers=drafter_section.num_layers,
+            num_layers=drafter.num_layers,
             mask_token_id=mask_token_id,
-            block_size=block_size,
-            target_layer_ids=layer_ids or None,
-            intermediate_size=drafter_section.intermediate_size or None,
-            num_heads=drafter_section.num_heads or None,
-            num_kv_heads=drafter_section.num_kv_heads or None,
-            head_dim=drafter_section.head_dim or None,
-            num_context_layers=drafter_section.num_context_layers or None,
-            layer_types=drafter_section.layer_types,
-            sliding_window=drafter_section.sliding_window,
-            kind=kind,
-            **{name: getattr(drafter_section, name) for name in KIND_FIELDS[kind]},
+            block_size=drafter.block_size,
+            target_layer_ids=drafter.target_layer_ids or None,
+            intermediate_size=drafter.intermediate_size or None,
+            num_heads=drafter.num_heads or None,
+            num_kv_heads=drafter.num_kv_heads or None,
+            head_dim=drafter.head_dim or None,
+            num_context_layers=drafter.num_context_layers or None,
+            layer_types=drafter.layer_types,
+            sliding_window=drafter.sliding_window,
+            kind=drafter.kind,
+            **{name: getattr(drafter, name) for name in KIND_FIELDS[drafter.kind]},
         )
     except ValueError as e:  # the drafter's shape checks (heads, layer_types, ...)
         raise ConfigError(f"drafter: {e}") from None
-    return TrainSetup(
-        workdir=Workdir.at(top.workdir) if top.workdir else None,
-        target_path=target_path,
-        target=target,
-        target_dtype=DTYPES[target_section.dtype],
-        compute_dtype=DTYPES[train.compute_dtype],
-        drafter=drafter,
-        objective=ObjectiveConfig(
-            block_size=block_size,
-            mask_token_id=mask_token_id,
-            num_anchors=train.num_anchors,
-            anchor_scheme=train.anchor_scheme,
-            anchors_per_document=train.anchors_per_document,
-            loss=train.loss,
-            dpace_alpha=train.dpace_alpha,
-            distill=train.distill,
-            loss_decay_gamma=float(
-                train.loss_decay_gamma
-                or (DSPARK_LOSS_DECAY_GAMMA if kind == "dspark" else PAPER_LOSS_DECAY_GAMMA[block_size])
-            ),
-            kind=kind,
-            selector_alpha=train.selector_alpha,
-            target_layer_ids=drafter.target_layer_ids,
-            attention_chunk_blocks=train.attention_chunk_blocks,
-            lm_head_chunk_blocks=train.lm_head_chunk_blocks,
-            remat=train.remat,
-        ),
-        # Every optimizer setting is a train field of the same name.
-        optimizer=OptimizerConfig(**{f.name: getattr(train, f.name) for f in dataclasses.fields(OptimizerConfig)}),
-        data=data,
-        mesh_shape=shape,
-        run=RunSettings(
-            train.num_epochs, train.max_steps, accum, train.max_nonfinite_streak, top.seed, train.attention
-        ),
-        checkpoint=_section(config, "checkpoint"),
-        log=_section(config, "log"),
-        eval=evaluation,
-        distributed=_section(config, "distributed"),
-        config_dict=json.loads(config.to_json_best_effort()),
+
+
+def _objective(train: TrainSettings, drafter: DrafterConfig) -> ObjectiveConfig:
+    """The train section's objective fields, with γ resolved for the drafter's block size and kind."""
+    default_gamma = (
+        DSPARK_LOSS_DECAY_GAMMA if drafter.kind == "dspark" else PAPER_LOSS_DECAY_GAMMA.get(drafter.block_size)
     )
+    return ObjectiveConfig(
+        **{**_fields_of(train, ObjectiveSettings), "loss_decay_gamma": float(train.loss_decay_gamma or default_gamma)},
+        block_size=drafter.block_size,
+        mask_token_id=drafter.mask_token_id,
+        target_layer_ids=drafter.target_layer_ids,
+        kind=drafter.kind,
+    )
+
+
+def _fields_of(settings, cls) -> dict[str, Any]:
+    """The fields of `cls` (a dataclass `settings` extends) as `settings` holds them."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)}
 
 
 def resolve_data(config: ml_collections.ConfigDict) -> tuple[DataConfig, str]:

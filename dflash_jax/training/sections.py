@@ -1,10 +1,13 @@
-"""The sections of the training config: every field, its default and its meaning, in one place.
+"""The sections of the training config. Every field, its default and its meaning are written once:
+here, or, for the train section's objective and optimizer fields, in the dataclasses it extends
+(training/objective.py's ObjectiveSettings, training/optimizer.py's OptimizerConfig), which the
+objective and the optimizer receive.
 
 Each section is a frozen dataclass whose defaults are the paper's recipe (docs/design.md §3.5);
 a sentinel value (-1, 0, '') is explained next to its field, and nowhere else. `problems()`
 checks what a section can check alone, one message per field named `section.field`; checks
-that span sections or read files are `training.run_config.resolve`'s. `training.run_config.base_config`
-is generated from `TopLevelSettings` and `SECTIONS`; the `data` section is
+that span sections or read files are `training.run_config.resolve`'s.
+`training.run_config.base_config` is generated from `TopLevelSettings` and `SECTIONS`; the `data` section is
 `data.settings.DataConfig`.
 """
 
@@ -15,8 +18,8 @@ import dataclasses
 from dflash_jax.data.settings import DataConfig
 from dflash_jax.models.architecture import DRAFTER_KINDS, DTYPES
 from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES
-from dflash_jax.training.step import OPTIMIZERS
+from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES, ObjectiveSettings
+from dflash_jax.training.optimizer import OPTIMIZERS, OptimizerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,59 +113,20 @@ class DrafterSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainSettings:
-    """The objective, the optimizer and the loop."""
+class TrainSettings(ObjectiveSettings, OptimizerConfig):
+    """The objective (its fields: training/objective.py's ObjectiveSettings), the optimizer (its
+    fields: training/optimizer.py's OptimizerConfig) and the loop (below)."""
 
     num_epochs: int = 6
     # 0 = every step of num_epochs; > 0: stop (and end the LR schedule) there.
     max_steps: int = 0
     # Micro-batches per optimizer update (the global batch is data.global_batch_rows).
     grad_accum_steps: int = 1
-    # Blocks per row.
-    num_anchors: int = 512
-    # docs/design.md §3.1: 'document' (response-token anchors, every document its share),
-    # 'response' (response-token anchors, uniform over the row) or 'row' (the original scheme).
-    anchor_scheme: str = "document"
-    # 'document': cap on one document's anchors; 0 = no cap.
-    anchors_per_document: int = 0
-    # docs/design.md §3.3: 'dflash' (the paper's position decay) or 'dpace' (D-PACE confidence
-    # weights).
-    loss: str = "dflash"
-    # 'dpace': smoothing of the target token's probability, in [0, 1].
-    dpace_alpha: float = 0.5
-    # 'dflash': γ of the position decay; 0 = the paper's value for the block size (4 for
-    # drafter.kind='dspark', as DeepSpec trains it).
-    loss_decay_gamma: float = 0.0
-    # docs/design.md §3.3: score each slot against the target's whole next-token distribution
-    # (KL divergence) instead of the data token alone.
-    distill: bool = False
-    # drafter.kind='dflash2': weight α of the candidate cross-entropy added to the DFlash loss.
-    selector_alpha: float = 1.0
-    # docs/design.md §3.5: 'adamw', or 'muon' (the drafter's matrices by Muon, its update scaled
-    # to AdamW's size so the same learning rate serves; norm scales by AdamW). Linear warmup over
-    # warmup_fraction of the steps, then cosine to 0; b1, b2 are AdamW's; weight decay applies to
-    # matrices only; grad_clip_norm clips the global gradient norm.
-    optimizer: str = "adamw"
-    learning_rate: float = 6e-4
-    warmup_fraction: float = 0.04
-    b1: float = 0.9
-    b2: float = 0.999
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
-    # > 0: evaluate and export an exponential moving average of the weights with this decay
-    # (training/ema.py); 0 = the last weights.
-    ema_decay: float = 0.0
     # Drafter compute; master weights are always fp32.
     compute_dtype: str = "bfloat16"
-    # Recompute each drafter layer in the backward pass.
-    remat: bool = False
     # Attention code (models/attention.py): 'auto' = fused Pallas kernels on GPU, XLA elsewhere;
     # 'xla' (the reference) or 'fused' to force one.
     attention: str = "auto"
-    # Blocks per attention chunk (memory vs speed).
-    attention_chunk_blocks: int = 32
-    # Blocks per LM-head/cross-entropy chunk.
-    lm_head_chunk_blocks: int = 32
     # Stop after this many consecutive skipped (non-finite) updates.
     max_nonfinite_streak: int = 20
 

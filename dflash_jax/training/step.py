@@ -1,4 +1,4 @@
-"""The jitted train step: frozen target forward, drafter forward/backward, AdamW update.
+"""The jitted train step: frozen target forward, drafter forward/backward, optimizer update.
 
 The drafter is split once into a static graph and a `TrainState` of plain arrays; the step is
 one pure function jitted over the mesh with explicit shardings (batch rows over (data, fsdp);
@@ -29,9 +29,9 @@ from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import muon, objective
-from dflash_jax.training.ema import with_weight_average
+from dflash_jax.training import objective
 from dflash_jax.training.mesh import batch_sharding
+from dflash_jax.training.optimizer import learning_rate_schedule, make_optimizer
 
 if TYPE_CHECKING:
     from dflash_jax.training.run_config import TrainSetup
@@ -45,61 +45,6 @@ class TrainState:
     rng: jax.Array  # uint32 key data; step s samples anchors with fold_in(rng, s)
     skipped_updates: jax.Array  # int32: non-finite steps skipped so far
     nonfinite_streak: jax.Array  # int32: consecutive non-finite steps up to now
-
-
-# docs/design.md §3.5: 'adamw' (the paper's); 'muon': the drafter's matrices by Muon
-# (orthogonalized momentum), its vectors (norm scales) by AdamW.
-OPTIMIZERS = ("adamw", "muon")
-
-# Muon's update is scaled to this RMS per matrix, about AdamW's (Moonlight, arXiv 2502.16982), so
-# one learning rate serves both optimizers and the AdamW-trained vectors.
-MUON_UPDATE_RMS = 0.2
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    optimizer: str = "adamw"  # one of OPTIMIZERS
-    learning_rate: float = 6e-4
-    warmup_fraction: float = 0.04
-    b1: float = 0.9
-    b2: float = 0.999
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
-    ema_decay: float = 0.0  # > 0: the optimizer state averages the weights (training/ema.py)
-
-
-def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup over `warmup_fraction` of training, then cosine to 0."""
-    warmup = int(round(cfg.warmup_fraction * total_steps))
-    return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1)
-    )
-
-
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW or Muon; weight decay applies to matrices only (norm scales
-    shrinking towards 0 is not regularization)."""
-    schedule = learning_rate_schedule(cfg, total_steps)
-    if cfg.optimizer == "muon":
-        # Muon takes every 2-D leaf (all the drafter's matrices) and decays them; the rest get
-        # AdamW with b1, b2 and no decay. Its Newton-Schulz iterations run on whole matrices.
-        update = muon.muon(
-            schedule,
-            consistent_rms=MUON_UPDATE_RMS,
-            weight_decay=cfg.weight_decay,
-            adam_b1=cfg.b1,
-            adam_b2=cfg.b2,
-        )
-    else:
-        update = optax.adamw(
-            schedule,
-            b1=cfg.b1,
-            b2=cfg.b2,
-            weight_decay=cfg.weight_decay,
-            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-        )
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), update)
-    return with_weight_average(tx, cfg.ema_decay) if cfg.ema_decay > 0 else tx
 
 
 def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int, attention: str = "auto") -> DFlashDrafter:
@@ -193,61 +138,13 @@ def make_train_step(
     (docs/design.md §3.3), and each row's anchors come from the row's own key, so 1 x 16 rows
     and 4 x 4 rows give the same update.
     """
-
-    def loss_fn(params, target, features, block_embeds, positions, blocks):
-        drafter = nnx.merge(drafter_graphdef, params)
-        return objective.drafter_loss(drafter, target.unembed, features, block_embeds, positions, blocks, cfg)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    micro_step = _micro_batch_gradients(drafter_graphdef, cfg)
 
     def step(state: TrainState, target_params: nnx.State, batch: objective.Batch):
         target = nnx.merge(target_graphdef, target_params)
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-
-        def accumulate(grads, xs):
-            micro, row_ids = xs
-            features, block_embeds, blocks = objective.frozen_inputs(
-                target, micro, objective.row_keys(step_key, row_ids), cfg
-            )
-            (_, sums), micro_grads = grad_fn(state.params, target, features, block_embeds, micro["positions"], blocks)
-            return jax.tree.map(jnp.add, grads, micro_grads), sums
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        micro_batches, micro_row_ids = _split_micro_batches(batch, grad_accum_steps, mesh)
-        grads, micro_sums = jax.lax.scan(accumulate, zeros, (micro_batches, micro_row_ids))
-        sums = jax.tree.map(lambda x: x.sum(0), micro_sums)
-        # The denominator does not depend on the weights: d(Σ w·CE / n) = d(Σ w·CE) / n.
-        # Nothing scored: 0.
-        grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
-
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(sums["weighted_ce"]) & jnp.isfinite(grad_norm) & _all_finite(params)
-
-        def keep_if_ok(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-        # A skipped step contributes nothing to the metrics but its count.
-        sums = {k: jnp.where(ok, v, 0.0) for k, v in sums.items()}
-
-        new_state = TrainState(
-            step=state.step + 1,
-            params=keep_if_ok(params, state.params),
-            opt_state=keep_if_ok(opt_state, state.opt_state),
-            rng=state.rng,
-            skipped_updates=state.skipped_updates + (~ok).astype(jnp.int32),
-            nonfinite_streak=jnp.where(ok, 0, state.nonfinite_streak + 1),
-        )
-        segment_ids = batch["segment_ids"]
-        metrics = {
-            **sums,
-            "grad_norm_sum": jnp.where(ok, grad_norm, 0.0),
-            "updates_applied": ok.astype(jnp.float32),
-            "real_tokens": (segment_ids != 0).sum().astype(jnp.float32),
-            "padded_tokens": jnp.float32(segment_ids.size),
-        }
-        return new_state, metrics
+        grads, sums = _accumulated_gradients(micro_step, state, target, batch, grad_accum_steps, mesh)
+        new_state, ok, grad_norm = _apply_if_finite(tx, state, grads, sums)
+        return new_state, _step_metrics(sums, ok, grad_norm, batch["segment_ids"])
 
     def sharded_step(state: TrainState, target_params: nnx.State, batch: objective.Batch):
         with activation_sharding(mesh):  # activations placed by logical names while tracing
@@ -260,6 +157,75 @@ def make_train_step(
         out_shardings=(state_sharding, None),
         donate_argnums=0,
     )
+
+
+def _micro_batch_gradients(drafter_graphdef: nnx.GraphDef, cfg: objective.ObjectiveConfig) -> Callable:
+    """`(params, target, micro-batch, row keys) -> (sums, gradient of Σ w·CE)`: the frozen
+    target's inputs to the drafter, then the drafter's loss and its gradient."""
+
+    def loss_fn(params, target, features, block_embeds, positions, blocks):
+        drafter = nnx.merge(drafter_graphdef, params)
+        return objective.drafter_loss(drafter, target.unembed, features, block_embeds, positions, blocks, cfg)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro_step(params, target, micro, row_keys):
+        features, block_embeds, blocks = objective.frozen_inputs(target, micro, row_keys, cfg)
+        (_, sums), grads = grad_fn(params, target, features, block_embeds, micro["positions"], blocks)
+        return sums, grads
+
+    return micro_step
+
+
+def _accumulated_gradients(micro_step, state: TrainState, target, batch, grad_accum_steps: int, mesh: Mesh):
+    """Σ over micro-batches of the gradients and sums, the gradients divided by the global
+    denominator. The denominator does not depend on the weights: d(Σ w·CE / n) = d(Σ w·CE) / n;
+    nothing scored: 0."""
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+    def accumulate(grads, xs):
+        micro, row_ids = xs
+        sums, micro_grads = micro_step(state.params, target, micro, objective.row_keys(step_key, row_ids))
+        return jax.tree.map(jnp.add, grads, micro_grads), sums
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    micro_batches, micro_row_ids = _split_micro_batches(batch, grad_accum_steps, mesh)
+    grads, micro_sums = jax.lax.scan(accumulate, zeros, (micro_batches, micro_row_ids))
+    sums = jax.tree.map(lambda x: x.sum(0), micro_sums)
+    return jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads), sums
+
+
+def _apply_if_finite(tx, state: TrainState, grads, sums) -> tuple[TrainState, jax.Array, jax.Array]:
+    """The optimizer's update, kept only when the loss, the gradient norm and the new weights
+    are all finite -> (new state, whether it was kept, gradient norm)."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(sums["weighted_ce"]) & jnp.isfinite(grad_norm) & _all_finite(params)
+
+    def keep_if_ok(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+    new_state = TrainState(
+        step=state.step + 1,
+        params=keep_if_ok(params, state.params),
+        opt_state=keep_if_ok(opt_state, state.opt_state),
+        rng=state.rng,
+        skipped_updates=state.skipped_updates + (~ok).astype(jnp.int32),
+        nonfinite_streak=jnp.where(ok, 0, state.nonfinite_streak + 1),
+    )
+    return new_state, ok, grad_norm
+
+
+def _step_metrics(sums: dict, ok: jax.Array, grad_norm: jax.Array, segment_ids: jax.Array) -> dict:
+    """The step's additive metrics; a skipped step contributes nothing but its count."""
+    return {
+        **{k: jnp.where(ok, v, 0.0) for k, v in sums.items()},
+        "grad_norm_sum": jnp.where(ok, grad_norm, 0.0),
+        "updates_applied": ok.astype(jnp.float32),
+        "real_tokens": (segment_ids != 0).sum().astype(jnp.float32),
+        "padded_tokens": jnp.float32(segment_ids.size),
+    }
 
 
 def new_target(setup: TrainSetup, *, seed: int = 0) -> Transformer:

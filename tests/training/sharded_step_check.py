@@ -19,6 +19,8 @@ from dflash_jax.models.sharding import param_shardings
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import hlo, objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
+from dflash_jax.training.optimizer import OPTIMIZERS as OPTIMIZER_NAMES
+from dflash_jax.training.optimizer import OptimizerConfig, make_optimizer
 
 # Every split divides: hidden 128 over 8 devices (ZeRO), vocab 256 over fsdp x tensor, 4 heads,
 # 2 kv heads and 512 MLP over tensor=2.
@@ -53,8 +55,8 @@ OBJECTIVES = {
 }
 STEPS, ACCUM = 2, 2
 OPTIMIZERS = {
-    name: step.make_optimizer(step.OptimizerConfig(optimizer=name, learning_rate=1e-3, warmup_fraction=0.0), 10)
-    for name in step.OPTIMIZERS
+    name: make_optimizer(OptimizerConfig(optimizer=name, learning_rate=1e-3, warmup_fraction=0.0), 10)
+    for name in OPTIMIZER_NAMES
 }
 BATCHES = [packed_batch(np.random.default_rng(i), 16, 64, 250) for i in range(STEPS)]
 
@@ -123,7 +125,7 @@ def check_placement(mesh, state, target_params):
 def main():
     assert jax.device_count() == 8, jax.devices()
     one_device = make_mesh(1, 1, devices=jax.devices()[:1])
-    single = {name: run(one_device, name)[:2] for name in step.OPTIMIZERS}
+    single = {name: run(one_device, name)[:2] for name in OPTIMIZER_NAMES}
     single.update({kind: run(one_device, kind=kind)[:2] for kind in ("dflash2", "dspark")})
     layouts = {
         "data=8": make_mesh(8, 1),

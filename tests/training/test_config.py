@@ -14,7 +14,8 @@ import pytest
 
 from dflash_jax.errors import ConfigError
 from dflash_jax.training import sections
-from dflash_jax.training.objective import ObjectiveConfig
+from dflash_jax.training.objective import ObjectiveConfig, ObjectiveSettings
+from dflash_jax.training.optimizer import OptimizerConfig
 from dflash_jax.training.run_config import (
     FIELDS_DOCUMENTED,
     base_config,
@@ -24,7 +25,6 @@ from dflash_jax.training.run_config import (
     resolve,
     target_for_plan,
 )
-from dflash_jax.training.step import OptimizerConfig
 from support import training_runs as testing
 
 ALL_SECTIONS = {"": sections.TopLevelSettings, **sections.SECTIONS}
@@ -152,8 +152,9 @@ def test_base_config_is_generated_from_the_section_dataclasses():
 
 
 def test_defaults_of_the_objective_and_optimizer_are_the_train_sections():
-    """ObjectiveConfig and OptimizerConfig keep defaults of their own (for code that builds them
-    directly); the config's must be the same numbers."""
+    """The train section extends the objective's and the optimizer's settings, so their defaults
+    are written once; resolve hands every one of them on."""
+    assert issubclass(sections.TrainSettings, ObjectiveSettings) and issubclass(sections.TrainSettings, OptimizerConfig)
     config = base_config()
     config.target.path = str(testing.REPO / "assets" / "tiny-qwen3")
     setup = resolve(config, num_devices=1, check_files=False)
@@ -203,7 +204,12 @@ def test_a_field_that_does_not_exist_names_the_closest_one(tiny_run, tmp_path):
 def test_where_fields_are_documented_exists():
     """The pointer in --help and in messages names the files that define every section."""
     files = re.findall(r"dflash_jax/[\w/]+\.py", FIELDS_DOCUMENTED)
-    defined_in = {sys.modules[section.__module__].__file__ for section in ALL_SECTIONS.values()}
+    defined_in = {
+        sys.modules[cls.__module__].__file__
+        for section in ALL_SECTIONS.values()
+        for cls in section.__mro__
+        if dataclasses.is_dataclass(cls)
+    }
     assert {str(testing.REPO / f) for f in files} == defined_in
     assert len(field_paths()) == sum(len(dataclasses.fields(section)) for section in ALL_SECTIONS.values())
 

@@ -21,6 +21,7 @@ from dflash_jax.models.architecture import DrafterConfig, RopeConfig, Transforme
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
+from dflash_jax.training.optimizer import OptimizerConfig, make_optimizer
 
 HERE = Path(__file__).resolve().parent
 
@@ -75,7 +76,7 @@ def trainer():
     target_params = jax.jit(
         lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(1)))[1], out_shardings=NamedSharding(mesh, PartitionSpec())
     )()
-    tx = step.make_optimizer(step.OptimizerConfig(learning_rate=3e-2, warmup_fraction=0.1), STEPS)
+    tx = make_optimizer(OptimizerConfig(learning_rate=3e-2, warmup_fraction=0.1), STEPS)
 
     def new_state():
         return step.init_train_state(DRAFTER, tx, seed=0, compute_dtype=jnp.float32, mesh=mesh)
@@ -141,10 +142,8 @@ def test_muon_orthogonalizes_matrix_updates_at_adamw_size_and_decays_matrices_on
     skewed = np.outer(rng.normal(size=64), rng.normal(size=32)) + 0.01 * rng.normal(size=(64, 32))
     grads = {"w": jnp.asarray(skewed, jnp.float32), "scale": jnp.asarray(rng.normal(size=32), jnp.float32)}
     lr = 1e-2
-    cfg = step.OptimizerConfig(
-        optimizer="muon", learning_rate=lr, warmup_fraction=0.0, weight_decay=0.1, grad_clip_norm=1e9
-    )
-    tx = step.make_optimizer(cfg, 10)
+    cfg = OptimizerConfig(optimizer="muon", learning_rate=lr, warmup_fraction=0.0, weight_decay=0.1, grad_clip_norm=1e9)
+    tx = make_optimizer(cfg, 10)
     updates, _ = tx.update(grads, tx.init(params), params)
 
     def spread(m):
@@ -221,7 +220,7 @@ def test_weight_average_follows_its_recursion_and_is_what_is_served():
     from dflash_jax.training.ema import served_params
 
     params = {"w": jnp.ones((2, 3)), "scale": jnp.zeros(3)}
-    tx = step.make_optimizer(step.OptimizerConfig(optimizer="adamw", learning_rate=0.1, ema_decay=0.9), 10)
+    tx = make_optimizer(OptimizerConfig(optimizer="adamw", learning_rate=0.1, ema_decay=0.9), 10)
     state = tx.init(params)
     expected = params
     for t in range(1, 5):
@@ -235,7 +234,7 @@ def test_weight_average_follows_its_recursion_and_is_what_is_served():
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert not np.allclose(served["w"], params["w"])
     # Without the option the last weights are served, and the state holds no average.
-    plain = step.make_optimizer(step.OptimizerConfig(optimizer="adamw"), 10)
+    plain = make_optimizer(OptimizerConfig(optimizer="adamw"), 10)
     assert served_params(params, plain.init(params)) is params
 
 
