@@ -116,6 +116,13 @@ def _fill(abstract_model, read: Callable, mesh: Mesh | None, source: str):
     return nnx.merge(graphdef, state), names
 
 
+def _load(model_class, cfg, model_kw: dict, weights: WeightMap, reader, mesh: Mesh | None, source: str):
+    """`model_class(cfg, **model_kw)`, built on shapes, every parameter then read from `reader`
+    through `weights` -> (model, the tensor names read)."""
+    abstract = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0), **model_kw))
+    return _fill(abstract, lambda p, dtype: weights.read(reader, p, cfg, dtype), mesh, source)
+
+
 def _set_leaves(tree: dict, values: dict[tuple, jax.Array], prefix: tuple = ()) -> dict:
     return {
         k: _set_leaves(v, values, prefix + (k,)) if isinstance(v, dict) else values[prefix + (k,)]
@@ -137,13 +144,9 @@ def load_target(
         path = model_dir(gguf_file)
     hf = read_config(path)
     cfg, weights = families.target_config(hf), families.weight_map(hf)
-    abstract = nnx.eval_shape(
-        lambda: Transformer(
-            cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(0)
-        )
-    )
     reader = GgufTensors(gguf_file) if (gguf_file := weights_file(path)) else SafetensorsReader(path)
-    model, _ = _fill(abstract, lambda p, dtype: weights.read(reader, p, cfg, dtype), mesh, source=str(path))
+    kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention)
+    model, _ = _load(Transformer, cfg, kw, weights, reader, mesh, source=str(path))
     return model
 
 
@@ -157,14 +160,9 @@ def load_drafter(
 ) -> DFlashDrafter:
     """Load a drafter in the export format of docs/design.md §5 (ours, or a released one)."""
     cfg = DrafterConfig.from_hf(read_config(path))
-    abstract = nnx.eval_shape(
-        lambda: DFlashDrafter(
-            cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(0)
-        )
-    )
     reader = SafetensorsReader(path)
-    generic = WeightMap(prefix="")
-    model, used = _fill(abstract, lambda p, dtype: generic.read(reader, p, cfg, dtype), mesh, source=str(path))
+    kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention)
+    model, used = _load(DFlashDrafter, cfg, kw, WeightMap(prefix=""), reader, mesh, source=str(path))
     extra = sorted(reader.names() - used)
     if extra:  # released drafters sometimes ship unused tensors; they are not ours to train
         log.warning("%s: ignoring %d tensors the drafter does not use: %s", path, len(extra), extra[:5])

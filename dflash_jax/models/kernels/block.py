@@ -167,22 +167,19 @@ def _context(sp, h):
 _SPAN = pl.BlockSpec((None, None), lambda b, n, g: (b, n))
 
 
+def _operand_specs(q, kc, kb) -> list:
+    """The specs of q, kc, vc, kb, vb, start, end: every kernel's first operands."""
+    _, _, _, m, h = q.shape
+    sp, lp = kc.shape[2], kb.shape[3]
+    return [_per_block(m, h), _context(sp, h), _context(sp, h), _per_block(lp, h), _per_block(lp, h), _SPAN, _SPAN]
+
+
 def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
     b, kv, n, m, h = q.shape
-    sp, lp = kc.shape[2], kb.shape[3]
-    kernel = functools.partial(_forward_kernel, scale=h**-0.5, block_len=block_len)
     return pl.pallas_call(
-        kernel,
+        functools.partial(_forward_kernel, scale=h**-0.5, block_len=block_len),
         grid=(b, n, kv),
-        in_specs=[
-            _per_block(m, h),
-            _context(sp, h),
-            _context(sp, h),
-            _per_block(lp, h),
-            _per_block(lp, h),
-            _SPAN,
-            _SPAN,
-        ],
+        in_specs=_operand_specs(q, kc, kb),
         out_specs=[_per_block(m, h), _per_block_rows(m)],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, kv, n, m), jnp.float32)],
         compiler_params=plgpu.CompilerParams(**_PARAMS),
@@ -193,23 +190,11 @@ def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
 
 def _dq_call(q, kc, vc, kb, vb, start, end, do, lse, delta, block_len):
     b, kv, n, m, h = q.shape
-    sp, lp = kc.shape[2], kb.shape[3]
-    kernel = functools.partial(_dq_kernel, scale=h**-0.5, block_len=block_len)
+    lp = kb.shape[3]
     return pl.pallas_call(
-        kernel,
+        functools.partial(_dq_kernel, scale=h**-0.5, block_len=block_len),
         grid=(b, n, kv),
-        in_specs=[
-            _per_block(m, h),
-            _context(sp, h),
-            _context(sp, h),
-            _per_block(lp, h),
-            _per_block(lp, h),
-            _SPAN,
-            _SPAN,
-            _per_block(m, h),
-            _per_block_rows(m),
-            _per_block_rows(m),
-        ],  # fmt: skip
+        in_specs=[*_operand_specs(q, kc, kb), _per_block(m, h), _per_block_rows(m), _per_block_rows(m)],
         out_specs=[_per_block(m, h), _per_block(lp, h), _per_block(lp, h)],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, kb, vb)],
         compiler_params=plgpu.CompilerParams(**_PARAMS),
