@@ -14,7 +14,9 @@ temporaries and the total against `--hbm_gb` with a verdict, the model FLOPs and
 step, the collectives of the compiled program with their bytes per step, and how fast the step
 runs on `--hardware` by a roofline estimate of the compiled program: step time, tokens/s per
 device, MFU and the time of an epoch of `--epoch_tokens` (docs/design.md §8). Exit status 0
-when the step fits, 1 when it does not.
+when the step fits, 1 when it does not; then it also names the fewest hosts of
+`--devices_per_host` devices on which it fits (an estimate from the target's shardings:
+`training.planning.smallest_fitting_mesh`).
 
 The figures are the compiler's for the platform it compiled for: with simulated CPU devices they
 are XLA:CPU's plan (with its memory-minimizing scheduler), which tracks but does not equal what
@@ -38,6 +40,12 @@ _NUM_DEVICES = flags.DEFINE_integer(
     "num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).", lower_bound=1
 )
 _HBM_GB = flags.DEFINE_float("hbm_gb", 80.0, "Memory per device, GiB (H100 80, H200 141).")
+_DEVICES_PER_HOST = flags.DEFINE_integer(
+    "devices_per_host",
+    8,
+    "Devices a host has: when the step does not fit, the plan names how many hosts do.",
+    lower_bound=1,
+)
 _TARGET_CONFIG = flags.DEFINE_string(
     "target_config", "", "The target's config.json (or its directory); '' = target.plan_config, else target.path."
 )
@@ -83,7 +91,13 @@ def main(argv) -> int:
     if jax.device_count() < n or (on_cpu and not os.environ.get(_SIMULATED)):
         _rerun_on_simulated_devices(n)
 
-    from dflash_jax.training.planning import GIB, format_plan, plan_train_step
+    from dflash_jax.training.planning import (
+        GIB,
+        format_mesh_choice,
+        format_plan,
+        plan_train_step,
+        smallest_fitting_mesh,
+    )
     from dflash_jax.training.roofline import format_speed, hardware
     from dflash_jax.training.run_config import resolve, target_for_plan
 
@@ -100,7 +114,11 @@ def main(argv) -> int:
     print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, remat=setup.objective.remat))
     hw = hardware(_HARDWARE.value, devices=n if on_cpu else 1)
     print(format_speed(plan, hw, epoch_tokens=_EPOCH_TOKENS.value))
-    return 0 if plan.fits(hbm) else cli.EXIT_ERROR
+    if plan.fits(hbm):
+        return 0
+    choice = smallest_fitting_mesh(setup, plan, hbm, devices_per_host=_DEVICES_PER_HOST.value)
+    print(format_mesh_choice(choice, hbm))
+    return cli.EXIT_ERROR
 
 
 def _config_argument() -> str:

@@ -56,8 +56,8 @@ class RopeConfig:
         merged = {**scaling, **params}
         kind = merged.get("rope_type", merged.get("type", "default"))
         partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-        if kind == "default":
-            return cls(theta=float(theta), partial_factor=partial)
+        if kind in ("default", "proportional"):  # proportional: Gemma 4's full layers (layers.rope_inv_freq)
+            return cls(theta=float(theta), kind=kind, partial_factor=partial)
         if kind == "llama3":
             return cls(
                 theta=float(theta),
@@ -89,7 +89,7 @@ class RopeConfig:
                 attention_factor=float(attention_factor),
                 partial_factor=partial,
             )
-        raise ModelError(f"unsupported rope type {kind!r} (supported: default, llama3, yarn)")
+        raise ModelError(f"unsupported rope type {kind!r} (supported: default, proportional, llama3, yarn)")
 
     def to_hf(self) -> dict[str, Any]:
         """The `rope_theta` / `rope_scaling` fields as serving engines read them."""
@@ -142,8 +142,45 @@ class LinearAttentionConfig:
         )
 
 
-ROUTERS = ("softmax_topk", "topk_softmax")
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
+@dataclasses.dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2; models/latent_attention.py): queries
+    through a rank-`q_lora_rank` bottleneck (0: one q_proj), keys and values expanded from a
+    rank-`kv_lora_rank` latent, per head N unrotated and R rotated query/key dims and U value dims."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int  # N
+    qk_rope_head_dim: int  # R
+    v_head_dim: int  # U
+    softmax_scale: float
+    # The checkpoint rotates interleaved pairs of the rotary dims: their rows are reordered at load.
+    rope_interleaved: bool = True
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LatentAttentionConfig:
+        """The MLA fields of a DeepSeek-V3 config.json. The softmax scale is (N + R)^-0.5, times
+        YaRN's mscale(factor, mscale_all_dim)² where the RoPE is scaled and sets mscale_all_dim."""
+        nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+        scaling = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+        scale = (nope + rope) ** -0.5
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default" and scaling.get("mscale_all_dim"):
+            scale *= _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+        return cls(
+            q_lora_rank=int(hf.get("q_lora_rank") or 0),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(hf["v_head_dim"]),
+            softmax_scale=scale,
+            rope_interleaved=bool(hf.get("rope_interleave", True)),
+        )
+
+
+# 'sigmoid_grouped' (DeepSeek-V3, MiniMax-M2): `moe.grouped_sigmoid_routing`.
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+ACTIVATIONS = ("swiglu", "clamped_swiglu", "geglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +197,16 @@ class MoeConfig:
     norm_topk_prob: bool = True
     router_bias: bool = False
     expert_bias: bool = False
-    activation: str = "swiglu"  # or 'clamped_swiglu' (gpt-oss), with the two settings below
+    # or 'clamped_swiglu' (gpt-oss), with the two settings below, or 'geglu' (Gemma 4: GELU-tanh gate)
+    activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = True  # Qwen: the shared expert scaled by sigmoid(shared_expert_gate(x)); DeepSeek: not
+    # 'sigmoid_grouped': groups of experts, groups kept per token, the routing weights' factor.
+    num_groups: int = 1
+    groups_kept: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         for name, value, allowed in (
@@ -177,11 +220,31 @@ class MoeConfig:
                 f"num_experts_per_token={self.num_experts_per_token} must be between 1 and "
                 f"num_experts={self.num_experts}"
             )
+        if self.num_experts % self.num_groups or not 1 <= self.groups_kept <= self.num_groups:
+            raise ModelError(
+                f"{self.num_experts} experts do not split into {self.num_groups} groups with {self.groups_kept} kept"
+            )
         if self.expert_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
             raise ModelError(
                 f"expert_intermediate_size={self.expert_intermediate_size} must be positive and "
                 f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} not negative"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """The attention of one kind of layer: head size, kv heads and RoPE; `values_from_keys` (Gemma
+    4's full layers): no v_proj, k_proj's output serves as values."""
+
+    head_dim: int
+    num_kv_heads: int
+    rope: RopeConfig
+    values_from_keys: bool = False
+
+
+# The decoder layer of every layer: 'pre_norm' (layers.DecoderBlock) or 'gemma4' (models/gemma.py:
+# sandwich norms, Gemma's attention, experts beside the dense MLP, a layer scalar).
+BLOCKS = ("pre_norm", "gemma4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +274,14 @@ class TransformerConfig:
     attention_output_gate: bool = False  # q_proj twice as wide: per head, q then a sigmoid output gate
     attention_bias: bool = False  # biases on q/k/v/o
     attention_sinks: bool = False  # a learned logit per head joins every softmax (its weight dropped)
+    qk_norm_across_heads: bool = False  # q and k normalized over all their heads at once (MiniMax-M2)
+    # Attention layers are multi-head latent attention (DeepSeek-V3); head_dim is then its R.
+    latent_attention: LatentAttentionConfig | None = None
+    block: str = "pre_norm"  # one of BLOCKS
+    mlp_activation: str = "silu"  # the dense MLPs' gate: 'silu' (SwiGLU) or 'gelu_tanh' (Gemma)
+    embedding_scale: float = 1.0  # embeddings times this, rounded to the parameter dtype (Gemma: sqrt(D))
+    final_logit_softcap: float = 0.0  # > 0: logits = c · tanh(logits / c) (Gemma)
+    full_attention: LayerAttention | None = None  # where the full layers' attention differs (Gemma 4)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -229,6 +300,17 @@ class TransformerConfig:
             raise ModelError("linear_attention layers need the linear_* fields of the config")
         if self.moe_layers and self.moe is None:
             raise ModelError("moe_layers need the MoE fields of the config")
+        if self.block not in BLOCKS:
+            raise ModelError(f"block {self.block!r} is not supported (supported: {', '.join(BLOCKS)})")
+        if self.latent_attention is not None and set(self.layer_types) != {"full_attention"}:
+            raise ModelError("latent attention layers are full attention: no sliding or linear layers with them")
+
+
+def layer_attention(cfg: TransformerConfig, layer_type: str) -> LayerAttention:
+    """The head size, kv heads and RoPE of a `layer_type` attention layer of `cfg`."""
+    if layer_type == "full_attention" and cfg.full_attention is not None:
+        return cfg.full_attention
+    return LayerAttention(cfg.head_dim, cfg.num_kv_heads, cfg.rope)
 
 
 def decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -22,15 +22,18 @@ class Family:
     """A target family as the hub publishes it."""
 
     name: str
-    # Hub class (config.json `architectures`) -> where its decoder's tensors live ('model.').
-    architectures: Mapping[str, str]
+    # Hub class (config.json `architectures`) -> where its decoder's tensors live ('model.'), or
+    # (that, where its lm_head lives) when the head has a prefix too.
+    architectures: Mapping[str, str | tuple[str, str]]
     # The config.json (a multimodal one's text_config merged in: `text_fields`) -> ours.
     config: Callable[[dict[str, Any]], TransformerConfig]
     # Weight-map rows, tried before the generic ones (models/weight_maps.py).
     tensors: tuple[Tensor, ...] = ()
 
     def weight_map(self, architecture: str) -> WeightMap:
-        return WeightMap(self.tensors, self.architectures[architecture])
+        prefix = self.architectures[architecture]
+        decoder, head = (prefix, "") if isinstance(prefix, str) else prefix
+        return WeightMap(self.tensors, decoder, head)
 
 
 def text_fields(hf: dict[str, Any]) -> dict[str, Any]:

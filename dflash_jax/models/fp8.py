@@ -5,12 +5,15 @@ fp32 [ceil(out / 128), ceil(in / 128)] (`quantization_config.weight_block_size`)
 block of the weight shares one scale, and the dense weight is the FP8 value times its block's
 scale (the name notwithstanding, the scale multiplies). Edge blocks are cut where the shape is not
 a multiple of the block. Norms, embeddings, the LM head and the routers are stored unquantized.
+`fp8_rows` and `FP8_LINEAR` are the weight-map rows (models/weight_maps.py) of such checkpoints.
 """
 
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
+from dflash_jax.models.weight_maps import Tensor, Transform, chain, transpose
 
 BLOCK = (128, 128)
 
@@ -33,3 +36,22 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block=BLOCK
     tiles = padded.reshape(*lead, blocks[0], bo, blocks[1], bi)
     tiles *= np.asarray(scale_inv, np.float32)[..., :, None, :, None]
     return tiles.reshape(padded.shape)[..., :rows, :cols].astype(dtype)
+
+
+def dequantized(tensors: list[np.ndarray], cfg, dtype) -> np.ndarray:
+    """The weight-map transform: [`weight`, `weight_scale_inv`] -> the dense weight (torch layout)."""
+    return dequantize_fp8_blocks(*tensors, dtype=dtype)
+
+
+def fp8_rows(hub: str, param: str, *transforms: Transform) -> tuple[Tensor, Tensor]:
+    """Weight-map rows of a Linear whose hub tensor `hub`.weight is stored in FP8 blocks (the hub)
+    or unquantized (what transformers writes): dequantized where quantized, then `transforms`,
+    then transposed to our [in, out]."""
+    return (
+        Tensor((f"{hub}.weight", f"{hub}.weight_scale_inv"), param, chain(dequantized, *transforms, transpose)),
+        Tensor(f"{hub}.weight", param, chain(*transforms, transpose)),
+    )
+
+
+# Every Linear a family's other rows leave out, where the checkpoint stores it in FP8 blocks.
+FP8_LINEAR = Tensor(("{name}.weight", "{name}.weight_scale_inv"), "{name}.kernel", chain(dequantized, transpose))

@@ -78,7 +78,26 @@ class SafetensorsReader:
         if name not in self.files:
             raise KeyError(name)
         with safe_open(self.files[name], framework="numpy") as handle:
-            return handle.get_tensor(name)
+            dtype = handle.get_slice(name).get_dtype()
+            if dtype not in _FP8_DTYPES:
+                return handle.get_tensor(name)
+        return _raw_tensor(self.files[name], name, _FP8_DTYPES[dtype])
+
+
+# Checkpoint dtypes numpy has no name for (safetensors' numpy reader fails on them): read raw.
+_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _raw_tensor(file: Path, name: str, dtype) -> np.ndarray:
+    """One tensor of a safetensors file read from its bytes: an 8-byte little-endian header size,
+    the JSON header (dtype, shape, data offsets from the end of the header), then the data."""
+    with open(file, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_size))[name]
+        begin, end = entry["data_offsets"]
+        f.seek(8 + header_size + begin)
+        data = f.read(end - begin)
+    return np.frombuffer(data, dtype).reshape(entry["shape"])
 
 
 def _param_paths(state) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models import attention
+from dflash_jax.models.architecture import LatentAttentionConfig
 from dflash_jax.models.cache import write_rows
 from dflash_jax.models.layers import RMSNorm, Rotary, apply_rope, linear
 from dflash_jax.models.mixers import DecodeStep, PackedRows
@@ -64,22 +65,20 @@ class LatentAttention(nnx.Module):
 
     def __init__(
         self,
+        config: LatentAttentionConfig,
         *,
         hidden_size: int,
         num_heads: int,
-        q_lora_rank: int,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        softmax_scale: float,
         param_dtype,
         compute_dtype,
         rngs,
         init_std=None,
         implementation: str = "xla",
     ):
-        """`q_lora_rank` 0: queries by one q_proj (DeepSeek-V2-Lite); else q_a_proj, q_a_layernorm, q_b_proj."""
+        """`config.q_lora_rank` 0: queries by one q_proj (DeepSeek-V2-Lite); else q_a_proj,
+        q_a_layernorm, q_b_proj."""
+        q_lora_rank, kv_lora_rank, v_head_dim = config.q_lora_rank, config.kv_lora_rank, config.v_head_dim
+        qk_nope_head_dim, qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
         norm_kw = dict(eps=LATENT_NORM_EPS, param_dtype=param_dtype, compute_dtype=compute_dtype)
         query_width = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
@@ -99,7 +98,7 @@ class LatentAttention(nnx.Module):
         self.nope_dim = qk_nope_head_dim
         self.rope_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = config.softmax_scale
         self.compute_dtype = compute_dtype
         self.implementation = attention.resolve_implementation(implementation)
 
@@ -167,15 +166,3 @@ def rope_rows_deinterleaved(weight: np.ndarray, head_width: int, rope_dim: int) 
     rope = order[:, head_width - rope_dim :]
     order[:, head_width - rope_dim :] = np.concatenate([rope[:, 0::2], rope[:, 1::2]], axis=1)
     return weight[order.reshape(-1)]
-
-
-def yarn_softmax_scale(qk_head_dim: int, rope_parameters: dict) -> float:
-    """(N + R)^-0.5, times mscale(factor, mscale_all_dim)² when the rope is scaled and the config
-    sets mscale_all_dim (DeepSeek-V3's YaRN: 0.1 · mscale_all_dim · ln(factor) + 1)."""
-    scale = qk_head_dim**-0.5
-    kind = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
-    mscale_all_dim = rope_parameters.get("mscale_all_dim") or 0
-    factor = float(rope_parameters.get("factor") or 1.0)
-    if kind != "default" and mscale_all_dim and factor > 1:
-        scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
-    return scale

@@ -65,9 +65,11 @@ class AttentionProjections(nnx.Module):
         output_gate: bool = False,
         zero_centered_norm: bool = False,
         use_bias: bool = False,
+        qk_norm_across_heads: bool = False,
     ):
         """`output_gate` (Qwen3.5 / Qwen3-Next): q_proj also yields, per head after its queries, a
-        gate whose sigmoid scales the attention output. `use_bias` (gpt-oss): q/k/v/o biases."""
+        gate whose sigmoid scales the attention output. `use_bias` (gpt-oss): q/k/v/o biases.
+        `qk_norm_across_heads` (MiniMax-M2): q and k normalized over all their heads at once."""
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std, use_bias=use_bias)
         self.output_gate = output_gate
         self.q_proj = linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), **kw)
@@ -75,8 +77,10 @@ class AttentionProjections(nnx.Module):
         self.v_proj = linear(hidden_size, num_kv_heads * head_dim, **kw)
         self.o_proj = linear(num_heads * head_dim, hidden_size, **kw)
         norm_kw = dict(eps=eps, param_dtype=param_dtype, compute_dtype=compute_dtype, zero_centered=zero_centered_norm)
-        self.q_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, **norm_kw) if qk_norm else None
+        q_width, k_width = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm_across_heads else (head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, **norm_kw) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, **norm_kw) if qk_norm else None
+        self.qk_norm_across_heads = qk_norm_across_heads
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -87,20 +91,25 @@ class AttentionProjections(nnx.Module):
     def queries(self, x: jax.Array, tables: Rotary) -> tuple[jax.Array, jax.Array | None]:
         """x [..., T, D] -> (q [..., T, K*G, H] normalized and rotated, the output gate
         [..., T, K*G, H] or None)."""
-        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, -1)
-        q = constrain(q, (BATCH, ..., HEADS, None))
+        q = self.q_proj(x)
+        if self.q_norm is not None and self.qk_norm_across_heads:
+            q = self.q_norm(q)
+        q = constrain(q.reshape(*x.shape[:-1], self.num_heads, -1), (BATCH, ..., HEADS, None))
         gate = None
         if self.output_gate:
             q, gate = jnp.split(q, 2, axis=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_across_heads:
             q = self.q_norm(q)
         return apply_rope(q, tables), gate
 
     def keys_values(self, x: jax.Array, tables: Rotary) -> tuple[jax.Array, jax.Array]:
         """x [..., T, D] -> (k, v) [..., T, K, H]; k normalized and rotated."""
         shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        k = constrain(self.k_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
-        if self.k_norm is not None:
+        k = self.k_proj(x)
+        if self.k_norm is not None and self.qk_norm_across_heads:
+            k = self.k_norm(k)
+        k = constrain(k.reshape(shape), (BATCH, ..., KV_HEADS, None))
+        if self.k_norm is not None and not self.qk_norm_across_heads:
             k = self.k_norm(k)
         v = constrain(self.v_proj(x).reshape(shape), (BATCH, ..., KV_HEADS, None))
         return apply_rope(k, tables), v

@@ -1,12 +1,16 @@
 """Mixture-of-experts MLP: a router picks A of E experts per token; only those experts run.
 
-One module for the three families (transformers 5.x modeling files are the reference):
+One module for every family (transformers 5.x modeling files are the reference):
 
     Qwen3-MoE     softmax over all experts (fp32), top-k, renormalized if `norm_topk_prob`
     Qwen3.5-MoE,  the same, always renormalized, plus a shared expert (a SwiGLU every token
     Qwen3-Next    runs) scaled by sigmoid(shared_expert_gate(x))
     gpt-oss       router with bias: top-k of the logits, softmax over the chosen; experts with
                   biases; clamped SwiGLU (gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate))
+    DeepSeek-V3,  sigmoid scores, groups of experts and top-k chosen with a load-balancing bias,
+    Kimi-K2,      the unbiased scores renormalized and scaled (`grouped_sigmoid_routing`, logits in
+    MiniMax-M2    fp32); DeepSeek's shared expert is added unscaled
+    Gemma 4       softmax top-k renormalized; GELU-tanh experts (`geglu`)
 
 Dispatch is exact (no capacity factor, nothing dropped): the (token, choice) pairs are sorted by
 expert and each expert multiplies only its own rows (`grouped_matmul`). Routing weights are fp32;
@@ -20,6 +24,7 @@ Parameters are stacked over experts, [in, out] like every kernel here, with thes
     experts.{gate,up}_proj_bias          [E, I]      (EXPERTS, MLP)       gpt-oss only
     experts.down_proj_bias               [E, D]      (EXPERTS, EMBED)     gpt-oss only
     router.kernel                        [D, E]      (EMBED, None); router.bias [E] (None,)
+    e_score_correction_bias              [E] fp32    (None,)              sigmoid_grouped only
     shared_expert.{gate,up,down}_proj.kernel, shared_expert_gate.kernel [D, 1]  (Qwen3.5/Next)
 
 Where a checkpoint keeps them (one tensor per expert, fused, MXFP4) is its family's weight map
@@ -28,17 +33,31 @@ Where a checkpoint keeps them (one tensor per expert, fused, MXFP4) is its famil
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from dflash_jax.models.architecture import MoeConfig
-from dflash_jax.models.layers import Linear, SwiGLU, linear
-from dflash_jax.models.sharding import BATCH, EMBED, activation_spec, active_mesh, constrain, per_device
+from dflash_jax.models.layers import GATE_ACTIVATIONS, Linear, SwiGLU, linear
+from dflash_jax.models.sharding import (
+    BATCH,
+    EMBED,
+    activation_spec,
+    active_mesh,
+    constrain,
+    param_spec,
+    per_device,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Grouped matmul: rows sorted by expert, group_sizes[e] rows for expert e.
+
+# (token, choice) pairs an expert-parallel device runs at a time (`MoE._routed`): bounds its
+# temporaries whatever the number of tokens routed to it.
+EP_CHUNK_ROWS = 2048
 
 # Rows per tile of the tiled grouped matmul: the fastest of 8..128 on the 2-core CPU host (busy,
 # so only roughly); smaller tiles pad less, larger ones loop less.
@@ -176,18 +195,32 @@ class MoE(nnx.Module):
             kernel_init=nnx.initializers.normal(init_std) if init_std is not None else nnx.initializers.lecun_normal(),
             rngs=rngs,
         )
+        if config.router == "sigmoid_grouped":  # chooses experts only: kept in fp32, as the reference
+            self.e_score_correction_bias = nnx.Param(jnp.zeros((config.num_experts,), jnp.float32))
         self.experts = Experts(hidden_size, config, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
         if config.shared_expert_intermediate_size:
             kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, init_std=init_std)
             self.shared_expert = SwiGLU(hidden_size, config.shared_expert_intermediate_size, **kw)
-            self.shared_expert_gate = linear(hidden_size, 1, **kw)
+            if config.shared_expert_gate:
+                self.shared_expert_gate = linear(hidden_size, 1, **kw)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (weights [T, A] fp32, experts [T, A] int32)."""
+        c, a = self.config, self.config.num_experts_per_token
+        if c.router == "sigmoid_grouped":  # fp32 logits, as the reference
+            logits = x.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
+            return grouped_sigmoid_routing(
+                logits,
+                self.e_score_correction_bias[...],
+                top_k=a,
+                num_groups=c.num_groups,
+                groups_kept=c.groups_kept,
+                normalize=c.norm_topk_prob,
+                scale=c.routed_scaling_factor,
+            )
         # Logits in the compute dtype, as the reference computes them (it picks the same experts).
         logits = self.router(x).astype(jnp.float32)
-        a = self.config.num_experts_per_token
-        if self.config.router == "topk_softmax":
+        if c.router == "topk_softmax":
             top, experts = jax.lax.top_k(logits, a)
             return jax.nn.softmax(top, axis=-1), experts
         weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), a)
@@ -197,19 +230,85 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> [..., D]. Under a mesh whose batch axes split the tokens, each device routes
-        and sorts its own tokens (a global sort would gather every token to every device); the
-        expert weights are gathered whole for it, as fsdp gathers any weight where it is used."""
+        its own tokens (a global sort would gather every token to every device). Where the mesh
+        splits the experts (fsdp, tensor: `_expert_parallel`), each device runs only its own
+        experts, on the tokens gathered over the axes that split both; otherwise the expert weights
+        are gathered whole for it, as fsdp gathers any weight where it is used."""
         spec = activation_spec(x.shape, (BATCH, ..., EMBED))
         if spec is None or all(axis is None for axis in spec):
             return self._local(x)
+        mesh = active_mesh()
         graphdef, state = nnx.split(self)
+        experts_spec = param_spec(mesh, "experts.gate_proj", self.experts.gate_proj[...].shape)
+        expert_axes = _axes(experts_spec[0] if len(experts_spec) else None)
+        if not expert_axes or any(a is not None for a in experts_spec[1:]):  # experts whole, or split inside
+            state_specs, body = PartitionSpec(), lambda moe, x: moe._local(x)
+        else:
+            token_axes = tuple(a for a in _axes(spec[0]) if a in expert_axes)
+            state_specs = _expert_state_specs(state, expert_axes)
+            body = functools.partial(MoE._expert_parallel, token_axes=token_axes, expert_axes=expert_axes)
 
-        def local(state, x):
+        def per_shard(state, x):
             with per_device():
-                return nnx.merge(graphdef, state)._local(x)
+                return body(nnx.merge(graphdef, state), x)
 
-        out = jax.shard_map(local, mesh=active_mesh(), in_specs=(PartitionSpec(), spec), out_specs=spec)(state, x)
+        out = jax.shard_map(per_shard, mesh=mesh, in_specs=(state_specs, spec), out_specs=spec, check_vma=False)(
+            state, x
+        )
         return constrain(out, (BATCH, ..., EMBED))
+
+    def _expert_parallel(self, x: jax.Array, *, token_axes: tuple, expert_axes: tuple) -> jax.Array:
+        """One device's tokens x [..., D] when it holds the experts' block of the mesh's
+        `expert_axes` (`self.experts` is that block): the tokens of every device along
+        `token_axes` (those splitting both) are gathered and routed, this device's experts run on
+        the pairs routed to them, and the partial outputs are summed back over the expert axes,
+        each device keeping its own tokens' rows."""
+        shape = x.shape
+        mine = x.reshape(-1, shape[-1]).astype(self.compute_dtype)
+        tokens = jax.lax.all_gather(mine, token_axes, axis=0, tiled=True) if token_axes else mine
+        weights, experts = self.route(tokens)
+        count = self.experts.gate_proj[...].shape[0]
+        out = self._routed(tokens, weights, experts, jax.lax.axis_index(expert_axes) * count, count)
+        if token_axes:
+            out = jax.lax.psum_scatter(out, token_axes, scatter_dimension=0, tiled=True)
+        others = tuple(a for a in expert_axes if a not in token_axes)
+        out = (jax.lax.psum(out, others) if others else out).astype(self.compute_dtype)
+        return (out + self._shared(mine)).reshape(shape)
+
+    def _routed(self, tokens, weights, experts, first, count) -> jax.Array:
+        """The weighted outputs [T, D] fp32 of experts first .. first + count - 1 (this device's,
+        numbered 0 .. count - 1 in `self.experts`) for the (token, choice) pairs routed to them; the
+        other pairs add nothing. The pairs sorted by expert run `EP_CHUNK_ROWS` at a time, as many
+        chunks as this device's pairs need (a loop of data-dependent length: nothing dropped)."""
+        a, rows = self.config.num_experts_per_token, experts.size
+        local = experts.reshape(-1) - first
+        key = jnp.where((local >= 0) & (local < count), local, count)  # pairs of other devices last
+        order = jnp.argsort(key, stable=True)
+        ends = jnp.cumsum(jnp.bincount(key, length=count + 1)[:count])
+        starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+        chunk = min(rows, EP_CHUNK_ROWS)
+        pair_weights = weights.reshape(-1)
+
+        def run_chunk(c, out):
+            slots = c * chunk + jnp.arange(chunk)
+            pair = order[jnp.minimum(slots, rows - 1)]
+            sizes = jnp.clip(ends, c * chunk, (c + 1) * chunk) - jnp.clip(starts, c * chunk, (c + 1) * chunk)
+            sizes = sizes.at[-1].add(chunk - sizes.sum())  # the chunk's tail past the last pair: weight 0
+            y = self._experts(tokens[pair // a], jnp.minimum(key[pair], count - 1), sizes.astype(jnp.int32))
+            w = jnp.where(slots < ends[-1], pair_weights[pair], 0.0)
+            return out.at[pair // a].add(y.astype(jnp.float32) * w[:, None])
+
+        out = jnp.zeros(tokens.shape, jnp.float32)
+        return jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, run_chunk, out)
+
+    def _shared(self, tokens: jax.Array) -> jax.Array | float:
+        """The shared expert's output for tokens [T, D] (gated where the family gates it), or 0."""
+        if not self.config.shared_expert_intermediate_size:
+            return 0.0
+        shared = self.shared_expert(tokens)
+        if self.config.shared_expert_gate:
+            shared = jax.nn.sigmoid(self.shared_expert_gate(tokens)) * shared
+        return shared
 
     def _local(self, x: jax.Array) -> jax.Array:
         """All tokens of x [..., D] routed together -> [..., D]."""
@@ -229,9 +328,7 @@ class MoE(nnx.Module):
         rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         y = y[rank].reshape(-1, a, shape[-1]).astype(jnp.float32)
         out = jnp.einsum("tad,ta->td", y, weights).astype(self.compute_dtype)
-        if self.config.shared_expert_intermediate_size:
-            out = out + jax.nn.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
-        return out.reshape(shape)
+        return (out + self._shared(tokens)).reshape(shape)
 
     def _experts(self, x: jax.Array, row_expert: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """x [R, D] sorted by expert -> each row through its expert's MLP, [R, D]."""
@@ -250,5 +347,21 @@ class MoE(nnx.Module):
             up = jnp.clip(up, -limit, limit)
             hidden = (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
         else:
-            hidden = jax.nn.silu(gate) * up
+            hidden = GATE_ACTIVATIONS["gelu_tanh" if self.config.activation == "geglu" else "silu"](gate) * up
         return project(hidden, "down_proj")
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, one mesh axis or a tuple of them) as a tuple of axis names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _expert_state_specs(state, expert_axes: tuple[str, ...]):
+    """shard_map in_specs of a MoE's state: the stacked experts split over `expert_axes` along
+    their first axis, everything else (router, shared expert: small) whole on every device."""
+
+    def spec(path, leaf):
+        names = [str(getattr(p, "key", p)) for p in path]
+        return PartitionSpec(expert_axes) if names[0] == "experts" else PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(spec, state)

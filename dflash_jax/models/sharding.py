@@ -62,9 +62,13 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"experts\.down_proj", (EXPERTS, MLP, EMBED)),
     (r"experts\.(gate|up)_proj_bias", (EXPERTS, MLP)),
     (r"experts\.down_proj_bias", (EXPERTS, EMBED)),
-    (r"mlp\.router\.kernel", (EMBED, None)),
+    (r"(mlp|moe)\.router\.kernel", (EMBED, None)),  # moe: Gemma 4's experts beside its mlp
     (r"mlp\.router\.bias", (None,)),
     (r"shared_expert_gate\.kernel", (EMBED, None)),
+    (r"mlp\.e_score_correction_bias", (None,)),
+    # Latent attention (models/latent_attention.py): the low-rank inputs whole, their expansions by head.
+    (r"(q_a_proj|kv_a_proj_with_mqa)\.kernel", (EMBED, None)),
+    (r"(q_b_proj|kv_b_proj)\.kernel", (None, HEADS)),
     # Gated DeltaNet (models/linear_attention.py): q, k, v concatenated in one projection, so its
     # outputs do not split by head; small per-head vectors stay whole.
     (r"linear_attn\.in_proj_(qkv|z|b|a)\.kernel", (EMBED, None)),
@@ -95,6 +99,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"confidence_head\.proj\.kernel", (EMBED, None)),
     (r"confidence_head\.proj\.bias", (NORM,)),
     (r"\w*norm\.weight", (NORM,)),  # norm, hidden_norm, q_norm, k_norm, *_layernorm
+    (r"layer_scalar", (NORM,)),  # Gemma 4's output scale of a layer
 )
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]

@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.architecture import TransformerConfig
+from dflash_jax.models.architecture import TransformerConfig, layer_attention
 from dflash_jax.models.cache import KVCache
-from dflash_jax.models.layers import DecoderBlock, RMSNorm, SwiGLU, rotary
+from dflash_jax.models.gemma import Gemma4Attention, Gemma4Block
+from dflash_jax.models.latent_attention import LatentAttention
+from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, rotary
 from dflash_jax.models.linear_attention import GatedDeltaNet
 from dflash_jax.models.mixers import DecodeStep, PackedRows, SelfAttention
 from dflash_jax.models.moe import MoE
@@ -43,6 +45,15 @@ def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: d
             rngs=rngs,
             **dtypes,
         )
+    if cfg.latent_attention is not None:
+        return "self_attn", LatentAttention(
+            cfg.latent_attention,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            rngs=rngs,
+            implementation=attention,
+            **dtypes,
+        )
     return "self_attn", SelfAttention(
         hidden_size=cfg.hidden_size,
         num_heads=cfg.num_heads,
@@ -57,6 +68,7 @@ def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: d
         use_bias=cfg.attention_bias,
         sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else 0,
         sinks=cfg.attention_sinks,
+        qk_norm_across_heads=cfg.qk_norm_across_heads,
         **dtypes,
     )
 
@@ -65,13 +77,39 @@ def _mlp(cfg: TransformerConfig, index: int, *, dtypes: dict, rngs) -> nnx.Modul
     """The MLP of layer `index`: the mixture of experts where the config says so, else SwiGLU."""
     if index in cfg.moe_layers:
         return MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes)
-    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, **dtypes)
+    return _dense_mlp(cfg, dtypes=dtypes, rngs=rngs)
 
 
-def decoder_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> DecoderBlock:
+def _dense_mlp(cfg: TransformerConfig, *, dtypes: dict, rngs) -> SwiGLU:
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, activation=cfg.mlp_activation, rngs=rngs, **dtypes)
+
+
+def decoder_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> nnx.Module:
+    if cfg.block == "gemma4":
+        return _gemma4_layer(cfg, index, attention=attention, dtypes=dtypes, rngs=rngs)
     name, mixer = _mixer(cfg, cfg.layer_types[index], attention=attention, dtypes=dtypes, rngs=rngs)
     mlp = _mlp(cfg, index, dtypes=dtypes, rngs=rngs)
     return DecoderBlock(name, mixer, mlp, hidden_size=cfg.hidden_size, norm_kw=_norm_kw(cfg, dtypes))
+
+
+def _gemma4_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> Gemma4Block:
+    layer_type = cfg.layer_types[index]
+    own = layer_attention(cfg, layer_type)
+    mixer = Gemma4Attention(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=own.num_kv_heads,
+        head_dim=own.head_dim,
+        values_from_keys=own.values_from_keys,
+        eps=cfg.rms_norm_eps,
+        sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else 0,
+        implementation=attention,
+        rngs=rngs,
+        **dtypes,
+    )
+    moe = MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes) if index in cfg.moe_layers else None
+    mlp = _dense_mlp(cfg, dtypes=dtypes, rngs=rngs)
+    return Gemma4Block(mixer, mlp, moe, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, **dtypes)
 
 
 def _norm_kw(cfg: TransformerConfig, dtypes: dict) -> dict:
@@ -113,14 +151,21 @@ class Transformer(nnx.Module):
         )
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """tokens [...] -> [..., D]."""
-        return self.embed_tokens(tokens).astype(self.compute_dtype)
+        """tokens [...] -> [..., D] (times `cfg.embedding_scale`, rounded to the parameter dtype)."""
+        x = self.embed_tokens(tokens)
+        if self.cfg.embedding_scale != 1.0:
+            x = x * jnp.asarray(self.cfg.embedding_scale, self.embed_tokens.embedding[...].dtype).astype(x.dtype)
+        return x.astype(self.compute_dtype)
 
     def unembed(self, h: jax.Array) -> jax.Array:
-        """Normalized hidden states [..., D] -> logits [..., V] with the LM head (tied or not)."""
+        """Normalized hidden states [..., D] -> logits [..., V] with the LM head (tied or not),
+        soft-capped where the config says so."""
         if self.lm_head is None:
-            return self.embed_tokens.attend(h.astype(self.compute_dtype))
-        return self.lm_head(h)
+            logits = self.embed_tokens.attend(h.astype(self.compute_dtype))
+        else:
+            logits = self.lm_head(h)
+        cap = self.cfg.final_logit_softcap
+        return cap * jnp.tanh(logits / cap) if cap else logits
 
     def new_cache(self, batch: int, max_len: int, *, max_step: int = 1) -> KVCache:
         """Room for `max_len` tokens a row; a `decode` call that a later call may roll back adds at
@@ -144,10 +189,10 @@ class Transformer(nnx.Module):
         with jax.named_scope("target"):  # names the collectives in `python -m dflash_jax.plan`
             last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
             x = self.embed(tokens)
-            rows = PackedRows(segment_ids, self._rotary(positions, num_positions=tokens.shape[-1]))
+            tables = self._rotary(positions, num_positions=tokens.shape[-1])
             outputs = []
-            for layer in self.layers[: last + 1]:
-                x = layer(x, rows)
+            for layer, layer_type in zip(self.layers[: last + 1], self.cfg.layer_types):
+                x = layer(x, PackedRows(segment_ids, tables[layer_type]))
                 outputs.append(x)
             outputs = self.layer_outputs(outputs)
             logits = self.unembed(outputs[-1]) if return_logits else None
@@ -184,11 +229,11 @@ class Transformer(nnx.Module):
         """
         num_new = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
-        step = DecodeStep(cache.lengths, self._rotary(positions), num_valid)
+        tables = self._rotary(positions)
         x = self.embed(tokens)
         outputs, layer_caches = [], []
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            x, layer_cache = layer.decode(x, step, layer_cache)
+        for layer, layer_type, layer_cache in zip(self.layers, self.cfg.layer_types, cache.layers):
+            x, layer_cache = layer.decode(x, DecodeStep(cache.lengths, tables[layer_type], num_valid), layer_cache)
             outputs.append(x)
             layer_caches.append(layer_cache)
         outputs = self.layer_outputs(outputs)
@@ -196,5 +241,14 @@ class Transformer(nnx.Module):
         features = jnp.concatenate([outputs[i] for i in feature_layers], axis=-1) if feature_layers else None
         return logits, features, cache.replace(layers=tuple(layer_caches), lengths=cache.lengths + num_new)
 
-    def _rotary(self, positions: jax.Array, num_positions: int | None = None):
-        return rotary(positions, self.cfg.rope, self.cfg.head_dim, num_positions=num_positions)
+    def _rotary(self, positions: jax.Array, num_positions: int | None = None) -> dict[str, Rotary]:
+        """Layer type -> the RoPE tables of `positions` its layers use, computed once per distinct
+        RoPE and head size (Gemma 4's full layers have their own)."""
+        tables, by_type = {}, {}
+        for layer_type in set(self.cfg.layer_types):
+            own = layer_attention(self.cfg, layer_type)
+            key = (own.rope, own.head_dim)
+            if key not in tables:
+                tables[key] = rotary(positions, own.rope, own.head_dim, num_positions=num_positions)
+            by_type[layer_type] = tables[key]
+        return by_type

@@ -3,8 +3,8 @@
 A family module (models/families/) declares a table of `Tensor` rows, hub tensor-name pattern ->
 our parameter-path pattern + transform. A pattern names the end of a dotted path; what comes
 before it (`layers.3.mlp.`) is the same on both sides, and hub names are read under the layout's
-prefix (`model.`, or `model.language_model.` for a multimodal checkpoint; never for `lm_head`,
-which every hub layout keeps outside the decoder). In a pattern
+prefix (`model.`, or `model.language_model.` for a multimodal checkpoint; `lm_head` has its own,
+'' but for Kimi-K2.5's `language_model.`, as every hub layout keeps it outside the decoder). In a pattern
 
     {name}          one segment, carried from the parameter path to the hub name
     {name:a|b}      one of the segments listed
@@ -118,10 +118,11 @@ GENERIC = (
 
 @dataclasses.dataclass(frozen=True)
 class WeightMap:
-    """A family's rows (tried before `GENERIC`) and where its decoder's tensors live."""
+    """A family's rows (tried before `GENERIC`) and where its decoder's tensors and LM head live."""
 
     tensors: tuple[Tensor, ...] = ()
     prefix: str = "model."
+    head_prefix: str = ""  # before `lm_head` (Kimi-K2.5: 'language_model.')
 
     def read(self, source: TensorSource, path: Sequence, cfg, dtype=np.float32) -> tuple[np.ndarray, str]:
         """Our parameter at `path`, in our layout -> (tensor, the hub name to cite in errors).
@@ -139,7 +140,7 @@ class WeightMap:
         raise KeyError(tuple(self._prefixed(names[0]).replace(EXPERT, "0") for _, names in candidates))
 
     def _prefixed(self, name: str) -> str:
-        return name if name.startswith("lm_head") else self.prefix + name
+        return (self.head_prefix if name.startswith("lm_head") else self.prefix) + name
 
 
 def _stacked(source: TensorSource, pattern: str, held: Collection[str]) -> np.ndarray:

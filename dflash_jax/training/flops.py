@@ -44,6 +44,8 @@ def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: i
             2 * chunk * (lin.head_k_dim + lin.head_v_dim) + 3 * lin.head_k_dim * lin.head_v_dim
         )
         mixer = tokens * (projections + per_token)
+    elif cfg.latent_attention is not None:
+        mixer = _latent_attention_macs(cfg, rows, seq_len)
     else:
         q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attention_output_gate else 1)
         weights = h * (q_width + 2 * cfg.num_kv_heads * cfg.head_dim) + cfg.num_heads * cfg.head_dim * h
@@ -52,10 +54,29 @@ def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: i
     if index in cfg.moe_layers:
         moe = cfg.moe
         mlp = h * moe.num_experts + 3 * h * moe.expert_intermediate_size * moe.num_experts_per_token
-        mlp += 3 * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_intermediate_size else 0)
+        shared = moe.shared_expert_intermediate_size
+        mlp += 3 * h * shared + (h if shared and moe.shared_expert_gate else 0)
     else:
         mlp = 3 * h * cfg.intermediate_size
     return 2.0 * (mixer + tokens * mlp)
+
+
+def _latent_attention_macs(cfg: TransformerConfig, rows: int, seq_len: int) -> float:
+    """Multiply-adds of a latent attention layer over packed rows, as its packed forward computes
+    them: the low-rank projections, the latent expanded to every head's keys and values, and
+    attention of N + R wide keys and U wide values over the tiles below the diagonal."""
+    latent, h, heads = cfg.latent_attention, cfg.hidden_size, cfg.num_heads
+    qk = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    rank = latent.q_lora_rank
+    query = h * rank + rank * heads * qk if rank else h * heads * qk
+    weights = (
+        query
+        + h * (latent.kv_lora_rank + latent.qk_rope_head_dim)
+        + latent.kv_lora_rank * heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+        + heads * latent.v_head_dim * h
+    )
+    pairs = rows * packed_causal_pairs(seq_len)
+    return rows * seq_len * weights + pairs * heads * (qk + latent.v_head_dim)
 
 
 def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, float, float]:

@@ -18,21 +18,25 @@ from dflash_jax.models.sharding import BATCH_MESH_AXES, MESH_AXES
 
 
 def mesh_shape(data: int, fsdp: int, num_devices: int, tensor: int = 1) -> tuple[int, int, int]:
-    """(data, fsdp, tensor), resolving `data=-1` ("all devices fsdp x tensor leave over"); raises
-    ValueError if the shape does not fit the devices."""
-    if fsdp < 1 or tensor < 1 or data == 0 or data < -1:
+    """(data, fsdp, tensor), resolving a -1 in `data` or `fsdp` ("all the devices the other two
+    leave over"); raises ValueError if the shape does not fit the devices."""
+    if tensor < 1 or 0 in (data, fsdp) or min(data, fsdp) < -1 or data == fsdp == -1:
         raise ValueError(
-            f"mesh shape data={data}, fsdp={fsdp}, tensor={tensor} is invalid (use data=-1 or >= 1, fsdp >= 1, "
-            "tensor >= 1)"
+            f"mesh shape data={data}, fsdp={fsdp}, tensor={tensor} is invalid (data and fsdp >= 1, one of them "
+            "may be -1; tensor >= 1)"
         )
-    if data == -1:
-        if num_devices % (fsdp * tensor):
-            raise ValueError(f"mesh fsdp={fsdp} x tensor={tensor} does not divide the {num_devices} available devices")
-        data = num_devices // (fsdp * tensor)
+    if -1 in (data, fsdp):
+        given = ("fsdp", fsdp) if data == -1 else ("data", data)
+        if num_devices % (given[1] * tensor):
+            raise ValueError(
+                f"mesh {given[0]}={given[1]} x tensor={tensor} does not divide the {num_devices} available devices"
+            )
+        rest = num_devices // (given[1] * tensor)
+        data, fsdp = (rest, fsdp) if data == -1 else (data, rest)
     if data * fsdp * tensor != num_devices:
         raise ValueError(
             f"mesh shape data={data} x fsdp={fsdp} x tensor={tensor} = {data * fsdp * tensor} devices, but "
-            f"{num_devices} are available; set mesh.data=-1 to use them all"
+            f"{num_devices} are available; set mesh.data=-1 (or mesh.fsdp=-1) to use them all"
         )
     return data, fsdp, tensor
 

@@ -145,6 +145,90 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshChoice:
+    """A mesh the step fits on, by estimate (`smallest_fitting_mesh`)."""
+
+    hosts: int
+    devices_per_host: int
+    shape: tuple[int, int, int]  # (data, fsdp, tensor)
+    target_bytes: int  # per device: the frozen target's weights, from their shardings (exact)
+    peak: int  # per device: target_bytes + the rest of the compiled plan (estimate)
+    experts_per_device: int  # of each mixture-of-experts layer; 0 when the target has none
+    expert_axes: tuple[str, ...]  # the mesh axes the experts are split over
+
+
+def smallest_fitting_mesh(
+    setup: TrainSetup, plan: Plan, hbm_bytes: float, *, devices_per_host: int, max_hosts: int = 512
+) -> MeshChoice | None:
+    """The fewest hosts of `devices_per_host` devices on which the step of `plan` fits, by estimate.
+
+    Candidates split the target over every device: data=1, the plan's tensor axis (within a host),
+    fsdp the rest, the global batch's rows divisible by fsdp x grad_accum_steps as `resolve`
+    requires. A candidate's peak is its frozen target's bytes per device, computed exactly from the
+    parameters' shardings on that mesh, plus what the compiled plan needs besides the target
+    (drafter, optimizer state, batch, temporaries), kept as compiled: with the global batch fixed,
+    more devices hold fewer rows each, so that part only shrinks. Compile the candidate
+    (`--num_devices`) to confirm. None when no candidate of up to `max_hosts` hosts fits.
+    """
+    _, _, tensor = setup.mesh_shape
+    rest = plan.peak - plan.bytes_per_device["target"]
+    params = nnx.split(nnx.eval_shape(lambda: step_lib.new_target(setup)))[1]
+    leaves = [(path, leaf.shape, leaf.dtype) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
+    rows = setup.data.global_batch_rows // setup.run.grad_accum_steps
+    for hosts in range(1, max_hosts + 1):
+        devices = hosts * devices_per_host
+        if devices % tensor or rows % (devices // tensor):
+            continue
+        mesh = {sharding.DATA_AXIS: 1, sharding.FSDP_AXIS: devices // tensor, sharding.TENSOR_AXIS: tensor}
+        target = sum(_shard_bytes(mesh, path, shape, dtype) for path, shape, dtype in leaves)
+        if target + rest <= USABLE_FRACTION * hbm_bytes:
+            experts, axes = _experts_per_device(mesh, leaves)
+            return MeshChoice(
+                hosts, devices_per_host, (1, devices // tensor, tensor), target, target + rest, experts, axes
+            )
+    return None
+
+
+def _shard_bytes(mesh: dict[str, int], path, shape, dtype) -> int:
+    spec = sharding.param_spec(mesh, path, shape)
+    split = [math.prod(mesh[a] for a in _spec_axes(entry)) for entry in spec] + [1] * (len(shape) - len(spec))
+    return math.prod(-(-dim // n) for dim, n in zip(shape, split)) * jnp.dtype(dtype).itemsize
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _experts_per_device(mesh: dict[str, int], leaves) -> tuple[int, tuple[str, ...]]:
+    """(experts of a layer one device holds, the mesh axes they are split over); (0, ()) without experts."""
+    for path, shape, _ in leaves:
+        if sharding.param_axes(path)[0] == sharding.EXPERTS:
+            axes = _spec_axes(sharding.param_spec(mesh, path, shape)[0])
+            return shape[0] // math.prod(mesh[a] for a in axes), axes
+    return 0, ()
+
+
+def format_mesh_choice(choice: MeshChoice | None, hbm_bytes: float, *, max_hosts: int = 512) -> str:
+    """The plan's line naming the smallest mesh that fits (or that none does)."""
+    usable = USABLE_FRACTION * hbm_bytes
+    if choice is None:
+        return f"  no mesh of up to {max_hosts} hosts fits {usable / GIB:.1f} GiB per device by estimate"
+    data, fsdp, tensor = choice.shape
+    devices = choice.hosts * choice.devices_per_host
+    experts = (
+        f"experts over {' x '.join(choice.expert_axes)}, {choice.experts_per_device} a device; "
+        if choice.experts_per_device
+        else ""
+    )
+    return (
+        f"  smallest mesh that fits (estimate): {choice.hosts} hosts x {choice.devices_per_host} devices = {devices}, "
+        f"data={data} x fsdp={fsdp} x tensor={tensor} ({experts}heads and MLP over tensor): target "
+        f"{choice.target_bytes / GIB:.1f} GiB + the rest of this plan = {choice.peak / GIB:.1f} GiB of "
+        f"{usable / GIB:.1f} GiB per device; confirm with --num_devices={devices}"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The report.
 

@@ -173,7 +173,8 @@ class MeshSettings:
 
     # -1 = every device fsdp x tensor leave over.
     data: int = -1
-    # > 1: the frozen target's weights split over this many devices.
+    # > 1: the frozen target's weights split over this many devices; -1 = every device data x
+    # tensor leave over (with data >= 1).
     fsdp: int = 1
     # > 1: the target's heads, kv heads and MLP split over this many devices.
     tensor: int = 1

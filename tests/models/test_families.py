@@ -22,11 +22,24 @@ from dflash_jax.models.hf import load_target
 from support.decoding_models import ScriptedDrafter
 from support.hf_reference import write_hf_checkpoint
 
-FAMILIES = ("qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+FAMILIES = (
+    "qwen3_moe",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "gpt_oss",
+    "deepseek_v3",
+    "kimi_k25",
+    "minimax_m2",
+    "gemma4",
+    "gemma4_text",
+)
 # Packing and rollback depend on the mixers and MLPs, not on how weights are stored: one family
-# per new kind of layer (experts; Gated DeltaNet with gated attention; sliding windows and sinks)
+# per new kind of layer (experts; Gated DeltaNet with gated attention; sliding windows and sinks;
+# latent attention with grouped sigmoid routing; Gemma's layers with their own RoPE per layer kind)
 # keeps the suite short.
-ROW_FAMILIES = ("qwen3_moe", "qwen3_5", "gpt_oss")
+ROW_FAMILIES = ("qwen3_moe", "qwen3_5", "gpt_oss", "deepseek_v3", "gemma4")
 SEQ = 80  # more than one 64-token linear-attention chunk
 NEW = 12
 
@@ -104,9 +117,11 @@ def test_packed_row_equals_its_documents_alone(family):
         alone = np.zeros((3, 1, alone_width), np.int32)
         alone[0, 0, :n], alone[1, 0, :n], alone[2, 0, :n] = doc, 1, np.arange(n)
         alone_logits, alone_hidden = _forward(ours, *(jnp.asarray(a) for a in alone))
-        np.testing.assert_allclose(packed_logits[0, start : start + n], alone_logits[0, :n], atol=2e-5, err_msg=name)
+        # fp32 noise of other tilings: ~1e-6 of the states' scale, which reaches ~10 in Gemma
+        # (embeddings times sqrt(D)); a document seeing another would differ by far more.
+        np.testing.assert_allclose(packed_logits[0, start : start + n], alone_logits[0, :n], atol=5e-5, err_msg=name)
         for p, a in zip(packed_hidden, alone_hidden):
-            np.testing.assert_allclose(p[0, start : start + n], a[0, :n], atol=2e-5, err_msg=name)
+            np.testing.assert_allclose(p[0, start : start + n], a[0, :n], atol=5e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("family", ROW_FAMILIES, indirect=True)

@@ -45,12 +45,21 @@ def test_each_published_config_reads_as_its_family():
         "Qwen3-30B-A3B.json": ("qwen3_moe", 48, 48),
         "Qwen3.5-35B-A3B.json": ("qwen3_5", 40, 40),
         "gpt-oss-20b.json": ("gpt_oss", 24, 24),
+        "DeepSeek-V3.json": ("deepseek_v3", 61, 58),
+        "Kimi-K2.5.json": ("deepseek_v3", 61, 60),
+        "MiniMax-M2.json": ("minimax_m2", 62, 62),
+        "gemma-4-31B-it.json": ("gemma4", 60, 0),
+        "gemma-4-26B-A4B-it.json": ("gemma4", 30, 30),
     }
     for name, (family, layers, moe_layers) in expected.items():
         hf = json.loads((TARGETS / name).read_text())
         assert families.find(hf)[0].name == family, name
         cfg = families.target_config(hf)
         assert (cfg.num_layers, len(cfg.moe_layers)) == (layers, moe_layers), name
+    gemma = families.target_config(json.loads((TARGETS / "gemma-4-31B-it.json").read_text()))
+    assert (gemma.head_dim, gemma.num_kv_heads, gemma.sliding_window) == (256, 16, 1024)
+    full = gemma.full_attention
+    assert (full.head_dim, full.num_kv_heads, full.values_from_keys, full.rope.kind) == (512, 4, True, "proportional")
     qwen3_5 = families.target_config(json.loads((TARGETS / "Qwen3.5-35B-A3B.json").read_text()))
     assert qwen3_5.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
     assert qwen3_5.zero_centered_norm and qwen3_5.attention_output_gate and qwen3_5.qk_norm

@@ -14,8 +14,8 @@ import transformers
 from flax import nnx
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-from dflash_jax.models.architecture import RopeConfig
-from dflash_jax.models.latent_attention import LatentAttention, rope_rows_deinterleaved, yarn_softmax_scale
+from dflash_jax.models.architecture import LatentAttentionConfig, RopeConfig
+from dflash_jax.models.latent_attention import LatentAttention, rope_rows_deinterleaved
 from dflash_jax.models.layers import rotary
 from dflash_jax.models.mixers import DecodeStep, PackedRows
 
@@ -59,14 +59,9 @@ def ours(config, attn) -> LatentAttention:
     q_lora_rank = config.q_lora_rank or 0
     abstract = nnx.eval_shape(
         lambda: LatentAttention(
+            LatentAttentionConfig.from_hf(config.to_dict()),
             hidden_size=HIDDEN,
             num_heads=HEADS,
-            q_lora_rank=q_lora_rank,
-            kv_lora_rank=KV_RANK,
-            qk_nope_head_dim=NOPE,
-            qk_rope_head_dim=ROPE,
-            v_head_dim=V_DIM,
-            softmax_scale=yarn_softmax_scale(NOPE + ROPE, config.rope_parameters),
             param_dtype=jnp.float32,
             compute_dtype=jnp.float32,
             rngs=nnx.Rngs(0),

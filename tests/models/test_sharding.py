@@ -183,6 +183,30 @@ def test_the_logical_axes_of_every_parameter_are_named():
         sharding.param_axes("layers.0.mlp.new_proj.kernel")
 
 
+def test_latent_attention_and_sigmoid_router_parameters_have_axes():
+    """Every parameter of the Kimi-K2.5 and MiniMax-M2 targets (shapes only; two layers of each,
+    a dense one and one with experts for Kimi)."""
+    for name in ("Kimi-K2.5.json", "MiniMax-M2.json"):
+        hf = json.loads((TARGETS / name).read_text())
+        (hf.get("text_config") or hf)["num_hidden_layers"] = 2
+        cfg = target_config(hf)
+        params = leaves(abstract_params(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0))))
+        axes = {n.split(".", 2)[-1] if n.startswith("layers.") else n: sharding.param_axes(n) for n, _ in params}
+        assert axes["mlp.e_score_correction_bias"] == (None,)
+    assert axes["self_attn.q_norm.weight"] == ("norm",)  # MiniMax's, over all heads
+    kimi = target_config(json.loads((TARGETS / "Kimi-K2.5.json").read_text()))
+    for param, expected in (
+        ("self_attn.q_a_proj.kernel", ("embed", None)),
+        ("self_attn.q_b_proj.kernel", (None, "heads")),
+        ("self_attn.kv_a_proj_with_mqa.kernel", ("embed", None)),
+        ("self_attn.kv_b_proj.kernel", (None, "heads")),
+        ("self_attn.o_proj.kernel", ("heads", "embed")),
+        ("mlp.shared_expert.down_proj.kernel", ("mlp", "embed")),
+    ):
+        assert sharding.param_axes(f"layers.1.{param}") == expected, param
+    assert kimi.latent_attention.kv_lora_rank == 512
+
+
 def test_rules_priority_and_divisibility():
     fsdp = sharding.RULES["fsdp"]
     mesh = MESHES["fsdp"]

@@ -286,6 +286,9 @@ def test_mask_token_is_looked_up_in_the_tokenizer(tiny_run, tmp_path):
 def test_tensor_axis_splits_rows_over_data_and_fsdp_only(tiny_run, tmp_path):
     setup = resolve(tiny_config(tiny_run, tmp_path, **{"mesh.tensor": 2, "data.global_batch_rows": 2}), num_devices=4)
     assert setup.mesh_shape == (2, 1, 2)
+    # fsdp=-1: the target split over every device the tensor groups leave (a preset for any host count)
+    split = tiny_config(tiny_run, tmp_path, **{"mesh.tensor": 2, "mesh.data": 1, "mesh.fsdp": -1})
+    assert resolve(split, num_devices=4).mesh_shape == (1, 2, 2)
 
 
 def test_explicit_gamma_allows_other_block_sizes(tiny_run, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -110,6 +111,32 @@ def test_verdict_says_what_to_try():
     for tip in (":fsdp", "mesh.tensor", "grad_accum_steps", "remat=True"):
         assert tip in text, tip
     assert planning.verdict(plan, 141 * planning.GIB, fsdp=1, tensor=1, remat=True).startswith("fits: 90.0 GiB")
+
+
+def test_a_target_too_big_for_one_host_names_the_fewest_hosts_that_fit():
+    """Kimi-K2.5's layers (five of its 61 here: 140 GB of bf16) on hosts of 8 x 16 GB with 2 GiB of
+    drafter, optimizer and temporaries a device: one host is too small, two (data=1 x fsdp=2 x
+    tensor=8, experts over fsdp x tensor) hold it."""
+    config = load_config_file(str(testing.REPO / "configs" / "deepseek_v3.py"), "kimi-k2.5")
+    target, _ = target_for_plan(config)
+    target = dataclasses.replace(target, num_layers=5, layer_types=(), moe_layers=tuple(range(1, 5)))
+    setup = resolve(config, num_devices=8, target=target, check_files=False)
+    assert setup.mesh_shape == (1, 1, 8)
+    one_host = 140e9 / 8
+    plan = fake_plan(
+        bytes_per_device={"target": int(one_host), "drafter": 0, "optimizer": 0, "batch": 0},
+        peak=int(one_host + 2 * planning.GIB),
+    )
+    hbm = 16 * planning.GIB
+    choice = planning.smallest_fitting_mesh(setup, plan, hbm, devices_per_host=8)
+    assert (choice.hosts, choice.shape) == (2, (1, 2, 8))
+    assert (choice.experts_per_device, choice.expert_axes) == (384 // 16, ("fsdp", "tensor"))
+    assert 135e9 / 16 < choice.target_bytes < 145e9 / 16  # the non-expert weights split less
+    assert choice.peak == choice.target_bytes + 2 * planning.GIB <= planning.USABLE_FRACTION * hbm
+    text = planning.format_mesh_choice(choice, hbm)
+    assert "2 hosts x 8 devices = 16, data=1 x fsdp=2 x tensor=8 (experts over fsdp x tensor, 24 a device" in text
+    assert "--num_devices=16" in text
+    assert planning.smallest_fitting_mesh(setup, plan, hbm, devices_per_host=8, max_hosts=1) is None
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,48 @@
+"""DFlash drafters for Gemma 4 targets (31B dense, 26B-A4B MoE) with the paper's recipe, on one host
+with 8 accelerators.
+
+    python train.py --config=configs/gemma4.py:31b --config.target.path=google/gemma-4-31B-it \
+        --config.data.train=/data/train.jsonl --config.workdir=/ckpt/gemma4_31b_dflash
+    python -m dflash_jax.plan --config=configs/gemma4.py:31b    # will it fit? (no weights needed)
+
+Variants, comma-separated:
+  size      31b (default) | 26b-a4b: the public config.json the plan reads (configs/targets/).
+            31b: 60 layers, 62 GB of bf16 weights, split over mesh.fsdp=8 (its full layers' 4 kv
+            heads do not split over a tensor axis of 8); 26b-a4b: 30 layers of 128 experts (top-8)
+            beside a dense MLP, 52 GB, experts over mesh.fsdp=4 (expert-parallel weights)
+  block     b16 (default) | b10 | b8: the drafter's block size, with the paper's loss decay γ
+The drafter keeps the target's sliding layers' head layout (heads of 256) and reads 5 target
+layers spread over its depth; 26b-a4b's dense MLP is narrow (2112), so its drafter's MLP is 8192
+wide. The mask is <mask> (id 4 in Gemma's tokenizer); check it against your tokenizer.
+"""
+
+import os
+
+from dflash_jax.training.run_config import base_config, choose_variants
+
+TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
+SIZES = {
+    "31b": dict(plan_config="gemma-4-31B-it.json", fsdp=8),
+    "26b-a4b": dict(plan_config="gemma-4-26B-A4B-it.json", fsdp=4, intermediate_size=8192),
+}
+BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
+MASK_TOKEN = 4  # <mask>
+
+
+def get_config(variants: str = "31b"):
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="31b")
+    c = base_config()
+    size = SIZES[size_name]
+    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
+    c.drafter.num_layers = 5
+    c.drafter.intermediate_size = size.get("intermediate_size", 0)  # 0: the target's
+    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
+    c.drafter.mask_token_id = MASK_TOKEN
+    c.data.seq_len = 3072
+    c.data.global_batch_rows = 16
+    c.data.read_threads = 4
+    c.data.heldout_rows = c.eval.num_prompts
+    c.train.remat = True
+    c.log.every_steps = 20
+    c.mesh.fsdp = size["fsdp"]
+    return c
