@@ -10,7 +10,7 @@ Recomputation in the backward pass is not counted here; `remat_flops_per_step` c
 
 from __future__ import annotations
 
-from dflash_jax.models.architecture import TransformerConfig
+from dflash_jax.models.architecture import TransformerConfig, layer_attention
 from dflash_jax.models.attention import packed_causal_pairs
 from dflash_jax.training.run_config import TrainSetup
 
@@ -46,18 +46,19 @@ def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: i
         mixer = tokens * (projections + per_token)
     elif cfg.latent_attention is not None:
         mixer = _latent_attention_macs(cfg, rows, seq_len)
-    else:
-        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attention_output_gate else 1)
-        weights = h * (q_width + 2 * cfg.num_kv_heads * cfg.head_dim) + cfg.num_heads * cfg.head_dim * h
+    else:  # the layer kind's own head size and kv heads (Gemma 4's full layers); values from keys: no v_proj
+        own = layer_attention(cfg, cfg.layer_types[index])
+        q_width = cfg.num_heads * own.head_dim * (2 if cfg.attention_output_gate else 1)
+        kv_width = own.num_kv_heads * own.head_dim * (1 if own.values_from_keys else 2)
+        weights = h * (q_width + kv_width) + cfg.num_heads * own.head_dim * h
         window = cfg.sliding_window if cfg.layer_types[index] == "sliding_attention" else 0
-        mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len, window) * cfg.num_heads * cfg.head_dim
-    if index in cfg.moe_layers:
+        mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len, window) * cfg.num_heads * own.head_dim
+    mlp = 3 * h * cfg.intermediate_size if index not in cfg.moe_layers or cfg.block == "gemma4" else 0
+    if index in cfg.moe_layers:  # Gemma 4's experts run beside its dense MLP
         moe = cfg.moe
-        mlp = h * moe.num_experts + 3 * h * moe.expert_intermediate_size * moe.num_experts_per_token
+        mlp += h * moe.num_experts + 3 * h * moe.expert_intermediate_size * moe.num_experts_per_token
         shared = moe.shared_expert_intermediate_size
         mlp += 3 * h * shared + (h if shared and moe.shared_expert_gate else 0)
-    else:
-        mlp = 3 * h * cfg.intermediate_size
     return 2.0 * (mixer + tokens * mlp)
 
 

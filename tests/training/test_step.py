@@ -17,7 +17,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import (
+    DrafterConfig,
+    LatentAttentionConfig,
+    LayerAttention,
+    MoeConfig,
+    RopeConfig,
+    TransformerConfig,
+)
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
@@ -37,6 +44,43 @@ TARGET = TransformerConfig(
     head_dim=8,
     rope=RopeConfig(10000.0),
 )
+# The new kinds of target layer train a drafter too: latent attention with sigmoid-routed experts
+# (DeepSeek-V3), and Gemma 4's blocks (experts beside the MLP, full layers with their own heads
+# and RoPE, scaled embeddings, soft-capped logits).
+TARGETS = {
+    "qwen3": TARGET,
+    "deepseek_v3": dataclasses.replace(
+        TARGET,
+        num_kv_heads=4,
+        head_dim=4,
+        qk_norm=False,
+        latent_attention=LatentAttentionConfig(16, 16, 8, 4, 8, softmax_scale=12**-0.5),
+        moe=MoeConfig(
+            8,
+            2,
+            16,
+            router="sigmoid_grouped",
+            num_groups=4,
+            groups_kept=2,
+            routed_scaling_factor=2.5,
+            shared_expert_intermediate_size=16,
+            shared_expert_gate=False,
+        ),
+        moe_layers=(1,),
+    ),
+    "gemma4": dataclasses.replace(
+        TARGET,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=8,
+        block="gemma4",
+        mlp_activation="gelu_tanh",
+        embedding_scale=32**0.5,
+        final_logit_softcap=5.0,
+        full_attention=LayerAttention(16, 1, RopeConfig(1e6, kind="proportional", partial_factor=0.25), True),
+        moe=MoeConfig(8, 2, 16, activation="geglu"),
+        moe_layers=(0, 1),
+    ),
+}
 DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=VOCAB - 1, block_size=4)
 OBJECTIVE = objective.ObjectiveConfig(
     block_size=4,
@@ -69,12 +113,14 @@ def test_sharded_steps_match_one_device():
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def trainer():
+@pytest.fixture(scope="module", params=["qwen3"])
+def trainer(request):
+    target_cfg = TARGETS[request.param]
     mesh = make_mesh(1, 1)
-    graphdef, target_params = nnx.split(nnx.eval_shape(lambda: Transformer(TARGET, rngs=nnx.Rngs(1))))
+    graphdef, target_params = nnx.split(nnx.eval_shape(lambda: Transformer(target_cfg, rngs=nnx.Rngs(1))))
     target_params = jax.jit(
-        lambda: nnx.split(Transformer(TARGET, rngs=nnx.Rngs(1)))[1], out_shardings=NamedSharding(mesh, PartitionSpec())
+        lambda: nnx.split(Transformer(target_cfg, rngs=nnx.Rngs(1)))[1],
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
     )()
     tx = make_optimizer(OptimizerConfig(learning_rate=3e-2, warmup_fraction=0.1), STEPS)
 
@@ -160,6 +206,7 @@ def test_muon_orthogonalizes_matrix_updates_at_adamw_size_and_decays_matrices_on
     np.testing.assert_array_equal(decayed["scale"], np.zeros(32))
 
 
+@pytest.mark.parametrize("trainer", list(TARGETS), indirect=True)
 def test_loss_decreases_and_tau_train_rises(trainer):
     new_state, train_step, target_params, batch = trainer
     state, history = new_state(), []
