@@ -156,9 +156,10 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models
     counts = np.zeros([SMALL_VOCAB] * length)
     np.add.at(counts, tuple(samples.T), 1)
 
-    # Every path was taken: rejection at each slot and full acceptance.
+    # Every path was taken: rejection at each slot and full acceptance (the truncated DSpark case
+    # accepts a whole block in 0.3 % of the samples; the seeds are fixed).
     histogram = np.array(acceptance_stats(generations, drafter.cfg.verify_size)["histogram"])
-    assert np.all(histogram > 0.01 * len(samples)), histogram
+    assert np.all(histogram > 0.002 * len(samples)), histogram
 
     exact = exact_distribution(target, prompt, cfg, length)
     assert min(marginal_pvalues(counts, exact)) > 1e-4
