@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Mapping
 
 from absl import app, flags
 from ml_collections import config_flags
 
+from dflash_jax import bundled
 from dflash_jax.errors import ConfigError, UserError
 
 # A full disk, a quota, a read-only filesystem: reported in one line, like a user error.
@@ -37,17 +40,21 @@ EXIT_STOPPED = 75
 EXIT_INTERRUPTED = 130
 
 CONFIG_FLAG = "config"
+PRINT_CONFIG_FLAG = "print_config"
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull")
 flags.disclaim_key_flags()  # --config is the flag of the command that defines it: its --help lists it
 # --config.section.field=value, and --noconfig.section.field for a boolean False.
 _CONFIG_OVERRIDE = re.compile(rf"--?(?:no)?{CONFIG_FLAG}\.(.+)")
 # --config=file.py[:variants], or --config followed by its value.
 _CONFIG_FILE = re.compile(rf"--?{CONFIG_FLAG}(?:=(.*))?")
-# absl's words for a required flag left out.
+# absl's words for a required flag left out (the message of mark_flag_as_required's validator).
 _MISSING_FLAG = re.compile(r"--(\w+)=None: Flag --\1 must have a value other than None\.")
+_REQUIRED_MESSAGE = "Flag --{} must have a value other than None."
 
 
-def define_config(default: str | None = None) -> flags.FlagHolder:
-    """`--config=file.py[:variants]` with its `--config.section.field=value` overrides.
+def define_config(default: str | None = None, flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+    """`--config=file.py[:variants]` with its `--config.section.field=value` overrides, and
+    `--print_config`.
 
     With a default file, ml_collections reads it and looks the overrides up right here, when the
     flag is defined, rather than when `run` parses the flags: hence the same checks here.
@@ -55,18 +62,33 @@ def define_config(default: str | None = None) -> flags.FlagHolder:
     from dflash_jax.training.run_config import FIELDS_DOCUMENTED  # only these commands need the schema
 
     with _flag_errors_exit():
-        _check_config_arguments(sys.argv)
+        _checked_config_arguments(sys.argv)
+        flags.DEFINE_bool(
+            PRINT_CONFIG_FLAG,
+            False,
+            "Print the resolved config (file, variants and overrides) with every field's comment, and exit.",
+            flag_values=flag_values,
+        )
         return config_flags.DEFINE_config_file(
             CONFIG_FLAG,
             default,
-            "Training config file (configs/*.py), optionally with variants: file.py:variant,variant; "
-            f"override any field with --config.section.field=value; {FIELDS_DOCUMENTED}.",
+            "Training config file, optionally with variants: file.py:variant,variant (`dflash-jax "
+            "list-configs` lists them; a bundled one is found by name, configs/qwen3.py, from any "
+            "directory); override any field with --config.section.field=value; "
+            f"{FIELDS_DOCUMENTED}.",
+            flag_values=flag_values,
             lock_config=True,
         )
 
 
-def run(main: Callable[[list[str]], int | None]) -> None:
-    """`absl.app.run(main)`, with user errors as one line and the exit statuses above."""
+def run(main: Callable[[list[str]], int | None], renamed: Mapping[str, str] | None = None) -> None:
+    """`absl.app.run(main)`, with user errors as one line and the exit statuses above.
+
+    `--help` prints the command's docstring and flags and exits 0; `renamed` maps a flag's old
+    name to its new one, for a one-line hint instead of "unknown flag"; with `--print_config`,
+    the config is printed instead of running `main`.
+    """
+    doc = sys.modules[main.__module__].__doc__ or ""
 
     def guarded(argv):
         # JAX, Orbax and grain log every backend probe, save and read at INFO; keep ours.
@@ -75,6 +97,11 @@ def run(main: Callable[[list[str]], int | None]) -> None:
         try:
             if len(argv) > 1:
                 raise UserError(f"unexpected arguments {argv[1:]}: every input is a flag, --name=value")
+            if PRINT_CONFIG_FLAG in flags.FLAGS and flags.FLAGS[PRINT_CONFIG_FLAG].value:
+                from dflash_jax.training.config_text import describe_config
+
+                print(describe_config(flags.FLAGS[CONFIG_FLAG].value))
+                return 0
             return main(argv)
         except UserError as e:
             print(f"{e.label}: {e}", file=sys.stderr)
@@ -85,36 +112,100 @@ def run(main: Callable[[list[str]], int | None]) -> None:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
+        except BrokenPipeError:  # the reader stopped (`| head`): no traceback, and none at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
 
-    app.run(guarded, flags_parser=_parse_flags)
+    app.run(guarded, flags_parser=functools.partial(_parse_flags, doc=doc, renamed=renamed or {}))
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with one-line errors instead of a traceback or a page of usage."""
+def _parse_flags(argv: list[str], *, doc: str, renamed: Mapping[str, str]) -> list[str]:
+    """absl's flag parsing, with one-line errors instead of a traceback or a page of usage, and
+    help on stdout with exit status 0 (absl's exits 1)."""
+    arguments = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+    if any(arg in HELP_FLAGS for arg in arguments):
+        print(help_text(flags.FLAGS, doc, full="--helpfull" in arguments))
+        sys.exit(0)
     with _flag_errors_exit():
+        check_renamed_flags(arguments, renamed)
         if CONFIG_FLAG in flags.FLAGS:
-            _check_config_arguments(argv)
+            argv = _checked_config_arguments(argv)
         return flags.FLAGS(argv)
 
 
-def _check_config_arguments(argv: list[str]) -> None:
-    """What ml_collections would report with a traceback, caught first: an override of a field
-    that does not exist (naming the closest one) and a config file that does not exist."""
-    from dflash_jax.training.run_config import check_field_path
+def help_text(flag_values: flags.FlagValues, doc: str, full: bool = False) -> str:
+    """The command's docstring, then its flags: each with its help and `(required)` or its
+    default, bundled paths as they read in the repository. `full` adds the flags the libraries
+    define (absl's logging, grain, orbax), by module."""
+    by_module = flag_values.flags_by_module_dict()
+    lines = [textwrap.dedent(doc).strip(), "", "flags:"]
+    ours = {f for module, fs in by_module.items() if _is_ours(module) for f in fs}
+    lines += [_flag_help(f) for f in sorted(ours, key=lambda f: f.name)]
+    for module, fs in sorted(by_module.items()) if full else ():
+        if not _is_ours(module):
+            lines += ["", f"{module}:", *[_flag_help(f) for f in sorted(fs, key=lambda f: f.name)]]
+    return "\n".join(lines)
 
+
+def _is_ours(module: str) -> bool:
+    """Flags this package defines: by its modules, or by a program run as __main__ (absl then
+    names the module by its path)."""
+    return module.startswith("dflash_jax") or module == sys.argv[0]
+
+
+def _flag_help(flag: flags.Flag) -> str:
+    name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
+    text = textwrap.fill(f"{name}: {flag.help}", width=100, initial_indent="  ", subsequent_indent="    ")
+    required = any(getattr(v, "message", None) == _REQUIRED_MESSAGE.format(flag.name) for v in flag.validators)
+    if required:
+        text += "\n    (required)"
+    elif flag.default_as_str:
+        text += f"\n    (default: {_without_machine_paths(flag.default_as_str)})"
+    if flag.parser.syntactic_help:
+        text += f"\n    ({flag.parser.syntactic_help})"
+    return text
+
+
+def _without_machine_paths(text: str) -> str:
+    """Bundled paths in `text` as they read in the repository (`configs/default.py`)."""
+    return text.replace(f"{bundled.ROOT}{os.sep}", "")
+
+
+def check_renamed_flags(arguments: list[str], renamed: Mapping[str, str]) -> None:
+    """A flag given by its old name: a UserError naming the new one (absl would suggest the
+    closest flag, often another one)."""
+    for arg in arguments:
+        name = arg.lstrip("-").split("=", 1)[0]
+        if arg.startswith("-") and name in renamed:
+            raise UserError(f"--{name} is now --{renamed[name]}")
+
+
+def _checked_config_arguments(argv: list[str]) -> list[str]:
+    """What ml_collections would report with a traceback, caught first: an override of a field
+    that does not exist (naming the closest one), a config file that does not exist, and
+    variants given to a config file that has none. Returns argv with a config file that is not
+    here replaced by the bundled config of its name (`configs/qwen3.py` from any directory)."""
+    from dflash_jax.training.run_config import check_field_path, check_variants_accepted
+
+    out = list(argv)
     for i, arg in enumerate(argv[1:], start=1):
         if arg == "--":
             break
-        name = arg.split("=", 1)[0]
-        if override := _CONFIG_OVERRIDE.fullmatch(name):
+        if override := _CONFIG_OVERRIDE.fullmatch(arg.split("=", 1)[0]):
             check_field_path(override.group(1))
         elif config_file := _CONFIG_FILE.fullmatch(arg):
-            value = config_file.group(1)
-            if value is None:
-                value = argv[i + 1] if i + 1 < len(argv) else ""
-            if not os.path.isfile(value.split(":", 1)[0]):
-                raise ConfigError(f"--{CONFIG_FLAG}={value}: no such file")
+            inline = config_file.group(1) is not None  # --config=value, else --config value
+            at = i if inline else i + 1
+            value = config_file.group(1) if inline else argv[at] if at < len(argv) else ""
+            path, colon, variants = value.partition(":")
+            found = bundled.config_file(path)
+            if not os.path.isfile(found):
+                raise ConfigError(
+                    f"--{CONFIG_FLAG}={value}: no such file (`dflash-jax list-configs` lists the bundled ones)"
+                )
+            check_variants_accepted(found, variants, shown_as=path)
+            out[at] = (f"--{CONFIG_FLAG}=" if inline else "") + found + colon + variants
+    return out
 
 
 @contextlib.contextmanager
@@ -134,3 +225,11 @@ def _flag_errors_exit():
         return
     print(message, file=sys.stderr)
     sys.exit(EXIT_ERROR)
+
+
+def default_dtype() -> str:
+    """The weights' and compute's dtype when a command's --dtype is left out: float32 on a CPU,
+    where bfloat16 matmuls are emulated and slow, bfloat16 on an accelerator."""
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"

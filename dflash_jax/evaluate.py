@@ -1,8 +1,8 @@
 r"""Measure a DFlash drafter as a serving engine would: acceptance length and speed-up.
 
-    python -m dflash_jax.evaluate --drafter=runs/default [--prompts=heldout_prompts,my_prompts.jsonl] \
+    dflash-jax evaluate --drafter=runs/default [--prompts=heldout_prompts,my_prompts.jsonl] \
         [--limit=32] [--max_new_tokens=256] [--batch_size=1] [--temperature=0] [--output=eval_results]
-    python -m dflash_jax.evaluate --target=Qwen/Qwen3-8B --drafter=z-lab/Qwen3-8B-DFlash-b16 \
+    dflash-jax evaluate --target=Qwen/Qwen3-8B --drafter=z-lab/Qwen3-8B-DFlash-b16 \
         --prompts=gsm8k,math500,humaneval,mbpp,mt-bench
 
 --drafter is an export directory or hub id (ours or a released DFlash drafter) or a training
@@ -36,6 +36,8 @@ from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import is_export_dir
 from dflash_jax.training.workdir import Workdir
+
+RENAMED_FLAGS = {"drafter_step": "step", "num_prompts": "limit", "out_dir": "output"}
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -78,7 +80,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).", **fv)
-    flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "Weight and compute dtype of both models.", **fv)
+    flags.DEFINE_enum(
+        "dtype",
+        None,
+        sorted(DTYPES),
+        "Weight and compute dtype of both models (default: float32 on a CPU, bfloat16 on an accelerator).",
+        **fv,
+    )
     flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
     flags.mark_flags_as_required(["drafter"], **fv)
 
@@ -100,7 +108,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         batch_size=f.batch_size,
         sampling=sampling,
         enable_thinking=f.enable_thinking,
-        dtype=DTYPES[f.dtype],
+        dtype=DTYPES[f.dtype or cli.default_dtype()],
         seed=f.seed,
         confidence_threshold=f.confidence_threshold,
     )
@@ -155,6 +163,11 @@ def _run_of(drafter: str) -> Workdir | None:
     return None
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command: `dflash-jax evaluate`, or `python -m dflash_jax.evaluate`."""
     define_flags()
-    cli.run(main)
+    cli.run(main, renamed=RENAMED_FLAGS)
+
+
+if __name__ == "__main__":
+    run()

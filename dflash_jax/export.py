@@ -1,10 +1,10 @@
 """Export a training run's drafter in the serving format (docs/design.md §5).
 
-    python -m dflash_jax.export --workdir=runs/default [--step=N] [--output=DIR] [--dtype=bfloat16]
+    dflash-jax export --workdir=runs/default [--step=N] [--output=DIR] [--dtype=bfloat16]
 
 reads the latest (or given) checkpoint of a training run and writes `config.json` +
 `model.safetensors` to `<workdir>/export/` (or --output). Training does the same at its end.
-The README ("Serving the export") gives the SGLang and vLLM commands that serve it.
+The README ("Serving") gives the SGLang and vLLM commands that serve it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.training.drafters import export_checkpoint
 from dflash_jax.training.workdir import Workdir
+
+RENAMED_FLAGS = {"out": "output"}
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -36,6 +38,11 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     print(f"exported drafter to {out}")
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command: `dflash-jax export`, or `python -m dflash_jax.export`."""
     define_flags()
-    cli.run(main)
+    cli.run(main, renamed=RENAMED_FLAGS)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,9 +1,9 @@
 """Will this run fit? Compile the exact train step on shapes only, before renting the devices.
 
-    python -m dflash_jax.plan --config=configs/qwen3.py:8b           # 8 devices, 80 GiB each
-    python -m dflash_jax.plan --config=configs/qwen3.py:8b,fsdp --hbm_gb=141
-    python -m dflash_jax.plan --config=configs/default.py --num_devices=2 --config.data.global_batch_rows=4
-    python -m dflash_jax.plan --config=configs/qwen3.py:8b --hardware=h200 --epoch_tokens=2e9
+    dflash-jax plan --config=configs/qwen3.py:8b           # 8 devices, 80 GiB each
+    dflash-jax plan --config=configs/qwen3.py:8b,fsdp --hbm_gb=141
+    dflash-jax plan --config=configs/default.py --num_devices=2 --config.data.global_batch_rows=4
+    dflash-jax plan --config=configs/qwen3.py:8b --hardware=h200 --epoch_tokens=2e9
 
 Reads only the target's config.json: `--target_config`, else the config's `target.plan_config`
 (configs/qwen3.py names the public Qwen3 configs checked in under configs/targets/), else the
@@ -35,27 +35,38 @@ from dflash_jax import cli
 from dflash_jax.errors import UserError
 from dflash_jax.training.roofline import HARDWARE_NAMES
 
-_CONFIG = cli.define_config()
-_NUM_DEVICES = flags.DEFINE_integer(
-    "num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).", lower_bound=1
-)
-_HBM_GB = flags.DEFINE_float("hbm_gb", 80.0, "Memory per device, GiB (H100 80, H200 141).")
-_DEVICES_PER_HOST = flags.DEFINE_integer(
-    "devices_per_host",
-    8,
-    "Devices a host has: when the step does not fit, the plan names how many hosts do.",
-    lower_bound=1,
-)
-_TARGET_CONFIG = flags.DEFINE_string(
-    "target_config", "", "The target's config.json (or its directory); '' = target.plan_config, else target.path."
-)
-_HARDWARE = flags.DEFINE_enum(
-    "hardware", "h100", HARDWARE_NAMES, "The devices the speed is estimated for (cpu: this host, measured)."
-)
-_EPOCH_TOKENS = flags.DEFINE_float(
-    "epoch_tokens", 1e9, "Token slots (packed rows x seq_len) of an epoch.", lower_bound=1
-)
-_HLO_OUTPUT = flags.DEFINE_string("hlo_output", "", "Also write the compiled program's HLO text to this file.")
+RENAMED_FLAGS = {"hlo_out": "hlo_output"}
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """The command's flags; defined when run as a program (tests use their own FlagValues, since
+    several commands share flag names)."""
+    fv = dict(flag_values=flag_values)
+    cli.define_config(**fv)
+    flags.DEFINE_integer(
+        "num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).", lower_bound=1, **fv
+    )
+    flags.DEFINE_float("hbm_gb", 80.0, "Memory per device, GiB (H100 80, H200 141).", **fv)
+    flags.DEFINE_integer(
+        "devices_per_host",
+        8,
+        "Devices a host has: when the step does not fit, the plan names how many hosts do.",
+        lower_bound=1,
+        **fv,
+    )
+    flags.DEFINE_string(
+        "target_config",
+        "",
+        "The target's config.json (or its directory); '' = target.plan_config, else target.path.",
+        **fv,
+    )
+    flags.DEFINE_enum(
+        "hardware", "h100", HARDWARE_NAMES, "The devices the speed is estimated for (cpu: this host, measured).", **fv
+    )
+    flags.DEFINE_float("epoch_tokens", 1e9, "Token slots (packed rows x seq_len) of an epoch.", lower_bound=1, **fv)
+    flags.DEFINE_string("hlo_output", "", "Also write the compiled program's HLO text to this file.", **fv)
+    flags.mark_flags_as_required(["config"], **fv)
+
 
 _SIMULATED = "DFLASH_PLAN_SIMULATED_DEVICES"
 # XLA:CPU's default scheduler orders for concurrency and ignores memory; a GPU's scheduler keeps
@@ -79,11 +90,11 @@ def _rerun_on_simulated_devices(n: int) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "dflash_jax.plan", *sys.argv[1:]], env)
 
 
-def main(argv) -> int:
+def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
     del argv
-    n = _NUM_DEVICES.value
-    if _HBM_GB.value <= 0:
-        raise UserError(f"--hbm_gb={_HBM_GB.value} must be > 0")
+    n = f.num_devices
+    if f.hbm_gb <= 0:
+        raise UserError(f"--hbm_gb={f.hbm_gb} must be > 0")
 
     import jax
 
@@ -101,22 +112,22 @@ def main(argv) -> int:
     from dflash_jax.training.roofline import format_speed, hardware
     from dflash_jax.training.run_config import resolve, target_for_plan
 
-    config = _CONFIG.value
-    target, source = target_for_plan(config, _TARGET_CONFIG.value)
+    config = f.config
+    target, source = target_for_plan(config, f.target_config)
     if config.drafter.mask_token_id == -1 and not config.target.path:
         config.drafter.mask_token_id = target.vocab_size - 1  # no tokenizer to look it up in; any id will do
     setup = resolve(config, num_devices=n, target=target, check_files=False)
     name = _config_argument()
     print(f"compiling the train step of {name} for {source} on {n} devices ...", flush=True)
-    plan = plan_train_step(setup, devices=jax.devices()[:n], hlo_path=_HLO_OUTPUT.value)
+    plan = plan_train_step(setup, devices=jax.devices()[:n], hlo_path=f.hlo_output)
     _, fsdp, tensor = setup.mesh_shape
-    hbm = _HBM_GB.value * GIB
+    hbm = f.hbm_gb * GIB
     print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, remat=setup.objective.remat))
-    hw = hardware(_HARDWARE.value, devices=n if on_cpu else 1)
-    print(format_speed(plan, hw, epoch_tokens=_EPOCH_TOKENS.value))
+    hw = hardware(f.hardware, devices=n if on_cpu else 1)
+    print(format_speed(plan, hw, epoch_tokens=f.epoch_tokens))
     if plan.fits(hbm):
         return 0
-    choice = smallest_fitting_mesh(setup, plan, hbm, devices_per_host=_DEVICES_PER_HOST.value)
+    choice = smallest_fitting_mesh(setup, plan, hbm, devices_per_host=f.devices_per_host)
     print(format_mesh_choice(choice, hbm))
     return cli.EXIT_ERROR
 
@@ -131,6 +142,11 @@ def _config_argument() -> str:
     return "config"
 
 
+def run() -> None:
+    """The command: `dflash-jax plan`, or `python -m dflash_jax.plan`."""
+    define_flags()
+    cli.run(main, renamed=RENAMED_FLAGS)
+
+
 if __name__ == "__main__":
-    flags.mark_flag_as_required("config")
-    cli.run(main)
+    run()

@@ -4,11 +4,11 @@ The DFlash recipe trains the drafter on what the target itself would answer (tem
 Qwen3 thinking disabled), not on the dataset's original answers.
 
     # built-in JAX generation, for targets that fit this machine
-    python -m dflash_jax.regenerate --input=train.jsonl --output=train_regen.jsonl \
+    dflash-jax regenerate --input=train.jsonl --output=train_regen.jsonl \
         --target=assets/tiny-qwen3 [--batch_size=8] [--max_new_tokens=2048]
 
     # a vLLM / SGLang server you run, e.g. `vllm serve Qwen/Qwen3-8B --port 8000`
-    python -m dflash_jax.regenerate --input=train.jsonl --output=train_regen.jsonl \
+    dflash-jax regenerate --input=train.jsonl --output=train_regen.jsonl \
         --backend=http --server_url=http://localhost:8000/v1 [--concurrency=64]
 
 --target is the target model: with the jax back-end a model directory or hub id to load, with
@@ -34,6 +34,8 @@ from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.hub import resolve_model
+
+RENAMED_FLAGS = {"model": "target"}
 
 
 def make_backend(f):
@@ -61,7 +63,8 @@ def make_backend(f):
         target_dir = resolve_model(f.target)
     except UserError as e:
         raise UserError(f"--target={e}") from None
-    target = load_target(target_dir, param_dtype=DTYPES[f.dtype], compute_dtype=DTYPES[f.dtype])
+    dtype = DTYPES[f.dtype or cli.default_dtype()]
+    target = load_target(target_dir, param_dtype=dtype, compute_dtype=dtype)
     max_prompt_len = f.max_prompt_len or target.cfg.max_position_embeddings - f.max_new_tokens
     if max_prompt_len < 1:
         raise UserError(
@@ -127,7 +130,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         lower_bound=0,
         **fv,
     )
-    flags.DEFINE_enum("dtype", "bfloat16", sorted(DTYPES), "jax back-end: weight and compute dtype.", **fv)
+    flags.DEFINE_enum(
+        "dtype",
+        None,
+        sorted(DTYPES),
+        "jax back-end: weight and compute dtype (default: float32 on a CPU, bfloat16 on an accelerator).",
+        **fv,
+    )
     flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response at most.", lower_bound=1, **fv)
     flags.DEFINE_float("temperature", 0.0, "0: greedy, as the DFlash recipe.", lower_bound=0, **fv)
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
@@ -151,6 +160,11 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     )
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command: `dflash-jax regenerate`, or `python -m dflash_jax.regenerate`."""
     define_flags()
-    cli.run(main)
+    cli.run(main, renamed=RENAMED_FLAGS)
+
+
+if __name__ == "__main__":
+    run()

@@ -6,6 +6,10 @@ import json
 import pathlib
 import subprocess
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the device check's script, on CPU
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -1,20 +1,20 @@
 """The package's layers only point down (docs/design.md §9):
 
-    errors <- models <- data <- decoding <- training <- command-line modules
+    errors, bundled <- models <- data <- decoding <- training <- command-line modules
 
 no module imports, through others, itself (no import circles, inside a package included), and
 the package imports no test framework or reference implementation (torch)."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dflash_jax"
-LAYERS = {"errors": 0, "models": 1, "data": 2, "decoding": 3, "training": 4}
-COMMAND_LINE = 5  # dflash_jax/<name>.py: cli, prepare, evaluate, regenerate, export, plan
+from support.package_imports import PACKAGE, imports, module_name
+
+LAYERS = {"errors": 0, "bundled": 0, "models": 1, "data": 2, "decoding": 3, "training": 4}
+COMMAND_LINE = 5  # dflash_jax/<name>.py: cli, commands, train, prepare, evaluate, regenerate, export, plan, ...
 FORBIDDEN = {"torch", "pytest", "support"}
 
 
@@ -24,26 +24,9 @@ def layer_of(module: str) -> int:
     return LAYERS.get(parts[1], COMMAND_LINE) if len(parts) > 1 else COMMAND_LINE
 
 
-def imports(path: Path) -> list[str]:
-    """Every module a file imports, at any depth (function-level imports included)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.append(node.module)
-            # `from dflash_jax import cli` imports the module dflash_jax.cli
-            found += [f"{node.module}.{alias.name}" for alias in node.names if node.module == "dflash_jax"]
-    return found
-
-
 def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """The package's modules a file imports: `from a.b import c` imports a.b.c when that is a module."""
-    found = set(imports(path))
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}
-    return found & modules
+    """The package's modules a file imports (`from a.b import c` imports a.b.c when that is a module)."""
+    return set(imports(path)) & modules
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
@@ -63,10 +46,6 @@ def violations(name: str, path: Path) -> list[str]:
             elif own < COMMAND_LINE and target == COMMAND_LINE:
                 found.append(f"{name} imports the command-line module {module}")
     return found
-
-
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:

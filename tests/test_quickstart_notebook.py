@@ -73,6 +73,7 @@ def text_of(outputs) -> str:
     return "".join(parts)
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs_end_to_end(tmp_path):
     from nbclient import NotebookClient
 

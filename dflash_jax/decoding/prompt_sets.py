@@ -31,6 +31,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from dflash_jax.bundled import ASSETS
 from dflash_jax.data.benchmarks import BENCHMARKS, read_benchmark
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.formats import (
@@ -49,7 +50,7 @@ from dflash_jax.data.sources import check_jsonl_start
 from dflash_jax.errors import DataError
 from dflash_jax.models.hub import resolve_dataset_files
 
-BUNDLED_DATA = Path(__file__).resolve().parents[2] / "assets" / "data"
+BUNDLED_DATA = ASSETS / "data"
 BUNDLED_SETS = ("heldout_prompts", "stdlib_heldout")
 Messages = list[dict[str, str]]
 ROLES = {

@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import inspect
 import json
 import numbers
 import os
+import types
 import typing
 from typing import Any
 
@@ -99,10 +101,27 @@ def choose_variants(variants: str, *, sizes, blocks, flags=(), default_size: str
 
 def load_config_file(path: str, variants: str = "") -> ml_collections.ConfigDict:
     """What `--config=path:variants` gives train.py, for scripts, benchmarks and notebooks."""
+    module = load_config_module(path)
+    return module.get_config(variants) if variants else module.get_config()
+
+
+def load_config_module(path: str) -> types.ModuleType:
+    """A config file as a module: its docstring, `get_config` and `VARIANTS` (if it has variants)."""
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config(variants) if variants else module.get_config()
+    return module
+
+
+def takes_variants(module: types.ModuleType) -> bool:
+    return bool(inspect.signature(module.get_config).parameters)
+
+
+def check_variants_accepted(path: str, variants: str, shown_as: str) -> None:
+    """A ConfigError when `variants` are given to a config file whose get_config takes none
+    (ml_collections would end in a TypeError's traceback)."""
+    if variants and not takes_variants(load_config_module(path)):
+        raise ConfigError(f"--config={shown_as}:{variants}: {shown_as} has no variants; use --config={shown_as}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dflash_jax.decoding import report
 from dflash_jax.training.workdir import Workdir
 
 REAL_MODEL_COMMAND = (
-    "python train.py --config=configs/qwen3.py:8b --config.target.path=/models/Qwen3-8B \\\n"
+    "dflash-jax train --config=configs/qwen3.py:8b --config.target.path=Qwen/Qwen3-8B \\\n"
     "    --config.data.train=/data/train.jsonl --config.workdir=/ckpt/run1"
 )
 

@@ -40,6 +40,7 @@ def make_partial(parent, suffix, builder=None, age_s=0.0):
     return path
 
 
+@pytest.mark.slow
 def test_a_killed_build_is_cleaned_by_the_next_one(tmp_path, target, caplog):
     source = write_jsonl(tmp_path / "train.jsonl", [chat("What is the capital?", "Paris.")] * 3)
     started = tmp_path / "started"
@@ -83,6 +84,7 @@ def test_a_killed_build_is_cleaned_by_the_next_one(tmp_path, target, caplog):
     )
 
 
+@pytest.mark.slow
 def test_only_partials_whose_builder_is_gone_are_removed(tmp_path):
     host = socket.gethostname()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

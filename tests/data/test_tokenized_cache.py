@@ -130,6 +130,7 @@ def test_tokenizing_on_two_processes_builds_the_same_cache(tmp_path, target, sou
     assert two.num_samples == one.num_samples
 
 
+@pytest.mark.slow
 def test_prepare_command_builds_the_cache_and_prints_steps(tmp_path, target, sources):
     config = tmp_path / "config.py"
     config.write_text(

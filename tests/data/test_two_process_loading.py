@@ -6,8 +6,11 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from dflash_jax.data.cache import CacheWriter
+
+pytestmark = pytest.mark.slow  # two processes
 
 WORKER = textwrap.dedent(
     """

@@ -252,6 +252,7 @@ SHARDED_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fused_block_attention_runs_per_shard_on_a_mesh():
     result = run_script(SHARDED_CHECK, devices=2, import_dir=os.path.dirname(__file__))
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -92,6 +92,7 @@ def test_dataset_globs_match_files_inside_the_repository(hub):
         resolve_sources("hf://datasets/org/other/train.jsonl")
 
 
+@pytest.mark.slow
 def test_the_environment_variables_alone_point_a_new_process_at_the_cache(hub):
     code = "from dflash_jax.models.hub import resolve_model; print(resolve_model('org/model'))"
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}

@@ -237,6 +237,7 @@ SHARDED_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fused_attention_runs_per_shard_with_sinks_following_their_heads():
     result = run_script(SHARDED_CHECK, devices=2, import_dir=os.path.dirname(__file__))
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -7,6 +7,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -251,6 +252,7 @@ def test_kind_fields_reach_the_drafter_and_the_objective(tiny_run, tmp_path, fie
     assert type(setup.drafter).from_hf(setup.drafter.to_hf()) == setup.drafter  # what a checkpoint keeps
 
 
+@pytest.mark.slow
 def test_train_py_names_a_mistyped_field_in_one_line():
     """Found when the flags are parsed: before the config file's target is read or JAX starts."""
     result = subprocess.run(
@@ -296,6 +298,7 @@ def test_explicit_gamma_allows_other_block_sizes(tiny_run, tmp_path):
     assert resolve(config, num_devices=1).objective.loss_decay_gamma == 6.0
 
 
+@pytest.mark.slow
 def test_train_py_reports_config_errors_before_compiling(tiny_run, tmp_path):
     fields = testing.overrides(tiny_run, tmp_path / "run", **{"drafter.mask_token_id": 4096})
     result = subprocess.run(
@@ -365,6 +368,7 @@ def test_loss_decay_gamma_is_the_papers_for_its_block_size(tiny_run, tmp_path, b
     assert setup.objective.loss_decay_gamma == gamma
 
 
+@pytest.mark.slow
 def test_a_failed_start_is_one_line_and_leaves_no_workdir(tiny_run, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}\n')
@@ -386,6 +390,7 @@ def test_a_failed_start_is_one_line_and_leaves_no_workdir(tiny_run, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_prepare_reports_config_errors_in_one_line(tmp_path):
     result = subprocess.run(
         [
@@ -403,3 +408,14 @@ def test_prepare_reports_config_errors_in_one_line(tmp_path):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("config error: data.train: ")
+
+
+def test_prepare_plans_the_configs_epochs_unless_told(tiny_run, tmp_path, capsys):
+    """`prepare --num_epochs` defaults to the config's train.num_epochs."""
+    from dflash_jax import prepare
+
+    config = tiny_config(tiny_run, tmp_path, **{"train.num_epochs": 3})
+    for num_epochs, expected in ((None, 3), (1, 1)):
+        prepare.main([], types.SimpleNamespace(config=config, rebuild=False, num_epochs=num_epochs))
+        steps = re.search(r"steps per epoch \(4 x 128\): \[([\d, ]+)\], total", capsys.readouterr().out)
+        assert steps and len(steps.group(1).split(",")) == expected

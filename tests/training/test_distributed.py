@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from support import training_runs as testing
+
+pytestmark = pytest.mark.slow  # two training processes
 
 STEPS = 12  # one epoch of the tiny run
 

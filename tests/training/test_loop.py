@@ -61,6 +61,7 @@ KINDS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache, tmp_path, kind):
     env = testing.subprocess_env(compilation_cache)
@@ -159,6 +160,7 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     assert sorted(train_metrics(reference)) == list(range(1, TOTAL_STEPS + 13))
 
 
+@pytest.mark.slow
 def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_run, compilation_cache, tmp_path):
     target = tmp_path / "nan_target"
     target.mkdir()
@@ -205,6 +207,7 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
     assert latest_checkpoint(workdir) == 2
 
 
+@pytest.mark.slow
 def test_failed_save_stops_the_run_at_once_and_keeps_the_last_good_checkpoint(tiny_run, compilation_cache, tmp_path):
     workdir = tmp_path / "run"
     fields = run_fields(tiny_run, workdir, **{"checkpoint.every_steps": 4})
@@ -301,3 +304,21 @@ def test_warns_when_engines_cannot_serve_the_last_layer(layer_ids, warned, caplo
     with caplog.at_level("WARNING", logger=loop.__name__):
         loop._warn_if_engines_miss_the_last_layer(setup)
     assert ("SGLang and vLLM" in caplog.text) == warned
+
+
+def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, tmp_path):
+    """The loop without a subprocess (the fast tier's run of it): every step logged once, the
+    drafter exported, and a second call finds the run finished and trains nothing."""
+    from dflash_jax.training.config import load_config_file, resolve
+    from dflash_jax.training.loop import train
+
+    config = load_config_file(str(testing.REPO / "configs" / "default.py"))
+    workdir = tmp_path / "run"
+    fields = testing.overrides(tiny_run, workdir, **{"train.max_steps": 3, "checkpoint.every_steps": 2})
+    config.update_from_flattened_dict(fields)
+    outcome = train(resolve(config, num_devices=1))
+    assert (outcome.finished, outcome.already_finished, outcome.step) == (True, False, 3)
+    assert sorted(train_metrics(workdir)) == [1, 2, 3]
+    assert json.loads((workdir / "export" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    again = train(resolve(config, num_devices=1))
+    assert (again.finished, again.already_finished, again.step) == (True, True, 3)

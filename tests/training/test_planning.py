@@ -158,6 +158,7 @@ def test_no_target_to_plan_for_is_one_line():
         target_for_plan(config)
 
 
+@pytest.mark.slow
 def test_plan_command_on_the_tiny_config(tmp_path):
     """Two simulated devices, fsdp=2: the verdict, the per-device lines, and no all-gather of the
     LM head inside the cross-entropy loop (the vocab-parallel cross-entropy gathers rows)."""

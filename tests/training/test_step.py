@@ -94,6 +94,7 @@ OBJECTIVE = objective.ObjectiveConfig(
 STEPS = 40
 
 
+@pytest.mark.slow
 def test_sharded_steps_match_one_device():
     """data=8, data=2 x fsdp=4 and data=2 x fsdp=2 x tensor=2 (sharded optimizer state; Muon and
     every drafter kind on the last) give the 1-device step."""
