@@ -111,6 +111,7 @@ def _build_tiny(data, out):
     )
 
 
+@pytest.mark.slow
 def test_tiny_target_trains_deterministically_and_loads(small_corpus, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,6 +174,7 @@ def _jax_logits(path, ids):
     return np.asarray(logits)
 
 
+@pytest.mark.slow
 def test_built_and_committed_targets_match_transformers_in_jax(small_corpus, tmp_path):
     """Both the freshly built small target and the committed one load in dflash_jax with the
     same logits as transformers."""

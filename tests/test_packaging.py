@@ -31,7 +31,11 @@ def test_the_wheel_lists_every_subpackage():
     """pyproject.toml names its packages (configs/ and assets/ are mapped into the package, which
     package discovery cannot do): a new subpackage must be added there, or the wheel lacks it."""
     subpackages = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "dflash_jax").rglob("__init__.py")}
-    assert set(PYPROJECT["tool"]["setuptools"]["packages"]) == subpackages | DATA_PACKAGES
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert listed == subpackages | DATA_PACKAGES, (
+        f"pyproject.toml's [tool.setuptools] packages: add {sorted(subpackages - listed)}, "
+        f"remove {sorted(listed - subpackages - DATA_PACKAGES)}"
+    )
     assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {
         "dflash_jax.configs": "configs",
         "dflash_jax.assets": "assets",

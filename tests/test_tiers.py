@@ -53,6 +53,9 @@ def reached_from(files: list[Path]) -> set[str]:
             continue
         seen.add(module)
         todo += imports(path)
+        if path.name == "__init__.py" and "pkgutil.iter_modules(__path__)" in path.read_text():
+            # A registry package imports every module of its own (models/families/).
+            todo += [f"{module}.{p.stem}" for p in path.parent.glob("*.py") if p.stem != "__init__"]
         parent = module.rpartition(".")[0]  # importing a.b.c runs a.b's __init__ too
         todo += [parent] if parent else []
     return {m for m in seen if m.split(".")[0] == "dflash_jax"}

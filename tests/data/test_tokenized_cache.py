@@ -123,6 +123,7 @@ def test_an_interrupted_build_never_leaves_a_cache_that_looks_complete(tmp_path,
     assert ensure_cache(data, target).num_samples == len(JSONL_RECORDS + PARQUET_RECORDS)
 
 
+@pytest.mark.slow
 def test_tokenizing_on_two_processes_builds_the_same_cache(tmp_path, target, sources):
     one = ensure_cache(data_config(sources, tmp_path / "one"), target)
     two = ensure_cache(data_config(sources, tmp_path / "two", tokenize_processes=2), target)

@@ -98,6 +98,7 @@ def run_cli(module, args: list[str]) -> None:
     module.main([], flag_values)
 
 
+@pytest.mark.slow
 def test_workdir_and_its_export_report_the_same_tau_and_name_their_target(
     chat_target, workdir, prompts_file, tmp_path, capsys
 ):
@@ -167,6 +168,7 @@ def tiny_hub(tmp_path_factory):
     return cache
 
 
+@pytest.mark.slow
 def test_benchmarks_from_the_hub_cache_report_tau_per_benchmark(tiny_hub, tmp_path, monkeypatch, capsys):
     use_hub_cache(monkeypatch, tiny_hub)
     humaneval = write_published(HUMANEVAL, tmp_path / "humaneval.parquet")

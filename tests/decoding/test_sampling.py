@@ -128,9 +128,10 @@ def small_models():
     "kind, cfg, confidence_threshold",
     [
         ("dflash", SamplingConfig(1.0), 0.0),
-        ("dflash", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.0),
-        ("dflash2", SamplingConfig(1.0), 0.0),
-        ("dspark", SamplingConfig(1.0), 0.0),
+        # The fast tier keeps plain DFlash and DSpark's truncated blocks (below).
+        pytest.param("dflash", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.0, marks=pytest.mark.slow),
+        pytest.param("dflash2", SamplingConfig(1.0), 0.0, marks=pytest.mark.slow),
+        pytest.param("dspark", SamplingConfig(1.0), 0.0, marks=pytest.mark.slow),
         # Truncated blocks: drafts after a low-confidence slot are not offered.
         ("dspark", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.5),
     ],

@@ -64,7 +64,7 @@ def test_auto_means_xla_on_cpu_and_fused_on_gpu():
         attention.resolve_implementation("flash")
 
 
-@pytest.mark.parametrize("seq_len", [40, 100, 330, 700])
+@pytest.mark.parametrize("seq_len", [40, 100, 330, pytest.param(700, marks=pytest.mark.slow)])
 def test_tiled_packed_causal_equals_dense_mask(seq_len):
     batch = _packed(2, seq_len, (seq_len // 6, seq_len // 2))
     q, k, v = _qkv(2, seq_len, 4, 2, 16)
@@ -83,7 +83,11 @@ def test_tiled_packed_causal_equals_dense_mask(seq_len):
 
 @pytest.mark.parametrize(
     ("seq_len", "heads", "kv_heads", "dtype", "atol"),
-    [(200, 4, 2, jnp.float32, 2e-5), (128, 8, 2, jnp.float32, 2e-5), (192, 4, 4, jnp.bfloat16, 3e-2)],
+    [
+        (200, 4, 2, jnp.float32, 2e-5),
+        (128, 8, 2, jnp.float32, 2e-5),
+        pytest.param(192, 4, 4, jnp.bfloat16, 3e-2, marks=pytest.mark.slow),
+    ],
 )
 def test_fused_packed_causal_equals_xla(seq_len, heads, kv_heads, dtype, atol):
     batch = _packed(2, seq_len, (10, 90))
@@ -131,8 +135,10 @@ def _block_loss_and_grads(impl, args, mask, cotangent):
     ("seq_len", "block_len", "heads", "kv_heads", "dtype", "atol"),
     [
         (150, 8, 4, 2, jnp.float32, 2e-5),  # S not a multiple of the key tile, G = 2
-        (128, 10, 8, 2, jnp.float32, 2e-5),  # a block length that is not a power of two, G = 4
-        (96, 16, 2, 2, jnp.bfloat16, 5e-2),
+        pytest.param(
+            128, 10, 8, 2, jnp.float32, 2e-5, marks=pytest.mark.slow
+        ),  # block length not a power of two, G = 4
+        pytest.param(96, 16, 2, 2, jnp.bfloat16, 5e-2, marks=pytest.mark.slow),
     ],
 )
 def test_fused_block_attention_equals_xla_with_gradients(seq_len, block_len, heads, kv_heads, dtype, atol):

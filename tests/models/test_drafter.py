@@ -110,6 +110,7 @@ def test_context_mask_by_feature_perturbation(target, drafter, row, position, bl
         assert delta == 0.0
 
 
+@pytest.mark.slow
 def test_token_perturbations(target, drafter, row):
     tokens, _ = row
     base = draft_hidden(target, drafter, tokens)
@@ -130,6 +131,7 @@ def test_token_perturbations(target, drafter, row):
     assert float(jnp.abs(draft_hidden(target, drafter, earlier)[0, 0] - base[0, 0]).max()) > 1e-4
 
 
+@pytest.mark.slow
 def test_chunked_attention_equals_dense_reference_with_gradients():
     rng = np.random.default_rng(0)
     b, n, bk, kvh, g, d, s = 2, 5, BLOCK, 2, 2, 8, 24
@@ -167,6 +169,7 @@ def test_drafter_output_does_not_depend_on_the_attention_chunk_size(target, draf
         )
 
 
+@pytest.mark.slow
 def test_decode_matches_training_forward(target, drafter, row):
     tokens, features = row
     train_out = draft_hidden(target, drafter, tokens, features)
@@ -295,6 +298,7 @@ def _torch_reference_block(export_dir, ctx_features, ctx_positions, block_embeds
     return rms(x, w["norm.weight"])
 
 
+@pytest.mark.slow
 def test_export_reproduced_by_independent_torch_implementation(target, drafter, row, tmp_path):
     tokens, features = row
     out_dir = export_drafter(drafter, tmp_path / "export", dtype=jnp.float32)

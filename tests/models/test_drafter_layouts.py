@@ -269,6 +269,7 @@ def test_training_config_fields_reach_the_drafter():
         resolve(config, num_devices=1, check_files=False)
 
 
+@pytest.mark.slow
 def test_released_layout_trains_one_step_exports_and_loads_back(tmp_path):
     """5 layers [S,S,S,S,F], 4/2 heads x 32 on a target with 2/1 heads x 64 (released drafters:
     32/8 x 128 on 24/4 x 256), reading 2 target layers."""

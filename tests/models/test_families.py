@@ -22,6 +22,12 @@ from dflash_jax.models.hf import load_target
 from support.decoding_models import ScriptedDrafter
 from support.hf_reference import write_hf_checkpoint
 
+# Each family's checkpoint and transformers model, compiled for every test: a minute or more per
+# family on 2 cores. The fast tier covers the layers (test_moe, test_linear_attention,
+# test_sinks_and_windows, test_latent_attention, test_gemma, test_target) and the registry
+# (test_family_registry).
+pytestmark = pytest.mark.slow
+
 FAMILIES = (
     "qwen3_moe",
     "qwen3_5",

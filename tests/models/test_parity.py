@@ -58,6 +58,7 @@ def test_fp32_logits_and_hidden_states_match_transformers(fixture, request):
     np.testing.assert_allclose(np.asarray(cached), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_compute_stays_close(qwen3_checkpoint):
     tokens = np.random.default_rng(1).integers(0, 128, (1, SEQ))
     ref_logits, _ = _reference(qwen3_checkpoint, tokens)

@@ -26,6 +26,7 @@ def _run(model, tokens, segment_ids, positions, **kw):
         return model(jnp.asarray(tokens)[None], jnp.asarray(segment_ids)[None], jnp.asarray(positions)[None], **kw)
 
 
+@pytest.mark.slow
 def test_packed_document_equals_document_alone(target):
     rng = np.random.default_rng(0)
     doc_a, doc_b = rng.integers(0, 128, 10), rng.integers(0, 128, 7)
@@ -74,6 +75,7 @@ def test_features_stop_after_last_requested_layer(target):
     assert len(jaxpr.eqns) < 0.8 * len(full.eqns)
 
 
+@pytest.mark.slow
 def test_prefill_and_cached_steps_match_full_forward(target):
     tokens = np.random.default_rng(3).integers(0, 128, 20)
     full, hidden = _run(target, tokens, np.ones(20, int), np.arange(20), hidden_layers=(1, 3))
@@ -119,6 +121,7 @@ def test_load_errors_name_the_problem(qwen3_checkpoint, tmp_path):
         load_target(tmp_path / "nowhere")
 
 
+@pytest.mark.slow
 def test_sharded_index_checkpoint_loads(qwen3_checkpoint, tmp_path):
     """Sharded checkpoints (`model.safetensors.index.json`) load like single-file ones."""
     sharded = tmp_path / "sharded"

@@ -107,6 +107,7 @@ TWO_DOCS = _row(
 SHORT_DOC_CANDIDATES = {32, 33, 34}
 
 
+@pytest.mark.slow
 def test_document_scheme_gives_every_document_its_share_uniformly():
     counts = np.zeros(36)
     short_doc_share = {"row": 0, "document": 0}
@@ -429,6 +430,7 @@ def test_tau_train_counts_leading_hits_of_valid_blocks():
     assert summary["loss"] == pytest.approx(2.0 / 5.5)  # Σw·CE / denominator
 
 
+@pytest.mark.slow
 def test_rematerialized_layers_give_the_same_gradients(models):
     target, drafter = models
     batch = _batch(seed=2)

@@ -146,6 +146,7 @@ def trainer(request):
     return new_state, train_step, target_params, batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["dflash", "dpace"])
 def test_gradient_accumulation_gives_the_update_of_one_big_batch(loss):
     """Σw·CE over the global batch divided by its global denominator (Σw for 'dflash', documents
@@ -207,6 +208,7 @@ def test_muon_orthogonalizes_matrix_updates_at_adamw_size_and_decays_matrices_on
     np.testing.assert_array_equal(decayed["scale"], np.zeros(32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", list(TARGETS), indirect=True)
 def test_loss_decreases_and_tau_train_rises(trainer):
     new_state, train_step, target_params, batch = trainer
