@@ -26,13 +26,11 @@ SIZES = {
     "120b": dict(plan_config="gpt-oss-120b.json", fsdp=8, block_size=10),
 }
 BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
-# What `file.py:variants` accepts (`dflash-jax list-configs` lists them and what each sets).
-VARIANTS = dict(sizes=SIZES, blocks=BLOCK_SIZES, default_size="20b")
 RESERVED_MASK_TOKEN = 200017
 
 
 def get_config(variants: str = "20b"):
-    size_name, block, _ = choose_variants(variants, **VARIANTS)
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="20b")
     c = base_config()
     size = SIZES[size_name]
     c.target.plan_config = os.path.join(TARGETS, size["plan_config"])

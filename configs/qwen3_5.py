@@ -30,13 +30,13 @@ SIZES = {
     "35b-a3b": dict(plan_config="Qwen3.5-35B-A3B.json", drafter_mlp=6144, fsdp=4),
 }
 BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
-# What `file.py:variants` accepts (`dflash-jax list-configs` lists them and what each sets).
-VARIANTS = dict(sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="27b")
 FSDP_DEVICES = 4
 
 
 def get_config(variants: str = "27b"):
-    size_name, block, flags = choose_variants(variants, **VARIANTS)
+    size_name, block, flags = choose_variants(
+        variants, sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="27b"
+    )
     c = base_config()  # the recipe: 6 epochs, lr 6e-4, 4% warmup, cosine, clip 1.0, 512 anchors
     size = SIZES[size_name]
     c.target.plan_config = os.path.join(TARGETS, size["plan_config"])

@@ -20,7 +20,7 @@ from absl import flags
 
 from dflash_jax import bundled, cli
 from dflash_jax.training.config_text import field_values
-from dflash_jax.training.run_config import base_config, load_config_module, takes_variants
+from dflash_jax.training.run_config import base_config, config_variants, load_config_module, takes_variants
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -55,14 +55,14 @@ def _describe_file(path: Path) -> str:
     lines = [f"{bundled.shown(path)}: {_summary(module)}"]
     sets = _fields(_changes(field_values(base_config()), field_values(module.get_config())))
     lines.append(textwrap.fill(f"sets: {sets}", width=100, initial_indent="  ", subsequent_indent="    "))
+    variants = config_variants(module)
     if not takes_variants(module):
         lines.append("  variants: none")
-    elif not hasattr(module, "VARIANTS"):
-        lines.append("  variants: not listed (the file declares no VARIANTS)")
+    elif variants is None:
+        lines.append("  variants: not listed (its get_config does not use choose_variants)")
     else:
-        default = inspect.signature(module.get_config).parameters["variants"].default
-        lines.append(f"  variants (default {default}), comma-separated:")
-        width = max(len(name) for name, _ in _variants(module))
+        lines.append(f"  variants (default {variants.default_size}), comma-separated:")
+        width = max(len(name) for name in variants.names())
         for name, sets in _variants(module):
             lines.append(f"    {name:<{width}}  {_fields(sets) if sets else '(as the default)'}")
     return "\n".join(lines)
@@ -70,12 +70,11 @@ def _describe_file(path: Path) -> str:
 
 def _variants(module) -> list[tuple[str, dict]]:
     """Each variant of a config module with the fields it changes from the default variants."""
-    spec = getattr(module, "VARIANTS", None)
-    if spec is None or not takes_variants(module):
+    variants = config_variants(module)
+    if variants is None:
         return []
     default = field_values(module.get_config())
-    names = [*spec["sizes"], *spec["blocks"], *spec.get("flags", ())]
-    return [(name, _changes(default, field_values(module.get_config(name)))) for name in names]
+    return [(name, _changes(default, field_values(module.get_config(name)))) for name in variants.names()]
 
 
 def _summary(module) -> str:

@@ -145,9 +145,9 @@ def test_list_configs_names_every_file_its_variants_and_what_each_sets():
     assert re.search(r"^    32b +mesh.tensor=4, target.plan_config='configs/targets/Qwen3-32B.json'", qwen3, re.M)
 
 
-def test_every_config_with_variants_declares_them():
-    """list-configs reads VARIANTS (what the file passes to choose_variants): a config file whose
-    get_config takes variants must declare them."""
+def test_every_configs_variants_are_listed():
+    """list-configs reads a config's variants from its choose_variants call: a config file whose
+    get_config takes variants must choose them there, or they go unlisted."""
     assert "not listed" not in list_configs.listing()
 
 

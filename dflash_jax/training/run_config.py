@@ -15,6 +15,7 @@ before anything is created on disk or compiled.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import importlib.util
@@ -82,9 +83,29 @@ def _config_dict(settings) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dataclasses.asdict(settings), type_safe=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class Variants:
+    """What a config file's `file.py:variants` accepts: one size (else `default_size`), at most
+    one block size, and flags."""
+
+    sizes: tuple[str, ...]
+    blocks: tuple[str, ...]
+    flags: tuple[str, ...]
+    default_size: str
+
+    def names(self) -> tuple[str, ...]:
+        return (*self.sizes, *self.blocks, *self.flags)
+
+
+# While config_variants runs a config file, the Variants its choose_variants call was given.
+_ASKED: contextvars.ContextVar[list[Variants] | None] = contextvars.ContextVar("asked", default=None)
+
+
 def choose_variants(variants: str, *, sizes, blocks, flags=(), default_size: str) -> tuple[str, str | None, set]:
     """A config file's `file.py:variants` string -> (size, block or None, flags set), each at most
     once (big_vision style: `8b,b10,fsdp`); anything unknown is a one-line ConfigError."""
+    if (asked := _ASKED.get()) is not None:
+        asked.append(Variants(tuple(sizes), tuple(blocks), tuple(flags), default_size))
     chosen = [v for v in variants.split(",") if v]
     unknown = [v for v in chosen if v not in sizes and v not in blocks and v not in flags]
     if unknown:
@@ -106,7 +127,7 @@ def load_config_file(path: str, variants: str = "") -> ml_collections.ConfigDict
 
 
 def load_config_module(path: str) -> types.ModuleType:
-    """A config file as a module: its docstring, `get_config` and `VARIANTS` (if it has variants)."""
+    """A config file as a module: its docstring and `get_config`."""
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -115,6 +136,20 @@ def load_config_module(path: str) -> types.ModuleType:
 
 def takes_variants(module: types.ModuleType) -> bool:
     return bool(inspect.signature(module.get_config).parameters)
+
+
+def config_variants(module: types.ModuleType) -> Variants | None:
+    """The variants a config module accepts: what its get_config() passes to choose_variants;
+    None when it takes no variants or chooses them otherwise."""
+    if not takes_variants(module):
+        return None
+    asked = []
+    token = _ASKED.set(asked)
+    try:
+        module.get_config()
+    finally:
+        _ASKED.reset(token)
+    return asked[0] if asked else None
 
 
 def check_variants_accepted(path: str, variants: str, shown_as: str) -> None:
