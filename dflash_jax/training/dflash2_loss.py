@@ -18,13 +18,13 @@ import jax.numpy as jnp
 
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.heads.dflash2 import unary_logits
-from dflash_jax.training.head_terms import chunked_terms, vocab_parallel_logits
+from dflash_jax.training.head_terms import chunked_terms, vocab_parallel_logits, vocab_parallel_top_k
 
 
 def training_candidates(logits: jax.Array, labels: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(candidates [..., k], the label's index among them, whether the top-k held it): the top-k
     of logits [..., V], the label put in the last place when missing."""
-    candidates = jax.lax.top_k(jax.lax.stop_gradient(logits), k)[1]
+    candidates = vocab_parallel_top_k(jax.lax.stop_gradient(logits), k)[1]
     matches = candidates == labels[..., None]
     in_top = matches.any(-1)
     gold = jnp.where(in_top, jnp.argmax(matches, axis=-1), k - 1)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dflash_jax.models.chunking import scan_block_chunks
-from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, constrain_spec
+from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, active_mesh, constrain_spec, per_device
 
 
 def vocab_parallel_logits(unembed: Callable[[jax.Array], jax.Array], shape) -> Callable[[jax.Array], jax.Array]:
@@ -35,6 +35,28 @@ def vocab_parallel_logits(unembed: Callable[[jax.Array], jax.Array], shape) -> C
         return constrain_spec(unembed(h).astype(jnp.float32), logits_spec)
 
     return logits_of
+
+
+def vocab_parallel_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` of logits [..., V] -> (values, ids) [..., k], without gathering the logits where
+    the layout splits the vocabulary: each device takes its shard's top-k, then all devices the
+    top-k of the gathered n·k (XLA's partitioner would gather the logits for a sharded top-k)."""
+    spec = activation_spec(logits.shape, (BATCH, ..., VOCAB))
+    if spec is None or spec[-1] is None:
+        return jax.lax.top_k(logits, k)
+    axes = spec[-1]
+
+    def per_shard(shard):  # this device's [..., V / n]
+        values, ids = jax.lax.top_k(shard, k)
+        ids = ids + shard.shape[-1] * jax.lax.axis_index(axes)
+        values = jax.lax.all_gather(values, axes, axis=values.ndim - 1, tiled=True)
+        ids = jax.lax.all_gather(ids, axes, axis=ids.ndim - 1, tiled=True)
+        values, best = jax.lax.top_k(values, k)
+        return values, jnp.take_along_axis(ids, best, axis=-1)
+
+    mesh, out = active_mesh(), PartitionSpec(*spec[:-1], None)
+    with per_device():
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=(out, out), check_vma=False)(logits)
 
 
 def chunked_terms(fn: Callable, inputs, constants, params, *, chunk_blocks: int):
