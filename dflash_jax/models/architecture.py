@@ -302,7 +302,7 @@ class TransformerConfig:
             raise ModelError("moe_layers need the MoE fields of the config")
         if self.block not in BLOCKS:
             raise ModelError(f"block {self.block!r} is not supported (supported: {', '.join(BLOCKS)})")
-        if self.latent_attention is not None and set(self.layer_types) != {"full_attention"}:
+        if self.latent_attention is not None and set(self.layer_types) - {"full_attention"}:
             raise ModelError("latent attention layers are full attention: no sliding or linear layers with them")
 
 

@@ -235,13 +235,15 @@ class MoE(nnx.Module):
         experts, on the tokens gathered over the axes that split both; otherwise the expert weights
         are gathered whole for it, as fsdp gathers any weight where it is used."""
         spec = activation_spec(x.shape, (BATCH, ..., EMBED))
-        if spec is None or all(axis is None for axis in spec):
+        if spec is None:  # outside a mesh
             return self._local(x)
         mesh = active_mesh()
         graphdef, state = nnx.split(self)
         experts_spec = param_spec(mesh, "experts.gate_proj", self.experts.gate_proj[...].shape)
         expert_axes = _axes(experts_spec[0] if len(experts_spec) else None)
         if not expert_axes or any(a is not None for a in experts_spec[1:]):  # experts whole, or split inside
+            if all(axis is None for axis in spec):
+                return self._local(x)
             state_specs, body = PartitionSpec(), lambda moe, x: moe._local(x)
         else:
             token_axes = tuple(a for a in _axes(spec[0]) if a in expert_axes)

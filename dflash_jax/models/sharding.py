@@ -98,7 +98,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"markov_w2\.kernel", (None, VOCAB)),
     (r"confidence_head\.proj\.kernel", (EMBED, None)),
     (r"confidence_head\.proj\.bias", (NORM,)),
-    (r"\w*norm\.weight", (NORM,)),  # norm, hidden_norm, q_norm, k_norm, *_layernorm
+    (r"\w*norm(_\d)?\.weight", (NORM,)),  # norm, hidden_norm, q_norm, k_norm, *_layernorm(_1, _2: Gemma)
     (r"layer_scalar", (NORM,)),  # Gemma 4's output scale of a layer
 )
 

@@ -166,13 +166,16 @@ def smallest_fitting_mesh(
     Candidates split the target over every device: data=1, the plan's tensor axis (within a host),
     fsdp the rest, the global batch's rows divisible by fsdp x grad_accum_steps as `resolve`
     requires. A candidate's peak is its frozen target's bytes per device, computed exactly from the
-    parameters' shardings on that mesh, plus what the compiled plan needs besides the target
-    (drafter, optimizer state, batch, temporaries), kept as compiled: with the global batch fixed,
-    more devices hold fewer rows each, so that part only shrinks. Compile the candidate
-    (`--num_devices`) to confirm. None when no candidate of up to `max_hosts` hosts fits.
+    parameters' shardings on that mesh, plus the rest of the compiled plan scaled to the candidate:
+    the drafter and optimizer state (split over every device) by the ratio of devices, everything
+    else (activations and temporaries, which follow the rows a device holds) by the ratio of row
+    groups (data x fsdp). Compile the candidate (`--num_devices`) to confirm. None when no
+    candidate of up to `max_hosts` hosts fits.
     """
-    _, _, tensor = setup.mesh_shape
-    rest = plan.peak - plan.bytes_per_device["target"]
+    data, fsdp, tensor = setup.mesh_shape
+    b = plan.bytes_per_device
+    state = b["drafter"] + b["optimizer"]
+    activations = plan.peak - b["target"] - state
     params = nnx.split(nnx.eval_shape(lambda: step_lib.new_target(setup)))[1]
     leaves = [(path, leaf.shape, leaf.dtype) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
     rows = setup.data.global_batch_rows // setup.run.grad_accum_steps
@@ -182,11 +185,11 @@ def smallest_fitting_mesh(
             continue
         mesh = {sharding.DATA_AXIS: 1, sharding.FSDP_AXIS: devices // tensor, sharding.TENSOR_AXIS: tensor}
         target = sum(_shard_bytes(mesh, path, shape, dtype) for path, shape, dtype in leaves)
+        rest = state * plan.num_devices / devices + activations * data * fsdp * tensor / devices
         if target + rest <= USABLE_FRACTION * hbm_bytes:
             experts, axes = _experts_per_device(mesh, leaves)
-            return MeshChoice(
-                hosts, devices_per_host, (1, devices // tensor, tensor), target, target + rest, experts, axes
-            )
+            shape = (1, devices // tensor, tensor)
+            return MeshChoice(hosts, devices_per_host, shape, target, int(target + rest), experts, axes)
     return None
 
 
@@ -224,8 +227,8 @@ def format_mesh_choice(choice: MeshChoice | None, hbm_bytes: float, *, max_hosts
     return (
         f"  smallest mesh that fits (estimate): {choice.hosts} hosts x {choice.devices_per_host} devices = {devices}, "
         f"data={data} x fsdp={fsdp} x tensor={tensor} ({experts}heads and MLP over tensor): target "
-        f"{choice.target_bytes / GIB:.1f} GiB + the rest of this plan = {choice.peak / GIB:.1f} GiB of "
-        f"{usable / GIB:.1f} GiB per device; confirm with --num_devices={devices}"
+        f"{choice.target_bytes / GIB:.1f} GiB + the rest of this plan scaled to it = {choice.peak / GIB:.1f} "
+        f"GiB of {usable / GIB:.1f} GiB per device; confirm with --num_devices={devices}"
     )
 
 

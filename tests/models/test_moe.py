@@ -285,6 +285,9 @@ EXPERT_PARALLEL = textwrap.dedent(
     from dflash_jax.models.moe import MoE
     from dflash_jax.training.mesh import make_mesh
 
+    # The layouts of (data, fsdp, tensor): experts over fsdp with tokens gathered over it; over
+    # tensor alone, every device holding every token; over fsdp x tensor.
+    MESHES = {"deepseek": ((2, 4, 1), (1, 1, 8)), "gpt_oss": ((1, 2, 4),)}
     CONFIGS = {  # DeepSeek-V3's routing and unscaled shared expert; gpt-oss' biased experts
         "deepseek": MoeConfig(num_experts=16, num_experts_per_token=4, expert_intermediate_size=32,
             router="sigmoid_grouped", num_groups=4, groups_kept=2, routed_scaling_factor=2.5,
@@ -304,7 +307,7 @@ EXPERT_PARALLEL = textwrap.dedent(
         params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), params)
         with jax.default_matmul_precision("highest"):
             expected = jax.jit(lambda p, x: nnx.merge(graphdef, p).mlp(x))(params, x)
-        for shape in ((2, 4, 1), (1, 2, 4)):  # fsdp: experts over fsdp; tensor: over fsdp x tensor
+        for shape in MESHES[name]:
             mesh = make_mesh(*shape)
             placed = jax.device_put(params, sharding.param_shardings(mesh, params))
             def forward(p, x):

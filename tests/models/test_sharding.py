@@ -183,17 +183,24 @@ def test_the_logical_axes_of_every_parameter_are_named():
         sharding.param_axes("layers.0.mlp.new_proj.kernel")
 
 
-def test_latent_attention_and_sigmoid_router_parameters_have_axes():
-    """Every parameter of the Kimi-K2.5 and MiniMax-M2 targets (shapes only; two layers of each,
-    a dense one and one with experts for Kimi)."""
-    for name in ("Kimi-K2.5.json", "MiniMax-M2.json"):
+def test_every_parameter_of_the_newer_families_has_axes():
+    """Every parameter of the Kimi-K2.5, MiniMax-M2 and Gemma 4 26B-A4B targets (shapes only; two
+    layers of each, a dense one and one with experts for Kimi)."""
+    for name in ("Kimi-K2.5.json", "MiniMax-M2.json", "gemma-4-26B-A4B-it.json"):
         hf = json.loads((TARGETS / name).read_text())
-        (hf.get("text_config") or hf)["num_hidden_layers"] = 2
+        text = hf.get("text_config") or hf
+        text["num_hidden_layers"] = 2
+        text["layer_types"] = text.get("layer_types", ["full_attention"] * 6)[4:6]  # Gemma: sliding, full
         cfg = target_config(hf)
         params = leaves(abstract_params(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0))))
         axes = {n.split(".", 2)[-1] if n.startswith("layers.") else n: sharding.param_axes(n) for n, _ in params}
-        assert axes["mlp.e_score_correction_bias"] == (None,)
-    assert axes["self_attn.q_norm.weight"] == ("norm",)  # MiniMax's, over all heads
+        if "gemma" in name:
+            assert axes["post_feedforward_layernorm_1.weight"] == axes["layer_scalar"] == ("norm",)
+            assert axes["moe.router.kernel"] == ("embed", None)
+        else:
+            assert axes["mlp.e_score_correction_bias"] == (None,)
+        if name == "MiniMax-M2.json":
+            assert axes["self_attn.q_norm.weight"] == ("norm",)  # over all heads
     kimi = target_config(json.loads((TARGETS / "Kimi-K2.5.json").read_text()))
     for param, expected in (
         ("self_attn.q_a_proj.kernel", ("embed", None)),
