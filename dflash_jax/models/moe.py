@@ -50,6 +50,7 @@ from dflash_jax.models.sharding import (
     constrain,
     param_spec,
     per_device,
+    spec_axes,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -240,13 +241,13 @@ class MoE(nnx.Module):
         mesh = active_mesh()
         graphdef, state = nnx.split(self)
         experts_spec = param_spec(mesh, "experts.gate_proj", self.experts.gate_proj[...].shape)
-        expert_axes = _axes(experts_spec[0] if len(experts_spec) else None)
+        expert_axes = spec_axes(experts_spec[0] if len(experts_spec) else None)
         if not expert_axes or any(a is not None for a in experts_spec[1:]):  # experts whole, or split inside
             if all(axis is None for axis in spec):
                 return self._local(x)
             state_specs, body = PartitionSpec(), lambda moe, x: moe._local(x)
         else:
-            token_axes = tuple(a for a in _axes(spec[0]) if a in expert_axes)
+            token_axes = tuple(a for a in spec_axes(spec[0]) if a in expert_axes)
             state_specs = _expert_state_specs(state, expert_axes)
             body = functools.partial(MoE._expert_parallel, token_axes=token_axes, expert_axes=expert_axes)
 
@@ -351,11 +352,6 @@ class MoE(nnx.Module):
         else:
             hidden = GATE_ACTIVATIONS["gelu_tanh" if self.config.activation == "geglu" else "silu"](gate) * up
         return project(hidden, "down_proj")
-
-
-def _axes(entry) -> tuple[str, ...]:
-    """A PartitionSpec entry (None, one mesh axis or a tuple of them) as a tuple of axis names."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _expert_state_specs(state, expert_axes: tuple[str, ...]):

@@ -275,6 +275,11 @@ def _expand(logical_axes: Sequence, rank: int) -> tuple:
     return axes
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, one mesh axis or a tuple of them) as a tuple of axis names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _mesh_shape(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
     return dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
 

@@ -64,15 +64,11 @@ def _canonical(x: jax.Array, spec: PartitionSpec) -> tuple[bool, tuple[int, int]
     return False, (m, n), PartitionSpec(*spec)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _moves(spec: PartitionSpec) -> list[PartitionSpec]:
     """The shardings a [k, m, n] stack of matrices split by `spec` passes through to be split over k
     alone: one mesh-axes group moved to k at a time (each an all-to-all; XLA replicates the
     stack when asked to move two at once)."""
-    split = [_axes(spec[0]), _axes(spec[1])]
+    split = [sharding.spec_axes(spec[0]), sharding.spec_axes(spec[1])]
     over_k: tuple[str, ...] = ()
     layouts = [PartitionSpec(None, *spec)]
     for dim in (1, 0):
@@ -96,7 +92,7 @@ def orthogonalize_whole(updates):
     out: list[jax.Array | None] = [None] * len(leaves_with_paths)
     for (shape, spec, dtype), members in groups.items():
         layouts = [NamedSharding(mesh, s) for s in _moves(spec)]
-        owners = math.prod(mesh.shape[a] for a in _axes(spec[0]) + _axes(spec[1]))
+        owners = math.prod(mesh.shape[a] for a in sharding.spec_axes(spec[0]) + sharding.spec_axes(spec[1]))
         mats = [leaves_with_paths[i][1] for i, _ in members]
         mats = [m.T if turn else m for m, (_, turn) in zip(mats, members)]
         stack = jnp.stack(mats + [jnp.zeros(shape, dtype)] * (-len(mats) % owners))

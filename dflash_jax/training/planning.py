@@ -195,19 +195,15 @@ def smallest_fitting_mesh(
 
 def _shard_bytes(mesh: dict[str, int], path, shape, dtype) -> int:
     spec = sharding.param_spec(mesh, path, shape)
-    split = [math.prod(mesh[a] for a in _spec_axes(entry)) for entry in spec] + [1] * (len(shape) - len(spec))
+    split = [math.prod(mesh[a] for a in sharding.spec_axes(entry)) for entry in spec] + [1] * (len(shape) - len(spec))
     return math.prod(-(-dim // n) for dim, n in zip(shape, split)) * jnp.dtype(dtype).itemsize
-
-
-def _spec_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _experts_per_device(mesh: dict[str, int], leaves) -> tuple[int, tuple[str, ...]]:
     """(experts of a layer one device holds, the mesh axes they are split over); (0, ()) without experts."""
     for path, shape, _ in leaves:
         if sharding.param_axes(path)[0] == sharding.EXPERTS:
-            axes = _spec_axes(sharding.param_spec(mesh, path, shape)[0])
+            axes = sharding.spec_axes(sharding.param_spec(mesh, path, shape)[0])
             return shape[0] // math.prod(mesh[a] for a in axes), axes
     return 0, ()
 
