@@ -30,12 +30,15 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block=BLOCK
         raise ValueError(
             f"FP8 weight {weight.shape} needs scales [..., {blocks[0]}, {blocks[1]}], got {scale_inv.shape}"
         )
-    lead = weight.shape[:-2]
-    padded = np.zeros((*lead, blocks[0] * bo, blocks[1] * bi), np.float32)
-    padded[..., :rows, :cols] = weight.astype(np.float32)
-    tiles = padded.reshape(*lead, blocks[0], bo, blocks[1], bi)
-    tiles *= np.asarray(scale_inv, np.float32)[..., :, None, :, None]
-    return tiles.reshape(padded.shape)[..., :rows, :cols].astype(dtype)
+    # One matrix at a time (stacked experts: one expert), so the fp32 temporaries stay one matrix.
+    out = np.empty(weight.shape, dtype)
+    padded = np.zeros((blocks[0] * bo, blocks[1] * bi), np.float32)
+    for index in np.ndindex(weight.shape[:-2]):
+        padded[:rows, :cols] = weight[index].astype(np.float32)
+        tiles = padded.reshape(blocks[0], bo, blocks[1], bi)
+        tiles *= np.asarray(scale_inv[index], np.float32)[:, None, :, None]
+        out[index] = padded[:rows, :cols]
+    return out
 
 
 def dequantized(tensors: list[np.ndarray], cfg, dtype) -> np.ndarray:

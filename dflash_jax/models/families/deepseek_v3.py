@@ -31,7 +31,10 @@ from dflash_jax.models.weight_maps import Tensor, Transform, chain, transpose
 def int4_experts(tensors, cfg, dtype) -> np.ndarray:
     """Stacked `weight_packed`, `weight_scale`, `weight_shape` -> [E, out, in], expert by expert."""
     packed, scales, shapes = tensors
-    return np.stack([dequantize_int4_groups(p, s, shape, dtype) for p, s, shape in zip(packed, scales, shapes)])
+    out = np.empty((len(packed), *(int(n) for n in shapes[0])), dtype)
+    for e, (p, s, shape) in enumerate(zip(packed, scales, shapes)):
+        out[e] = dequantize_int4_groups(p, s, shape, dtype)
+    return out
 
 
 def _rope_rows(projection: str) -> Transform:
