@@ -82,8 +82,8 @@ def main() -> None:
     _, prompts = load_prompts("heldout_prompts", chat, limit=args.num_prompts)
 
     rows = []
-    for kind in kinds:
-        for seed in seeds:
+    for seed in seeds:  # a seed of every kind first: a study cut short still compares them
+        for kind in kinds:
             export, seconds, steps = train_one(KINDS[kind], seed, args)
             drafter = load_drafter(export, param_dtype=jnp.float32, compute_dtype=jnp.float32)
             measured = [decode(target, drafter, prompts, chat.stop_tokens, n) for n in lengths]

@@ -23,34 +23,27 @@ mask token: the mask is a row of the embedding past the tokenizer's last token (
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
     "kimi-k2.5": dict(plan_config="Kimi-K2.5.json", mask_token_id=163838),
     "v3": dict(plan_config="DeepSeek-V3.json", mask_token_id=129279),
 }
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 DEVICES_PER_HOST = 8
 
 
 def get_config(variants: str = "kimi-k2.5"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="kimi-k2.5")
-    c = base_config()
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="kimi-k2.5")
     size = SIZES[size_name]
-    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
-    c.drafter.num_layers = 5
+    c = hub_target_config(
+        os.path.join(TARGETS, size["plan_config"]),
+        block_size=HUB_BLOCK_SIZES[block or "b16"],
+        mask_token_id=size["mask_token_id"],
+    )
     c.drafter.num_heads = 64
     c.drafter.num_kv_heads = 8
     c.drafter.head_dim = 128
-    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
-    c.drafter.mask_token_id = size["mask_token_id"]
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.data.heldout_rows = c.eval.num_prompts
-    c.train.remat = True
-    c.log.every_steps = 20
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = DEVICES_PER_HOST

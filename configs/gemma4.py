@@ -18,31 +18,22 @@ wide. The mask is <mask> (id 4 in Gemma's tokenizer); check it against your toke
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
     "31b": dict(plan_config="gemma-4-31B-it.json", fsdp=8),
     "26b-a4b": dict(plan_config="gemma-4-26B-A4B-it.json", fsdp=4, intermediate_size=8192),
 }
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 MASK_TOKEN = 4  # <mask>
 
 
 def get_config(variants: str = "31b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="31b")
-    c = base_config()
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="31b")
     size = SIZES[size_name]
-    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
-    c.drafter.num_layers = 5
+    c = hub_target_config(
+        os.path.join(TARGETS, size["plan_config"]), block_size=HUB_BLOCK_SIZES[block or "b16"], mask_token_id=MASK_TOKEN
+    )
     c.drafter.intermediate_size = size.get("intermediate_size", 0)  # 0: the target's
-    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
-    c.drafter.mask_token_id = MASK_TOKEN
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.data.heldout_rows = c.eval.num_prompts
-    c.train.remat = True
-    c.log.every_steps = 20
     c.mesh.fsdp = size["fsdp"]
     return c

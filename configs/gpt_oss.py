@@ -18,30 +18,22 @@ unused reserved row (200017, <|reserved_200017|>; check it against your tokenize
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
     "20b": dict(plan_config="gpt-oss-20b.json", fsdp=4, block_size=16),
     "120b": dict(plan_config="gpt-oss-120b.json", fsdp=8, block_size=10),
 }
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 RESERVED_MASK_TOKEN = 200017
 
 
 def get_config(variants: str = "20b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="20b")
-    c = base_config()
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="20b")
     size = SIZES[size_name]
-    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
-    c.drafter.num_layers = 5
-    c.drafter.block_size = BLOCK_SIZES[block] if block else size["block_size"]
-    c.drafter.mask_token_id = RESERVED_MASK_TOKEN
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
-    c.train.remat = True
-    c.log.every_steps = 20
+    block_size = HUB_BLOCK_SIZES[block] if block else size["block_size"]
+    c = hub_target_config(
+        os.path.join(TARGETS, size["plan_config"]), block_size=block_size, mask_token_id=RESERVED_MASK_TOKEN
+    )
     c.mesh.fsdp = size["fsdp"]
     return c

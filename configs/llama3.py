@@ -17,30 +17,23 @@ produces.
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"8b": dict(plan_config="Llama-3.1-8B-Instruct.json")}
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 FSDP_DEVICES = 4
 RESERVED_MASK_TOKEN = 128002  # <|reserved_special_token_0|>
 
 
 def get_config(variants: str = "8b"):
     size_name, block, flags = choose_variants(
-        variants, sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="8b"
+        variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, flags=("fsdp",), default_size="8b"
     )
-    c = base_config()  # the recipe: 6 epochs, 4% warmup, cosine, clip 1.0, 512 anchors
-    c.target.plan_config = os.path.join(TARGETS, SIZES[size_name]["plan_config"])
-    c.drafter.num_layers = 5
-    c.drafter.block_size = BLOCK_SIZES[block or "b10"]
-    c.drafter.mask_token_id = RESERVED_MASK_TOKEN
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
-    c.train.remat = True
-    c.log.every_steps = 20
+    c = hub_target_config(
+        os.path.join(TARGETS, SIZES[size_name]["plan_config"]),
+        block_size=HUB_BLOCK_SIZES[block or "b10"],
+        mask_token_id=RESERVED_MASK_TOKEN,
+    )
     if "fsdp" in flags:
         c.mesh.fsdp = FSDP_DEVICES
     return c

@@ -19,28 +19,21 @@ tokenizer's tokens; check it against your tokenizer.
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"230b-a10b": dict(plan_config="MiniMax-M2.json")}
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 DEVICES_PER_HOST = 8
 
 
 def get_config(variants: str = "230b-a10b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="230b-a10b")
-    c = base_config()
-    c.target.plan_config = os.path.join(TARGETS, SIZES[size_name]["plan_config"])
-    c.drafter.num_layers = 5
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="230b-a10b")
+    c = hub_target_config(
+        os.path.join(TARGETS, SIZES[size_name]["plan_config"]),
+        block_size=HUB_BLOCK_SIZES[block or "b16"],
+        mask_token_id=200063,
+    )
     c.drafter.intermediate_size = 8192
-    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
-    c.drafter.mask_token_id = 200063
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.data.heldout_rows = c.eval.num_prompts
-    c.train.remat = True
-    c.log.every_steps = 20
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = DEVICES_PER_HOST

@@ -19,7 +19,7 @@ config.json (target.path).
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 # Drafter per target size. Both Qwen3-4B and -8B have 36 layers: 5 drafter layers read target
 # layers [1, 9, 17, 25, 33]; Qwen3-32B has 64: [1, 16, 31, 46, 61] (docs/design.md §2).
@@ -34,28 +34,22 @@ SIZES = {
     # of every layer); the drafter reads layers [1, 12, 24, 35, 46] of the 48.
     "30b-a3b": dict(drafter_layers=5, plan_config="Qwen3-30B-A3B.json", fsdp=4, always_fsdp=True),
 }
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 FSDP_DEVICES = 4
 
 
 def get_config(variants: str = "8b"):
     size_name, block, flags = choose_variants(
-        variants, sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="8b"
+        variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, flags=("fsdp",), default_size="8b"
     )
-    c = base_config()  # the recipe: 6 epochs, lr 6e-4, 4% warmup, cosine, clip 1.0, 512 anchors
     size = SIZES[size_name]
-    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
-    c.drafter.num_layers = size["drafter_layers"]
-    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
-    c.drafter.mask_token_id = 151669  # <|MASK|>: an existing, unused row of the Qwen3 embedding
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.train.remat = True
-    c.log.every_steps = 20
+    c = hub_target_config(
+        os.path.join(TARGETS, size["plan_config"]),
+        block_size=HUB_BLOCK_SIZES[block or "b16"],
+        mask_token_id=151669,  # <|MASK|>: an existing, unused row of the Qwen3 embedding
+        drafter_layers=size["drafter_layers"],
+    )
     c.mesh.tensor = size.get("tensor", 1)
     c.train.grad_accum_steps = size.get("grad_accum_steps", 1)
-    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
     if "fsdp" in flags or size.get("always_fsdp"):
         c.mesh.fsdp = size.get("fsdp", FSDP_DEVICES)
     return c

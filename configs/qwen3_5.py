@@ -19,7 +19,7 @@ target's shape from its own config.json.
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
@@ -29,31 +29,21 @@ SIZES = {
     # 256 experts of 512 in 40 layers: 65 GiB of bf16 weights, experts split over fsdp=4.
     "35b-a3b": dict(plan_config="Qwen3.5-35B-A3B.json", drafter_mlp=6144, fsdp=4),
 }
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 FSDP_DEVICES = 4
 
 
 def get_config(variants: str = "27b"):
     size_name, block, flags = choose_variants(
-        variants, sizes=SIZES, blocks=BLOCK_SIZES, flags=("fsdp",), default_size="27b"
+        variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, flags=("fsdp",), default_size="27b"
     )
-    c = base_config()  # the recipe: 6 epochs, lr 6e-4, 4% warmup, cosine, clip 1.0, 512 anchors
     size = SIZES[size_name]
-    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
-    c.drafter.num_layers = 5
+    c = hub_target_config(os.path.join(TARGETS, size["plan_config"]), block_size=HUB_BLOCK_SIZES[block or "b16"])
     c.drafter.num_heads, c.drafter.num_kv_heads, c.drafter.head_dim = 32, 8, 128
     c.drafter.intermediate_size = size["drafter_mlp"]
     # Four sliding-window layers and a full one, window 2048, as the released drafters for these
     # targets (SpecForge's DFlash mask for the sliding layers, docs/design.md §3.2).
     c.drafter.layer_types = ("sliding_attention",) * 4 + ("full_attention",)
     c.drafter.sliding_window = 2048
-    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
-    c.train.remat = True
-    c.log.every_steps = 20
     fsdp = size.get("fsdp", FSDP_DEVICES if "fsdp" in flags else 1)
     c.mesh.fsdp = fsdp
     return c

@@ -18,31 +18,22 @@ over 2048 positions. The mask is <|MASK|>'s row of Qwen3's embedding (151669), a
 
 import os
 
-from dflash_jax.training.run_config import base_config, choose_variants
+from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"80b-a3b": dict(plan_config="Qwen3-Next-80B-A3B-Instruct.json", fsdp=8)}
-BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
 MASK_TOKEN = 151669  # <|MASK|>: an existing, unused row of the Qwen3 embedding
 
 
 def get_config(variants: str = "80b-a3b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=BLOCK_SIZES, default_size="80b-a3b")
-    c = base_config()
+    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="80b-a3b")
     size = SIZES[size_name]
-    c.target.plan_config = os.path.join(TARGETS, size["plan_config"])
-    c.drafter.num_layers = 5
+    c = hub_target_config(
+        os.path.join(TARGETS, size["plan_config"]), block_size=HUB_BLOCK_SIZES[block or "b16"], mask_token_id=MASK_TOKEN
+    )
     c.drafter.num_heads, c.drafter.num_kv_heads, c.drafter.head_dim = 32, 8, 128
     c.drafter.intermediate_size = 6144
     c.drafter.layer_types = ("sliding_attention",) * 4 + ("full_attention",)
     c.drafter.sliding_window = 2048
-    c.drafter.block_size = BLOCK_SIZES[block or "b16"]
-    c.drafter.mask_token_id = MASK_TOKEN
-    c.data.seq_len = 3072
-    c.data.global_batch_rows = 16
-    c.data.read_threads = 4
-    c.data.heldout_rows = c.eval.num_prompts  # tau on held-out training prompts (eval.prompts '')
-    c.train.remat = True
-    c.log.every_steps = 20
     c.mesh.fsdp = size["fsdp"]
     return c

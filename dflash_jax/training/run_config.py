@@ -83,6 +83,29 @@ def _config_dict(settings) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dataclasses.asdict(settings), type_safe=False)
 
 
+# The drafter block sizes a preset for a hub-sized target offers as variants (z-lab's drafters use 16 and 10).
+HUB_BLOCK_SIZES = {"b16": 16, "b10": 10, "b8": 8}
+
+
+def hub_target_config(plan_config: str, *, block_size: int, mask_token_id: int | None = None, drafter_layers: int = 5):
+    """The paper's recipe for a hub-sized target on one 8-accelerator host, which every preset in
+    configs/ starts from: 3,072-token rows, 16 a step, remat, τ on held-out training prompts
+    (eval.prompts ''), a 5-layer drafter; the preset adds its drafter shape and mesh."""
+    c = base_config()  # 6 epochs, 4% warmup, cosine, clip 1.0, 512 anchors
+    c.target.plan_config = plan_config
+    c.drafter.num_layers = drafter_layers
+    c.drafter.block_size = block_size
+    if mask_token_id is not None:
+        c.drafter.mask_token_id = mask_token_id
+    c.data.seq_len = 3072
+    c.data.global_batch_rows = 16
+    c.data.read_threads = 4
+    c.data.heldout_rows = c.eval.num_prompts
+    c.train.remat = True
+    c.log.every_steps = 20
+    return c
+
+
 @dataclasses.dataclass(frozen=True)
 class Variants:
     """What a config file's `file.py:variants` accepts: one size (else `default_size`), at most
