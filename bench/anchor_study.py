@@ -142,8 +142,8 @@ def main() -> None:
     _, prompts = load_prompts("heldout_prompts", chat, limit=args.num_prompts)
 
     rows = []
-    for variant in variants:
-        for seed in seeds:
+    for seed in seeds:  # a seed of every variant first: a study cut short still compares them
+        for variant in variants:
             export, seconds, steps = train_one(variant, seed, args)
             drafter = load_drafter(export, param_dtype=jnp.float32, compute_dtype=jnp.float32)
             taus = [
