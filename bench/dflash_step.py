@@ -19,8 +19,12 @@ XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1".
                       context cache extended with the verified tokens' features
   chained             per step, --steps donated steps dispatched back to back, waited for once
   in the host loop    per step, as many steps through `run_loop` as `generate` runs them (it
-                      reads `done` and the cache lengths back before every step): the
-                      difference to `chained` is the host round trips
+                      reads `done` and the cache lengths back before every step, and picks the
+                      attended cache slots from them): the difference to `chained`, which
+                      replays the same steps with the same slots, is the host round trips
+
+Attention reads the bucket of the used cache slots the host loop picks (`attended_slots`;
+--slot_bucket 0: every slot of the static cache, as before that bucketing).
 
 With c = DFlash step / target decode step, DFlash is faster than the target alone when τ > c.
 The drafter has random weights unless --drafter names an export: the parts' costs do not
@@ -39,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.decoding import outputs as outputs_lib
-from dflash_jax.decoding.generate import TargetDecoder, pad_batch, run_loop
+from dflash_jax.decoding.generate import SLOT_BUCKET, TargetDecoder, pad_batch, run_loop, slots_needed
 from dflash_jax.decoding.sampling import GREEDY, verify_block
 from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
 from dflash_jax.models.architecture import DrafterConfig
@@ -84,23 +88,32 @@ def prefilled(decoder, prompt: np.ndarray):
     return decoder._prefill(tokens, lengths, valid, jax.random.key(0))
 
 
-def parts(target, drafter, st, steps: int) -> dict[str, Cost]:
+def step_slots(decoder, st) -> int:
+    """The cache slots the decoder's next step from `st` attends."""
+    done, lengths = jax.device_get((st.outputs.done, st.target_cache.lengths))
+    return decoder._attended_slots(slots_needed(lengths, done, decoder.block_size))
+
+
+def parts(decoder, target, drafter, st, steps: int) -> dict[str, Cost]:
     """Each part of one step, jitted alone on the state `st` (none of them donates or advances
-    it, so every call sees the same context)."""
+    it, so every call sees the same context), attending the slots the decoder's step would."""
     graphdef, params = nnx.split((target, drafter))
     block_size = drafter.cfg.block_size
     stop_ids = outputs_lib.stop_ids((2,))
+    num_slots = step_slots(decoder, st)
 
     @jax.jit
     def drafter_part(state, st):
         target, drafter = nnx.merge(graphdef, state)
         positions = st.target_cache.lengths[:, None] + jnp.arange(block_size)[None, :]
-        return draft_block(target, drafter, st.anchor, positions, st.context, GREEDY, st.key)
+        return draft_block(target, drafter, st.anchor, positions, st.context, GREEDY, st.key, num_slots=num_slots)
 
     @jax.jit
     def verify_part(state, st, block):
         target, drafter = nnx.merge(graphdef, state)
-        logits, features, cache = target.decode(block, st.target_cache, feature_layers=drafter.cfg.target_layer_ids)
+        logits, features, cache = target.decode(
+            block, st.target_cache, feature_layers=drafter.cfg.target_layer_ids, num_slots=num_slots
+        )
         return logits, features, cache.lengths
 
     @jax.jit
@@ -126,21 +139,35 @@ def parts(target, drafter, st, steps: int) -> dict[str, Cost]:
 
 
 def chain_costs(decoder, st, steps: int, rounds: int = 3) -> tuple[Cost, Cost]:
-    """(a step of a chain, a step inside the host loop): a chain is `steps` donated steps
-    dispatched back to back and waited for once; the host loop runs as many through `run_loop`,
-    which reads `done` and the cache lengths back before every step, as `generate` does. The two
-    alternate, `rounds` times; per step, the fastest round's wall time and the least CPU time."""
+    """(a step of a chain, a step inside the host loop): the host loop runs `steps` steps through
+    `run_loop`, which reads `done` and the cache lengths back before every step, as `generate`
+    does; the chain replays the same steps from a copy of the same state, each with the slots
+    the loop gave it, dispatched back to back and waited for once. `rounds` times; per step, the
+    fastest round's wall time and the least CPU time."""
     chained, looped = [], []
+
+    def timed(runs, fn, *args):
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = jax.block_until_ready(fn(*args))
+        runs.append(Cost(1000 * (time.perf_counter() - w0) / steps, 1000 * (time.process_time() - c0) / steps))
+        return out
+
+    def loop(st, needed):
+        def recorded_step(st, slots):
+            needed.append(slots)
+            return decoder._step(st, slots)
+
+        return run_loop(recorded_step, st, block_size=decoder.block_size, max_steps=steps)[0]
+
+    def chain(st, needed):
+        for slots in needed:
+            st, _ = decoder._step(st, slots)
+        return st
+
     for _ in range(rounds):
-        for runs, loop in ((chained, False), (looped, True)):
-            w0, c0 = time.perf_counter(), time.process_time()
-            if loop:
-                st, _ = run_loop(decoder._step, st, block_size=decoder.block_size, max_steps=steps)
-            else:
-                for _ in range(steps):
-                    st, _ = decoder._step(st)
-            jax.block_until_ready(st)
-            runs.append(Cost(1000 * (time.perf_counter() - w0) / steps, 1000 * (time.process_time() - c0) / steps))
+        start, needed = jax.tree.map(jnp.copy, st), []
+        st = timed(looped, loop, st, needed)
+        timed(chained, chain, start, needed)
     best = lambda runs: Cost(min(r.wall_ms for r in runs), min(r.cpu_ms for r in runs))  # noqa: E731
     return best(chained), best(looped)
 
@@ -176,28 +203,34 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=128, help="sizes the caches, as in an evaluation")
     p.add_argument("--steps", type=int, default=8, help="calls timed per figure (7x as many steps in all)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--slot_bucket", type=int, default=SLOT_BUCKET, help="0: attend every cache slot")
     a = p.parse_args()
     dtype = jnp.dtype(a.dtype)
     target = load_target(resolve_model(a.target), param_dtype=dtype, compute_dtype=dtype)
     prompt = np.random.default_rng(0).integers(17, target.cfg.vocab_size, a.context).astype(np.int32)
-    # Caches sized as an evaluation sizes them: attention reads every slot of the static cache.
-    kw = dict(max_prompt_len=a.context, max_new_tokens=a.max_new_tokens)
+    # Caches sized as an evaluation sizes them.
+    kw = dict(max_prompt_len=a.context, max_new_tokens=a.max_new_tokens, slot_bucket=a.slot_bucket)
     base_decoder = TargetDecoder(target, **kw)
     st = prefilled(base_decoder, prompt)
+    slots = step_slots(base_decoder, st)
     base, st = measure(advance(base_decoder), st, a.steps)
     base_chained, base_looped = chain_costs(base_decoder, st, a.steps)
-    print(f"{jax.devices()[0].device_kind}, {a.target}, {a.dtype}, context {a.context}, {a.steps} calls each")
+    print(
+        f"{jax.devices()[0].device_kind}, {a.target}, {a.dtype}, context {a.context}, {a.steps} calls each, "
+        f"caches of {base_decoder.cache_len} slots"
+    )
     print(f"{'':<22} {'wall ms':>9} {'÷ step':>6}  {'CPU ms':>9} {'÷ step':>6}   (÷ step: in target decode steps)")
-    print(row("target decode step", base, base))
+    print(row("target decode step", base, base, f"attending {slots} slots"))
     print(row("  chained", base_chained, base_chained))
     print(row("  in the host loop", base_looped, base_looped))
     for drafter in drafters(target, a, dtype):
         decoder = SpeculativeDecoder(target, drafter, **kw)
         st = prefilled(decoder, prompt)
-        split = parts(target, drafter, st, a.steps)
+        slots = step_slots(decoder, st)
+        split = parts(decoder, target, drafter, st, a.steps)
         step, st = measure(advance(decoder), st, a.steps)
         chained, looped = chain_costs(decoder, st, a.steps)
-        print(row(f"DFlash step, block {drafter.cfg.block_size}", step, base))
+        print(row(f"DFlash step, block {drafter.cfg.block_size}", step, base, f"attending {slots} slots"))
         for name, cost in split.items():
             print(row(f"  {name}", cost, base))
         print(row("  chained", chained, base_chained))

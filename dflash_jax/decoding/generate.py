@@ -5,8 +5,10 @@ This is the baseline that speculative decoding must reproduce exactly in greedy 
 speculative decoding shares live here too: prompt batching, the prefill and the host loop.
 
 Static shapes: a decoder fixes (batch size, cache length) when it is built; prompts are
-right-padded to power-of-two buckets, so only one step function and a few prefill functions
-are ever compiled, whatever the prompts.
+right-padded to power-of-two buckets, and each step's attention reads only a bucketed prefix
+of the caches (`attended_slots`: the host loop reads the lengths back before every step anyway
+and passes the bucket as a static argument), so a few prefill functions and a few step
+functions are compiled, whatever the prompts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from dflash_jax.models.cache import KVCache
 from dflash_jax.models.transformer import Transformer
 
 MIN_PROMPT_BUCKET = 16
+# Attention reads the used cache slots rounded up to a multiple of this, or of a quarter of
+# their power of two where that is larger (at most 4 buckets per doubling of the context).
+SLOT_BUCKET = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,23 @@ class Generation:
 def prompt_bucket(length: int) -> int:
     """Prompts are padded to a power of two (at least MIN_PROMPT_BUCKET) to bound compilations."""
     return max(MIN_PROMPT_BUCKET, 1 << max(0, int(length) - 1).bit_length())
+
+
+def attended_slots(needed: int, cache_len: int, bucket: int = SLOT_BUCKET) -> int:
+    """The cache slots a step's attention reads when it needs the first `needed`: `needed`
+    rounded up to a multiple of max(bucket, 2^⌊log2 needed⌋ / 4), at most the cache; bucket 0:
+    every slot. A bucket, not `needed` itself, so that a generation compiles a handful of steps."""
+    if not bucket:
+        return cache_len
+    multiple = max(bucket, 1 << max(0, int(needed).bit_length() - 3))
+    return min(cache_len, -(-int(needed) // multiple) * multiple)
+
+
+def slots_needed(lengths: np.ndarray, done: np.ndarray, block_size: int) -> int:
+    """The cache slots a step writing `block_size` tokens after each row's length must attend:
+    through the longest running row's block (every row's, once none runs)."""
+    running = lengths[~done] if not done.all() else lengths
+    return int(running.max()) + block_size
 
 
 def pad_batch(prompts: Sequence[np.ndarray], batch_size: int, max_prompt_len: int):
@@ -64,12 +86,15 @@ def pad_batch(prompts: Sequence[np.ndarray], batch_size: int, max_prompt_len: in
     return tokens, lengths, valid
 
 
-def prefill(target: Transformer, tokens, lengths, cache: KVCache, key, sampling, feature_layers=()):
+def prefill(target: Transformer, tokens, lengths, cache: KVCache, key, sampling, feature_layers=(), num_slots=None):
     """Run the padded prompts; returns (first new token [B], prompt features or None, cache).
 
     The cache is rolled back to each prompt's true length, so padding is never attended to.
+    `num_slots`: the cache slots attention reads (static, >= the padded prompt; None: all).
     """
-    logits, features, cache = target.decode(tokens, cache, feature_layers=feature_layers, num_valid=lengths)
+    logits, features, cache = target.decode(
+        tokens, cache, feature_layers=feature_layers, num_valid=lengths, num_slots=num_slots
+    )
     last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
     return choose(last, sampling, key), features, cache.replace(lengths=lengths)
 
@@ -92,22 +117,22 @@ def target_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig):
     on every step: hashing a large model's graphdef costs milliseconds per call.
     """
 
-    @functools.partial(jax.jit, static_argnames=("cache_len", "capacity"))
-    def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
+    @functools.partial(jax.jit, static_argnames=("cache_len", "capacity", "num_slots"))
+    def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity, num_slots):
         target = nnx.merge(graphdef, state)
         cache = target.new_cache(tokens.shape[0], cache_len)
         key, prefill_key = jax.random.split(key)
-        first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling)
+        first, _, cache = prefill(target, tokens, lengths, cache, prefill_key, sampling, num_slots=num_slots)
         out = outputs_lib.Outputs.create(tokens.shape[0], capacity).replace(done=~valid)
         out, _ = outputs_lib.append(
             out, first[:, None], jnp.ones_like(lengths), stop_ids=stop_ids, max_new_tokens=max_new_tokens
         )
         return TargetState(cache, first, out, key)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step_fn(state, st: TargetState, max_new_tokens, stop_ids):
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("num_slots",))
+    def step_fn(state, st: TargetState, max_new_tokens, stop_ids, *, num_slots):
         target = nnx.merge(graphdef, state)
-        logits, _, cache = target.decode(st.last[:, None], st.target_cache)
+        logits, _, cache = target.decode(st.last[:, None], st.target_cache, num_slots=num_slots)
         key, step_key = jax.random.split(st.key)
         token = choose(logits[:, 0], sampling, step_key)
         out, emitted = outputs_lib.append(
@@ -126,11 +151,12 @@ class CacheOverflowError(RuntimeError):
 
 
 def run_loop(step: Callable, st, *, block_size: int, max_steps: int | None = None) -> tuple[object, np.ndarray | None]:
-    """Call `step(st) -> (st, emitted [B])` until every row is done (or max_steps).
+    """Call `step(st, slots needed) -> (st, emitted [B])` until every row is done (or max_steps).
 
     Returns (final state, emitted per step [steps, B]). Every running row emits >= 1 token per
     step, so this ends after at most max_new_tokens steps. Before each step, checks that every
-    running row's cache has room for the `block_size` tokens the step writes.
+    running row's cache has room for the `block_size` tokens the step writes, and tells the step
+    how many cache slots its attention needs (`slots_needed`).
     """
     emitted_steps = []
     while len(emitted_steps) != max_steps:
@@ -143,7 +169,7 @@ def run_loop(step: Callable, st, *, block_size: int, max_steps: int | None = Non
                 f"the next step writes {block_size} tokens but a row's KV cache of {st.target_cache.max_len} "
                 f"slots has only {room.min()} left"
             )
-        st, emitted = step(st)
+        st, emitted = step(st, slots_needed(lengths, done, block_size))
         emitted_steps.append(emitted)
     emitted = np.stack([np.asarray(e) for e in emitted_steps]) if emitted_steps else None
     return st, emitted
@@ -178,6 +204,7 @@ class Decoder:
         batch_size: int = 1,
         sampling: SamplingConfig = GREEDY,
         stop_tokens: Sequence[int] = (),
+        slot_bucket: int = SLOT_BUCKET,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -191,6 +218,7 @@ class Decoder:
         # up so that nearby max_new_tokens settings share compiled steps.
         self.cache_len = _round_up(prompt_bucket(max_prompt_len) + max_new_tokens + self.block_size)
         self.capacity = _round_up(max_new_tokens + self.block_size)
+        self.slot_bucket = slot_bucket  # `attended_slots`; 0: attention reads every cache slot
         graphdef, self._state = nnx.split(models)
         self.prefill_fn, self.step_fn = make_fns(graphdef, sampling)
 
@@ -205,10 +233,19 @@ class Decoder:
             self._stop_ids,
             cache_len=self.cache_len,
             capacity=self.capacity,
+            num_slots=self._attended_slots(tokens.shape[1]),
         )
 
-    def _step(self, st):
-        return self.step_fn(self._state, st, self._max_new, self._stop_ids)
+    def _attended_slots(self, needed: int) -> int:
+        return attended_slots(needed, self.cache_len, self.slot_bucket)
+
+    def _step(self, st, needed: int | None = None):
+        """One step whose attention reads the bucket of `needed` cache slots (default: what
+        `slots_needed` says of `st`, read back)."""
+        if needed is None:
+            done, lengths = jax.device_get((st.outputs.done, st.target_cache.lengths))
+            needed = slots_needed(lengths, done, self.block_size)
+        return self.step_fn(self._state, st, self._max_new, self._stop_ids, num_slots=self._attended_slots(needed))
 
     def generate(self, prompts: Sequence[np.ndarray], *, seed: int = 0) -> list[Generation]:
         prompts = [np.asarray(p, np.int32) for p in prompts]
@@ -225,11 +262,19 @@ class Decoder:
         return collect(st.outputs, emitted, len(batch))
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
-        """Compile everything `generate` runs for these prompt lengths (prefill per bucket, step),
-        so that timed runs measure decoding only."""
+        """Compile everything `generate` runs for these prompt lengths (prefill per prompt bucket,
+        step per bucket of attended slots, from the shortest prompt's first step to the longest
+        prompt's last), so that timed runs measure decoding only."""
+        key = jax.random.key(0)
         for bucket in sorted({prompt_bucket(n) for n in prompt_lengths}):
             dummy = np.zeros((min(bucket, self.max_prompt_len),), np.int32)
-            self._decode_batch([dummy], jax.random.split(jax.random.key(0))[1], max_steps=2)
+            st = self._prefill(*pad_batch([dummy], self.batch_size, self.max_prompt_len), key)
+        first = min(prompt_lengths) + self.block_size
+        last = max(prompt_lengths) + self.max_new_tokens + self.block_size
+        # Steps on the dummy's state, whatever slots it needs: only their compilation matters.
+        for slots in sorted({self._attended_slots(n) for n in range(first, last + 1)}):
+            st, _ = self._step(st, slots)
+        jax.block_until_ready(st)
 
 
 class TargetDecoder(Decoder):

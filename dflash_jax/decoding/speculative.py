@@ -41,15 +41,24 @@ class SpecState:
 
 
 def draft_block(
-    target: Transformer, drafter: DFlashDrafter, anchor, positions, context, sampling, key, confidence_threshold=0.0
+    target: Transformer,
+    drafter: DFlashDrafter,
+    anchor,
+    positions,
+    context,
+    sampling,
+    key,
+    confidence_threshold=0.0,
+    num_slots=None,
 ):
     """Step 1: one drafter pass over the block at `positions` [B, Bk] -> (drafts [B, K], the
     logits they were chosen from [B, K, V], the number of drafts proposed [B]), K = the kind's
     drafts per block. DFlash drafts every slot after the anchor on its own; DFlash2 and DSpark
-    walk the block (`drafting.py`), and DSpark may propose fewer than K."""
+    walk the block (`drafting.py`), and DSpark may propose fewer than K. `num_slots`: the
+    context slots the drafter's attention reads (static; None: all)."""
     cfg = drafter.cfg
     block = jnp.full(positions.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
-    hidden = drafter.decode(target.embed(block), positions, context)
+    hidden = drafter.decode(target.embed(block), positions, context, num_slots=num_slots)
     proposed = jnp.full(anchor.shape, cfg.num_drafts, jnp.int32)
     if cfg.kind == "dspark":
         return drafting.markov_walk(target, drafter, hidden, anchor, sampling, key, confidence_threshold)
@@ -64,14 +73,21 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
     """Jitted (prefill, step) for one (target, drafter) structure, sampling setting and DSpark
     confidence threshold; see `generate.target_fns` for why they are built once per graphdef."""
 
-    @functools.partial(jax.jit, static_argnames=("cache_len", "capacity"))
-    def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity):
+    @functools.partial(jax.jit, static_argnames=("cache_len", "capacity", "num_slots"))
+    def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity, num_slots):
         target, drafter = nnx.merge(graphdef, state)
         batch, prompt_len = tokens.shape
         cache = target.new_cache(batch, cache_len, max_step=drafter.cfg.verify_size)
         key, prefill_key = jax.random.split(key)
         first, features, cache = prefill(
-            target, tokens, lengths, cache, prefill_key, sampling, feature_layers=drafter.cfg.target_layer_ids
+            target,
+            tokens,
+            lengths,
+            cache,
+            prefill_key,
+            sampling,
+            feature_layers=drafter.cfg.target_layer_ids,
+            num_slots=num_slots,
         )
         context = drafter.new_cache(batch, cache_len)
         positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
@@ -82,8 +98,8 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
         )
         return SpecState(cache, context, first, out, key)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step_fn(state, st: SpecState, max_new_tokens, stop_ids):
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("num_slots",))
+    def step_fn(state, st: SpecState, max_new_tokens, stop_ids, *, num_slots):
         target, drafter = nnx.merge(graphdef, state)
         key, draft_key, verify_key = jax.random.split(st.key, 3)
         start = st.target_cache.lengths
@@ -99,10 +115,13 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
             sampling,
             draft_key,
             confidence_threshold,
+            num_slots,
         )
 
         block = jnp.concatenate([st.anchor[:, None], drafts], axis=1)
-        logits, features, cache = target.decode(block, st.target_cache, feature_layers=drafter.cfg.target_layer_ids)
+        logits, features, cache = target.decode(
+            block, st.target_cache, feature_layers=drafter.cfg.target_layer_ids, num_slots=num_slots
+        )
         accepted, tokens = verify_block(drafts, draft_logits, logits, sampling, verify_key, proposed)
 
         out, emitted = outputs_lib.append(

@@ -24,6 +24,12 @@ def write_rows(buffer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return buffer.at[rows, slots].set(new.astype(buffer.dtype), mode="drop")
 
 
+def leading_slots(buffer: jax.Array, num_slots: int | None) -> jax.Array:
+    """The first `num_slots` slots of buffer [B, M, ...] (None: all M), what a decoding step's
+    attention reads: its cost then follows the used prefix of the cache, not the cache's size."""
+    return buffer if num_slots is None else buffer[:, :num_slots]
+
+
 @flax.struct.dataclass
 class LayerCache:
     k: jax.Array  # [B, M, K, H]

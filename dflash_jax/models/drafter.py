@@ -25,7 +25,7 @@ from flax import nnx
 
 from dflash_jax.models import block_attention
 from dflash_jax.models.architecture import DrafterConfig
-from dflash_jax.models.cache import KVCache, LayerCache
+from dflash_jax.models.cache import KVCache, LayerCache, leading_slots
 from dflash_jax.models.chunking import BLOCKS_PER_CHUNK
 from dflash_jax.models.heads import dflash2, dspark
 from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
@@ -56,6 +56,9 @@ class DraftStep:
 
     rotary: Rotary  # tables of the block positions [B, L]
     lengths: jax.Array  # [B]: context slots of each row's cache
+    # Static: attention reads only the first num_slots context slots, which must cover every
+    # row's length; None: all (as the target's `mixers.DecodeStep`).
+    num_slots: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
 class DFlashAttention(AttentionProjections):
@@ -93,8 +96,9 @@ class DFlashAttention(AttentionProjections):
         """One block h [B, L, D] against the cached context -> ([B, L, D], the cache unchanged)."""
         q, _ = self.queries(h, step.rotary)
         k, v = self.keys_values(h, step.rotary)
+        k_ctx, v_ctx = leading_slots(cache.k, step.num_slots), leading_slots(cache.v, step.num_slots)
         attn = block_attention.block_attention_cached(
-            q, cache.k, cache.v, step.lengths, k, v, window=self.window, causal=self.causal
+            q, k_ctx, v_ctx, step.lengths, k, v, window=self.window, causal=self.causal
         )
         return self.output(attn), cache
 
@@ -249,11 +253,14 @@ class DFlashDrafter(nnx.Module):
         )
         return cache.replace(layers=layer_caches, lengths=cache.lengths + num_valid)
 
-    def decode(self, block_embeds: jax.Array, block_positions: jax.Array, cache: ContextCache) -> jax.Array:
+    def decode(
+        self, block_embeds: jax.Array, block_positions: jax.Array, cache: ContextCache, *, num_slots: int | None = None
+    ) -> jax.Array:
         """One block [B, L, D] at positions [B, L] against the cached context -> final-normed
-        hidden [B, L, D]."""
+        hidden [B, L, D]. `num_slots` (static): attend only the cache's first slots, at least
+        every row's context length (None: all)."""
         x = block_embeds.astype(self.compute_dtype)
-        step = DraftStep(self._rotary(block_positions), cache.lengths)
+        step = DraftStep(self._rotary(block_positions), cache.lengths, num_slots)
         for layer, layer_cache in zip(self.layers, cache.layers):
             x, _ = layer.decode(x, step, layer_cache)
         return self.norm(x)

@@ -39,7 +39,7 @@ from flax import nnx
 
 from dflash_jax.models import attention
 from dflash_jax.models.architecture import LatentAttentionConfig
-from dflash_jax.models.cache import write_rows
+from dflash_jax.models.cache import leading_slots, write_rows
 from dflash_jax.models.layers import RMSNorm, Rotary, apply_rope, linear
 from dflash_jax.models.mixers import DecodeStep, PackedRows
 from dflash_jax.models.sharding import BATCH, EMBED, HEADS, constrain
@@ -147,7 +147,7 @@ class LatentAttention(nnx.Module):
         w = self.kv_b_proj.kernel[...].astype(self.compute_dtype).reshape(self.kv_lora_rank, self.num_heads, -1)
         w_uk, w_uv = w[..., : self.nope_dim], w[..., self.nope_dim :]  # [C, heads, N], [C, heads, U]
         q_latent = jnp.einsum("BTHN,CHN->BTHC", q_nope, w_uk)
-        keys = cache.entries.astype(h.dtype)[:, :, None, :]  # one key head shared by all heads
+        keys = leading_slots(cache.entries, step.num_slots).astype(h.dtype)[:, :, None, :]  # one head for all
         mask = attention.cached_causal_mask(step.start, h.shape[1], keys.shape[1])
         q = self._scaled(jnp.concatenate([q_latent, q_rope], axis=-1))
         out_latent = attention.attend(q, keys, keys[..., : self.kv_lora_rank], mask)  # [B, T, heads, C]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models import attention
-from dflash_jax.models.cache import LayerCache
+from dflash_jax.models.cache import LayerCache, leading_slots
 from dflash_jax.models.layers import RMSNorm, Rotary, apply_rope, linear
 from dflash_jax.models.sharding import BATCH, EMBED, HEADS, KV_HEADS, constrain
 
@@ -40,6 +40,9 @@ class DecodeStep:
     # None: all T. Attention rolls padding back by the caller's lengths; a recurrent state must
     # never take it in.
     num_valid: jax.Array | None = None
+    # Static: attention reads only the first num_slots cache slots, which must cover every row's
+    # start + T (the host loop picks a bucket, `decoding.generate.attended_slots`); None: all.
+    num_slots: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
 class AttentionProjections(nnx.Module):
@@ -159,6 +162,7 @@ class SelfAttention(AttentionProjections):
         q, gate = self.queries(h, step.rotary)
         k, v = self.keys_values(h, step.rotary)
         cache = cache.write(k, v, step.start)
-        mask = attention.cached_causal_mask(step.start, h.shape[1], cache.k.shape[1], self.sliding_window)
-        attn = attention.attend(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), mask, self._sinks())
+        keys, values = leading_slots(cache.k, step.num_slots), leading_slots(cache.v, step.num_slots)
+        mask = attention.cached_causal_mask(step.start, h.shape[1], keys.shape[1], self.sliding_window)
+        attn = attention.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, self._sinks())
         return self.output(attn, gate), cache

@@ -219,6 +219,7 @@ class Transformer(nnx.Module):
         *,
         feature_layers: Sequence[int] = (),
         num_valid: jax.Array | None = None,
+        num_slots: int | None = None,
     ) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """Append tokens [B, T] after `cache.lengths` -> (logits [B, T, V], features, new cache).
 
@@ -226,6 +227,8 @@ class Transformer(nnx.Module):
         hidden states as `layer_outputs` defines them, [B, T, k·D]) are what the drafter's context cache needs for these tokens.
         `num_valid` [B]: right-padded rows (a prefill), only the first num_valid tokens are real;
         the caller then sets `lengths` to start + num_valid.
+        `num_slots` (static): attention reads only the caches' first slots, at least every row's
+        length + T (None: all M); the decoding loop picks it from a few buckets.
         """
         num_new = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
@@ -233,7 +236,9 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         outputs, layer_caches = [], []
         for layer, layer_type, layer_cache in zip(self.layers, self.cfg.layer_types, cache.layers):
-            x, layer_cache = layer.decode(x, DecodeStep(cache.lengths, tables[layer_type], num_valid), layer_cache)
+            x, layer_cache = layer.decode(
+                x, DecodeStep(cache.lengths, tables[layer_type], num_valid, num_slots), layer_cache
+            )
             outputs.append(x)
             layer_caches.append(layer_cache)
         outputs = self.layer_outputs(outputs)

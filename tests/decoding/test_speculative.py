@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,6 +200,32 @@ def test_steps_compile_once_per_decoder_shape():
     assert (decoder.step_fn._cache_size(), decoder.prefill_fn._cache_size()) == (steps, prefills + 1)
 
 
+def test_bucketed_attention_decodes_the_same_tokens(random_target, untrained_drafter):
+    """Attention over a bucketed prefix of the caches (16-slot buckets of a 64-slot cache: the
+    generation crosses two boundaries) decodes the same tokens in the same steps as over every slot,
+    target alone and DFlash; `warmup` compiles every bucket that `generate` then runs."""
+    prompts = random_prompts(80, (14,))
+    kw = dict(max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW)
+    assert {generate_lib.attended_slots(n, 64, 16) for n in range(14 + 1, 14 + MAX_NEW + BLOCK)} == {16, 32, 48}
+    outputs = []
+    for make in (
+        lambda **k: TargetDecoder(random_target, **kw, **k),
+        lambda **k: SpeculativeDecoder(random_target, untrained_drafter, **kw, **k),
+    ):
+        every_slot = make(slot_bucket=0).generate(prompts)
+        bucketed = make(slot_bucket=16)
+        assert bucketed.cache_len == 64
+        bucketed.warmup([len(p) for p in prompts])
+        compiled = bucketed.step_fn._cache_size(), bucketed.prefill_fn._cache_size()
+        outputs.append(bucketed.generate(prompts))
+        assert (bucketed.step_fn._cache_size(), bucketed.prefill_fn._cache_size()) == compiled
+        for full, got in zip(every_slot, outputs[-1]):
+            np.testing.assert_array_equal(got.tokens, full.tokens)
+            np.testing.assert_array_equal(got.step_lengths, full.step_lengths)
+    for alone, spec in zip(*outputs):
+        np.testing.assert_array_equal(spec.tokens, alone.tokens)
+
+
 def test_rejects_mismatched_drafter_and_long_prompts(random_target):
     other = make_target(seed=0, vocab=32)
     with pytest.raises(ValueError, match="does not fit the target"):
@@ -216,24 +244,28 @@ def test_served_drafts_equal_the_training_forward(cases, kind):
     accepted tokens. A mismatch here is the train/serve skew that ruins acceptance. DFlash2 and
     DSpark score each slot after the previous draft: their training-side scores (the selector's
     over the unary top-k, the Markov-corrected logits), given the served drafts as the previous
-    tokens, are what was served.
+    tokens, are what was served. Serving reads 16-slot buckets of the context cache (crossing
+    from 16 to 32 slots here), as the decoder's steps do.
     """
     target, drafter = cases["untrained" if kind == "dflash" else f"{kind}_untrained"]
     prompt = random_prompts(70, (9,))
-    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=16, max_new_tokens=16)
+    decoder = SpeculativeDecoder(target, drafter, max_prompt_len=16, max_new_tokens=16, slot_bucket=16)
     graphs = nnx.split((target, drafter))
 
-    @jax.jit
-    def served_drafts(state, st):
+    @functools.partial(jax.jit, static_argnames="num_slots")
+    def served_drafts(state, st, num_slots):
         t, d = nnx.merge(graphs[0], state)
         positions = st.target_cache.lengths[:, None] + jnp.arange(BLOCK)[None, :]
-        return speculative.draft_block(t, d, st.anchor, positions, st.context, decoder.sampling, jax.random.key(0))[:2]
+        key = jax.random.key(0)
+        return speculative.draft_block(
+            t, d, st.anchor, positions, st.context, decoder.sampling, key, num_slots=num_slots
+        )[:2]
 
     st = decoder._prefill(*generate_lib.pad_batch(prompt, 1, 16), jax.random.key(0))
     anchors, drafts, served = [], [], []
     while not np.all(np.asarray(st.outputs.done)):
         anchors.append(int(st.target_cache.lengths[0]))
-        tokens, logits = served_drafts(graphs[1], st)
+        tokens, logits = served_drafts(graphs[1], st, decoder._attended_slots(anchors[-1] + BLOCK))
         drafts.append(np.asarray(tokens[0]))
         served.append(np.asarray(logits[0]))
         st, _ = decoder._step(st)
@@ -266,7 +298,7 @@ def test_served_drafts_equal_the_training_forward(cases, kind):
 
     seq = jnp.asarray(np.concatenate([prompt[0], out]))[None]
     trained = np.asarray(training_logits(graphs[1], seq, jnp.asarray(anchors)[None], jnp.asarray(np.stack(drafts))))
-    assert len(anchors) > 3
+    assert len(anchors) > 3 and anchors[0] + BLOCK <= 16 < anchors[-1]
     np.testing.assert_allclose(np.stack(served), trained, atol=2e-4, rtol=2e-4)
 
 

@@ -5,6 +5,8 @@ mscale_all_dim both set, interleaved rotary pairs, value heads narrower than key
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,7 +124,8 @@ def test_packed_rows_equal_each_document_in_transformers(q_lora_rank):
 
 def test_cached_decoding_with_rollback_equals_transformers():
     """Prefill 6 tokens, append 4, roll 3 of them back, append 5 others: every output of the last
-    two calls equals the reference on the text the cache then holds."""
+    two calls equals the reference on the text the cache then holds. Each call attends only a
+    prefix of the 16 slots (`DecodeStep.num_slots`), as the decoding loop's buckets do."""
     config, attn, rope = reference(Q_RANK)
     model = ours(config, attn)
     rng = np.random.default_rng(2)
@@ -130,18 +133,18 @@ def test_cached_decoding_with_rollback_equals_transformers():
     rejected = rng.standard_normal((4, HIDDEN)).astype(np.float32)
     expected = reference_outputs(attn, rope, text)
 
-    @jax.jit
-    def decode(model, x, start, cache):
+    @functools.partial(jax.jit, static_argnames="num_slots")
+    def decode(model, x, start, cache, num_slots):
         positions = start[:, None] + jnp.arange(x.shape[1])[None]
-        return model.decode(x, DecodeStep(start, tables(config, positions)), cache)
+        return model.decode(x, DecodeStep(start, tables(config, positions), num_slots=num_slots), cache)
 
     cache = model.new_cache(1, 16)
     with jax.default_matmul_precision("highest"):
-        out, cache = decode(model, jnp.asarray(text[None, :6]), jnp.array([0]), cache)
+        out, cache = decode(model, jnp.asarray(text[None, :6]), jnp.array([0]), cache, 8)
         np.testing.assert_allclose(np.asarray(out[0]), expected[:6], atol=2e-5)
         accepted_then_rejected = np.concatenate([text[6:7], rejected[1:]])  # the first kept, 3 rolled back
-        out, cache = decode(model, jnp.asarray(accepted_then_rejected[None]), jnp.array([6]), cache)
+        out, cache = decode(model, jnp.asarray(accepted_then_rejected[None]), jnp.array([6]), cache, 12)
         np.testing.assert_allclose(np.asarray(out[0, :1]), expected[6:7], atol=2e-5)
-        out, cache = decode(model, jnp.asarray(text[None, 7:12]), jnp.array([7]), cache)
+        out, cache = decode(model, jnp.asarray(text[None, 7:12]), jnp.array([7]), cache, 12)
     np.testing.assert_allclose(np.asarray(out[0]), expected[7:12], atol=2e-5)
     assert cache.entries.shape == (1, 16, KV_RANK + ROPE)  # the latent and the shared rotary key only

@@ -139,7 +139,7 @@ class OracleDrafter(nnx.Module):
     def extend_context(self, cache: ContextCache, features, positions, num_valid) -> ContextCache:
         return cache.replace(lengths=cache.lengths + num_valid)
 
-    def decode(self, block_embeds, block_positions, cache: ContextCache):
+    def decode(self, block_embeds, block_positions, cache: ContextCache, *, num_slots=None):
         """Slot k returns E[successor^(k-1)(anchor)], which the target's head maps to successor^k."""
         table = self.embedding[...]
         token = jnp.argmax(block_embeds[:, 0] @ table.T, axis=-1)
@@ -178,7 +178,7 @@ class ScriptedDrafter(nnx.Module):
     def extend_context(self, cache: ContextCache, features, positions, num_valid) -> ContextCache:
         return cache.replace(lengths=cache.lengths + num_valid)
 
-    def decode(self, block_embeds, block_positions, cache: ContextCache):
+    def decode(self, block_embeds, block_positions, cache: ContextCache, *, num_slots=None):
         """Slot k of a block anchored at position p drafts the token at p + k (slot 0 unused)."""
         seq = self.sequences[...]
         width = seq.shape[1]
