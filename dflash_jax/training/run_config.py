@@ -192,6 +192,7 @@ class RunSettings:
     max_nonfinite_streak: int
     seed: int
     attention: str
+    init_from_target_layer: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +278,7 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             train.max_nonfinite_streak,
             top.seed,
             train.attention,
+            train.init_from_target_layer,
         ),
         checkpoint=_section(config, "checkpoint"),
         log=_section(config, "log"),
@@ -302,6 +304,11 @@ def _check_blocks(drafter: DrafterSettings, train: TrainSettings, target: Transf
         not bad,
         f"drafter.target_layer_ids {list(drafter.target_layer_ids)}: {bad} out of range, the target has "
         f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})",
+    )
+    _require(
+        train.init_from_target_layer < target.num_layers,
+        f"train.init_from_target_layer={train.init_from_target_layer} is out of range, the target has "
+        f"{target.num_layers} layers (valid 0..{target.num_layers - 1}, or -1 for random init)",
     )
     _require(
         train.num_anchors <= seq_len, f"train.num_anchors={train.num_anchors} must be at most data.seq_len={seq_len}"

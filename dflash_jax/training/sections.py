@@ -129,6 +129,9 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
     attention: str = "auto"
     # Stop after this many consecutive skipped (non-finite) updates.
     max_nonfinite_streak: int = 20
+    # >= 0: every drafter layer starts as a copy of this target layer, and the final norm as the
+    # target's, where shapes match (training/warm_start.py); -1 = random init.
+    init_from_target_layer: int = -1
 
     def problems(self) -> list[str]:
         out = _one_of(
@@ -153,6 +156,7 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
             attention_chunk_blocks=1,
             lm_head_chunk_blocks=1,
             max_nonfinite_streak=1,
+            init_from_target_layer=-1,
         )
         for name in ("learning_rate", "grad_clip_norm"):
             if not getattr(self, name) > 0:

@@ -29,7 +29,7 @@ from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import objective
+from dflash_jax.training import objective, warm_start
 from dflash_jax.training.mesh import batch_sharding
 from dflash_jax.training.optimizer import learning_rate_schedule, make_optimizer
 
@@ -59,9 +59,16 @@ def drafter_graph(cfg: DrafterConfig, compute_dtype, attention: str = "auto") ->
     return graphdef
 
 
-def _state_initializer(cfg: DrafterConfig, tx, seed: int, compute_dtype) -> Callable[[], TrainState]:
-    def init() -> TrainState:
+def _state_initializer(
+    cfg: DrafterConfig, tx, seed: int, compute_dtype, init_from_target_layer: int = -1
+) -> Callable[..., TrainState]:
+    """init(target_params) -> a fresh TrainState; the target's weights are read only to start from
+    one of its layers (training/warm_start.py)."""
+
+    def init(target_params=None) -> TrainState:
         _, params = nnx.split(_new_drafter(cfg, compute_dtype, seed))
+        if init_from_target_layer >= 0:
+            params = warm_start.from_target_layer(params, target_params, init_from_target_layer)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(
             step=zero,
@@ -91,11 +98,15 @@ def init_train_state(
     seed: int,
     compute_dtype,
     mesh: Mesh,
+    target_params=None,
+    init_from_target_layer: int = -1,
 ) -> TrainState:
-    """A fresh drafter (normal(0.02) init) and optimizer state, created already sharded."""
+    """A fresh drafter (normal(0.02) init, or target layer `init_from_target_layer`'s weights) and
+    optimizer state, created already sharded."""
     abstract = abstract_train_state(cfg, tx, seed=seed, compute_dtype=compute_dtype, mesh=mesh)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    return jax.jit(_state_initializer(cfg, tx, seed, compute_dtype), out_shardings=shardings)()
+    init = _state_initializer(cfg, tx, seed, compute_dtype, init_from_target_layer)
+    return jax.jit(init, out_shardings=shardings)(target_params if init_from_target_layer >= 0 else None)
 
 
 def _split_micro_batches(batch: objective.Batch, num_micro: int, mesh: Mesh) -> tuple[objective.Batch, jax.Array]:
@@ -278,5 +289,11 @@ def build_train_step(
         schedule=learning_rate_schedule(setup.optimizer, total_steps),
         drafter_graphdef=drafter_graphdef,
         abstract_state=abstract,
-        init_state=lambda: init_train_state(setup.drafter, tx, **state_kw),
+        init_state=lambda: init_train_state(
+            setup.drafter,
+            tx,
+            target_params=target_params,
+            init_from_target_layer=setup.run.init_from_target_layer,
+            **state_kw,
+        ),
     )

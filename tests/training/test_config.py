@@ -132,6 +132,8 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ),
         ({"eval.confidence_threshold": 0.5}, 1, "^eval.confidence_threshold applies to drafter.kind='dspark' only"),
         ({"train.selector_alpha": -1.0}, 1, "^train.selector_alpha=-1.0 must be at least 0$"),
+        ({"train.init_from_target_layer": -2}, 1, "^train.init_from_target_layer=-2 must be at least -1$"),
+        ({"train.init_from_target_layer": 99}, 1, "^train.init_from_target_layer=99 is out of range, the target has"),
     ],
 )
 def test_config_error_messages(tiny_run, tmp_path, fields, num_devices, message):

@@ -300,3 +300,32 @@ def test_muon_leaves_vocabulary_tables_to_adamw():
     assert labels["layers"]["0"]["mlp"] == {"kernel": "muon", "scale": "adam"}
     assert labels["candidate_selector"] == {"predecessor_codebook": "adam", "hidden_projection": "muon"}
     assert labels["markov_head"] == {"markov_w1": {"embedding": "adam"}, "markov_w2": {"kernel": "adam"}}
+
+
+def test_a_drafter_started_from_a_target_layer_holds_its_weights():
+    drafter_cfg = DrafterConfig.for_target(TARGET, num_layers=2, mask_token_id=VOCAB - 1, block_size=4, target_layer_ids=(0, 1))
+    target = Transformer(TARGET, rngs=nnx.Rngs(1))
+    _, target_params = nnx.split(target)
+    mesh = make_mesh(1, 1)
+    kw = dict(seed=0, compute_dtype=jnp.float32, mesh=mesh)
+    fresh = step.init_train_state(drafter_cfg, optax.sgd(1.0), **kw).params
+    started = step.init_train_state(
+        drafter_cfg, optax.sgd(1.0), target_params=target_params, init_from_target_layer=1, **kw
+    ).params
+    for i in range(2):  # every drafter layer: target layer 1's attention, MLP and norms
+        layer, source = started["layers"][i], target_params["layers"][1]
+        for path in (
+            ("self_attn", "q_proj", "kernel"),
+            ("self_attn", "k_norm", "weight"),
+            ("mlp", "down_proj", "kernel"),
+        ):
+            a, b = layer, source
+            for name in path:
+                a, b = a[name], b[name]
+            np.testing.assert_array_equal(a[...], b[...])
+    np.testing.assert_array_equal(started["norm"]["weight"][...], target_params["norm"]["weight"][...])
+    # What the target has no counterpart for keeps the random init.
+    np.testing.assert_array_equal(started["fc"]["kernel"][...], fresh["fc"]["kernel"][...])
+    assert not np.array_equal(
+        started["layers"][0]["mlp"]["up_proj"]["kernel"][...], fresh["layers"][0]["mlp"]["up_proj"]["kernel"][...]
+    )
