@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.heads.dflash2 import unary_logits
+from dflash_jax.models.heads.dflash2 import successor_scores, unary_logits
 from dflash_jax.training.head_terms import chunked_terms, vocab_parallel_logits, vocab_parallel_top_k
 
 
@@ -62,9 +62,7 @@ def dflash2_terms(
             log_p = jax.lax.stop_gradient(jax.nn.log_softmax(logits_of(target_h[0]), axis=-1))
             unary = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
         candidates, gold, in_top = training_candidates(logits, labels, d.selector_top_k)
-        scores = jnp.take_along_axis(logits, candidates, axis=-1) + selector.pair_scores(
-            context, candidates, successors
-        )
+        scores = jnp.take_along_axis(logits + successor_scores(context, successors), candidates, axis=-1)
         candidate_ce = jax.nn.logsumexp(scores, axis=-1) - jnp.take_along_axis(scores, gold[..., None], -1)[..., 0]
         weights = jax.lax.stop_gradient(weights_of(label_ce, scored))
         hit = in_top & (jnp.argmax(scores, axis=-1) == gold)

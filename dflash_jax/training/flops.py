@@ -108,9 +108,10 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     lm_head = 2 * slots * h * t.vocab_size
     target += lm_head if obj.needs_target_distribution else 0
     # The kind's heads on every scored slot, forward: DFlash2's selector (projection H -> r and
-    # the k candidates' scores), DSpark's Markov bias (r -> V) and confidence head (H + r -> 1).
+    # every token's successor score, r -> V, of which training takes the k candidates'), DSpark's
+    # Markov bias (r -> V) and confidence head (H + r -> 1).
     if d.kind == "dflash2":
-        heads = 2 * slots * d.selector_rank * (h + d.selector_top_k)
+        heads = 2 * slots * d.selector_rank * (h + t.vocab_size)
     elif d.kind == "dspark":
         heads = 2 * slots * (d.markov_rank * t.vocab_size + h + d.markov_rank)
     else:

@@ -233,8 +233,8 @@ def test_plan_and_device_check_trace_the_attention_they_name():
 
 def test_plan_counts_each_kinds_heads():
     """model FLOPs of the default run per drafter kind: DFlash2 adds its convolutions' kernel
-    projections (D -> 2·W·D/g, two per layer) and its selector (D -> r and the 16 candidates'
-    scores, rank r) on every drafted slot; DSpark drafts on every slot (8 a block, not 7), reads
+    projections (D -> 2·W·D/g, two per layer) and its selector (D -> r and every token's
+    successor score, rank r) on every drafted slot; DSpark drafts on every slot (8 a block, not 7), reads
     the target's distribution there (one more LM-head pass) and adds its Markov projection
     (r -> V) and confidence head (D + r -> 1). Forward once, and twice more backward."""
     config = load_config_file(str(testing.REPO / "configs" / "default.py"))
@@ -246,7 +246,7 @@ def test_plan_counts_each_kinds_heads():
     d, v, r, rows, anchors, block = 256, 4096, 256, 4, 64, 8
     tokens, slots = rows * anchors * block, rows * anchors * (block - 1)
     convs = 2 * tokens * 2 * d * (2 * 2 * d // 16)  # one layer, two convolutions
-    selector = 2 * slots * r * (d + 16)
+    selector = 2 * slots * r * (d + v)
     assert flops["dflash2"] - flops["dflash"] == 3 * (convs + selector)
     spark_slots = rows * anchors * block
     lm_head = 2 * d * v
