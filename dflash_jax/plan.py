@@ -71,7 +71,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 _SIMULATED = "DFLASH_PLAN_SIMULATED_DEVICES"
 # XLA:CPU's default scheduler orders for concurrency and ignores memory; a GPU's scheduler keeps
 # memory in mind. The memory-minimizing one gives the closer plan (about half the temporaries).
-_CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+# XLA:CPU computes bf16 matmuls in f32, and loop-invariant code motion then hoists the f32
+# conversion of a scanned segment's whole stack of frozen weights out of its loop (twice the
+# target's bytes resident), which a GPU's bf16 matmuls never ask for: without the pass each
+# period converts its own weights, as each layer does unrolled.
+_CPU_FLAGS = (
+    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+    "--xla_disable_hlo_passes=while-loop-invariant-code-motion",
+)
 
 
 def _rerun_on_simulated_devices(n: int) -> None:

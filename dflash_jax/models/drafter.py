@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models import block_attention
+from dflash_jax.models import block_attention, layer_stack
 from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.cache import KVCache, LayerCache, leading_slots
 from dflash_jax.models.chunking import BLOCKS_PER_CHUNK
@@ -147,9 +147,13 @@ class DFlashDrafter(nnx.Module):
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         attention: str = "auto",
+        scan_layers: bool = False,
         rngs: nnx.Rngs,
     ):
-        """`attention`: the training forward's attention code (`attention.IMPLEMENTATIONS`)."""
+        """`attention`: the training forward's attention code (`attention.IMPLEMENTATIONS`).
+        `scan_layers`: the training forward runs each run of layers of one attention pattern
+        under a scan over their weights, stacked in the forward pass (models/layer_stack.py); the
+        parameters stay one module per layer either way."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -165,6 +169,9 @@ class DFlashDrafter(nnx.Module):
         self.layers = nnx.List(
             [drafter_layer(cfg, i, attention=attention, dtypes=dtypes, rngs=rngs) for i in range(cfg.num_layers)]
         )
+        # A drafter layer's module differs from another's by its attention pattern alone.
+        kinds = [cfg.attention_pattern(i) for i in range(cfg.num_layers)]
+        self.segments = layer_stack.segments(kinds, scan=scan_layers)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         # The kind's heads (docs/design.md "Drafter kinds"), named as the export names them.
         head_kw = dict(init_std=INIT_STD, param_dtype=param_dtype, rngs=rngs)
@@ -199,14 +206,14 @@ class DFlashDrafter(nnx.Module):
         ctx_mask: jax.Array,
         *,
         blocks_per_chunk: int = BLOCKS_PER_CHUNK,
-        remat: bool = False,
+        remat_policy: str | None = None,
     ) -> jax.Array:
         """Training forward over many blocks of a packed batch.
 
         block_embeds [B, N, L, D], block_positions [B, N, L], ctx [B, S, D], ctx_positions [B, S],
         ctx_mask [B, N, S] (see `block_attention.block_context_mask`) -> final-normed hidden
-        [B, N, L, D]. remat=True recomputes each layer in the backward pass, so only one layer's
-        activations are stored.
+        [B, N, L, D]. `remat_policy` (`layer_stack.REMAT_POLICIES`; None: none) recomputes each
+        layer (each scanned period) in the backward pass, keeping only what the policy saves.
         """
 
         # Context positions restart in every document (< S); a block's run up to L past its anchor.
@@ -221,15 +228,16 @@ class DFlashDrafter(nnx.Module):
             blocks_per_chunk=blocks_per_chunk,
         )
 
-        def run_layer(layer: DecoderBlock, x: jax.Array) -> jax.Array:
-            return layer(x, blocks)
-
-        if remat:
-            run_layer = nnx.remat(run_layer)
+        units = [
+            (
+                segment,
+                layer_stack.stack_modules(self.layers, segment) if segment.scanned else self.layers[segment.start],
+            )
+            for segment in self.segments
+        ]
         with jax.named_scope("drafter"):  # names the collectives in `python -m dflash_jax.plan`
             x = block_embeds.astype(self.compute_dtype)
-            for layer in self.layers:
-                x = run_layer(layer, x)
+            x, _ = layer_stack.run_layers(x, units, lambda _: blocks, remat_policy=remat_policy)
             return self.norm(x)
 
     def new_cache(self, batch: int, max_len: int) -> ContextCache:

@@ -12,6 +12,7 @@ parameter by name), so host memory never holds more than one tensor of an 8B mod
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -33,7 +34,7 @@ from dflash_jax.models import families
 from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.gguf import GgufTensors, gguf_source, model_dir, weights_file
-from dflash_jax.models.sharding import param_sharding
+from dflash_jax.models.sharding import is_stacked, param_sharding
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.models.weight_maps import WeightMap, checkpoint_name
 
@@ -110,29 +111,59 @@ def _param_paths(state) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
 
 def _fill(abstract_model, read: Callable, mesh: Mesh | None, source: str):
     """Replace every abstract parameter by its tensor: `read(path, numpy dtype)` -> (tensor in our
-    layout, its checkpoint name). Returns (model, the names read)."""
+    layout, its checkpoint name), `path` as a model without scanned layers names it (a stacked
+    parameter is read layer by layer into its slots). Returns (model, the names read)."""
     graphdef, state = nnx.split(abstract_model)
+    checkpoint_paths = getattr(abstract_model, "checkpoint_paths", lambda path: [path])
     loaded, names = {}, set()
-    for path, leaf in _param_paths(state):
-        try:
-            tensor, name = read(path, _NUMPY_DTYPES[jnp.dtype(leaf.dtype)])
-        except KeyError as e:  # the hub names of each layout the checkpoint could hold it in
-            first, *others = e.args[0] if isinstance(e.args[0], tuple) else e.args
-            alternatives = f" (nor {', '.join(map(repr, others))})" if others else ""
-            raise ModelError(f"{source}: missing tensor {first!r}{alternatives}") from None
-        if tuple(tensor.shape) != tuple(leaf.shape):
-            raise ModelError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(leaf.shape)} (Linear kernels compared as [in, out])"
-            )
-        host = np.ascontiguousarray(tensor.astype(_NUMPY_DTYPES[jnp.dtype(leaf.dtype)]))
-        sharding = param_sharding(mesh, path, leaf.shape) if mesh is not None else None
-        loaded[path] = jax.device_put(host, sharding)
+
+    def tensor_at(layer_path: tuple, shape: tuple, dtype) -> np.ndarray:
+        tensor, name = _read(read, layer_path, _NUMPY_DTYPES[jnp.dtype(dtype)], shape, source)
         names.add(name)
-        del tensor, host
+        return tensor
+
+    for path, leaf in _param_paths(state):
+        sharding = param_sharding(mesh, path, leaf.shape) if mesh is not None else None
+        if is_stacked(path):
+            loaded[path] = _stacked_layers(checkpoint_paths(path), leaf, sharding, tensor_at)
+        else:
+            (layer_path,) = checkpoint_paths(path)
+            loaded[path] = jax.device_put(tensor_at(layer_path, leaf.shape, leaf.dtype), sharding)
     pure = nnx.to_pure_dict(state)
     pure = _set_leaves(pure, loaded)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state), names
+
+
+def _read(read: Callable, path: tuple, dtype, shape: tuple, source: str) -> tuple[np.ndarray, str]:
+    """The tensor of the parameter at `path` (of `shape`) in `dtype`, contiguous, and its name."""
+    try:
+        tensor, name = read(path, dtype)
+    except KeyError as e:  # the hub names of each layout the checkpoint could hold it in
+        first, *others = e.args[0] if isinstance(e.args[0], tuple) else e.args
+        alternatives = f" (nor {', '.join(map(repr, others))})" if others else ""
+        raise ModelError(f"{source}: missing tensor {first!r}{alternatives}") from None
+    if tuple(tensor.shape) != tuple(shape):
+        raise ModelError(
+            f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)} (Linear kernels compared as [in, out])"
+        )
+    return np.ascontiguousarray(tensor.astype(dtype)), name
+
+
+def _stacked_layers(layer_paths: list[tuple], leaf, sharding, tensor_at: Callable) -> jax.Array:
+    """A stacked parameter [layers, ...] filled slot by slot on its devices: the host holds one
+    layer's tensor at a time, the devices the stack and one layer's slice."""
+    stack = jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
+    slot_sharding = None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    for slot, layer_path in enumerate(layer_paths):
+        layer = jax.device_put(tensor_at(layer_path, leaf.shape[1:], leaf.dtype), slot_sharding)
+        stack = _write_slot(stack, layer, slot)
+    return stack
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slot(stack: jax.Array, value: jax.Array, slot) -> jax.Array:
+    return stack.at[slot].set(value)
 
 
 def _load(model_class, cfg, model_kw: dict, weights: WeightMap, reader, mesh: Mesh | None, source: str):
@@ -156,15 +187,17 @@ def load_target(
     compute_dtype=jnp.bfloat16,
     mesh: Mesh | None = None,
     attention: str = "auto",
+    scan_layers: bool = True,
 ) -> Transformer:
     """Load a Hugging Face checkpoint directory, or a GGUF file (models/gguf.py), into a
-    `Transformer` (`attention`: its packed forward's attention code)."""
+    `Transformer` (`attention`: its packed forward's attention code; `scan_layers`: its repeating
+    layers run under a scan, their weights stacked as they load)."""
     if gguf_file := gguf_source(path):
         path = model_dir(gguf_file)
     hf = read_config(path)
     cfg, weights = families.target_config(hf), families.weight_map(hf)
     reader = GgufTensors(gguf_file) if (gguf_file := weights_file(path)) else SafetensorsReader(path)
-    kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention)
+    kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention, scan_layers=scan_layers)
     model, _ = _load(Transformer, cfg, kw, weights, reader, mesh, source=str(path))
     return model
 

@@ -54,6 +54,7 @@ VOCAB = "vocab"
 FEATURES = "features"  # the drafter's input: k target layers' hidden states, concatenated
 EXPERTS = "experts"  # the experts of a mixture-of-experts MLP
 NORM = "norm"  # RMSNorm scales: never split (tiny, and used everywhere)
+LAYERS = "layers"  # the leading axis of a scanned segment's stacked weights (models/layer_stack.py): never split
 
 # Every parameter of the target and the drafter, by the end of its path (`layers.3.mlp.up_proj.kernel`).
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -171,12 +172,19 @@ def logical_to_spec(
 
 
 def param_axes(path: str | Sequence) -> tuple[str, ...]:
-    """The logical axes of the parameter at `path` ('layers.0.self_attn.q_proj.kernel' or keys)."""
+    """The logical axes of the parameter at `path` ('layers.0.self_attn.q_proj.kernel' or keys);
+    a stacked one's ('layers.2.stacked.0.self_attn.q_proj.kernel') start with LAYERS."""
     name = path if isinstance(path, str) else _dotted(path)
     for pattern, axes in PARAM_AXES:
         if re.search(rf"(^|\.){pattern}$", name):
-            return axes
+            return (LAYERS, *axes) if is_stacked(name) else axes
     raise KeyError(f"parameter {name!r} has no logical axes: add its name to PARAM_AXES in {__name__}")
+
+
+def is_stacked(path: str | Sequence) -> bool:
+    """Whether the parameter at `path` stacks the layers of a scanned segment (`LayerStack`)."""
+    name = path if isinstance(path, str) else _dotted(path)
+    return re.search(r"(^|\.)stacked\.\d+\.", name) is not None
 
 
 def param_spec(mesh: Mesh | Mapping[str, int], path, shape: Sequence[int]) -> PartitionSpec:

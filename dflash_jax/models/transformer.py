@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models import layer_stack
 from dflash_jax.models.architecture import TransformerConfig, layer_attention
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.gemma import Gemma4Attention, Gemma4Block
@@ -73,9 +74,9 @@ def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: d
     )
 
 
-def _mlp(cfg: TransformerConfig, index: int, *, dtypes: dict, rngs) -> nnx.Module:
-    """The MLP of layer `index`: the mixture of experts where the config says so, else SwiGLU."""
-    if index in cfg.moe_layers:
+def _mlp(cfg: TransformerConfig, experts: bool, *, dtypes: dict, rngs) -> nnx.Module:
+    """A layer's MLP: the mixture of experts where the config says so, else SwiGLU."""
+    if experts:
         return MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes)
     return _dense_mlp(cfg, dtypes=dtypes, rngs=rngs)
 
@@ -84,16 +85,24 @@ def _dense_mlp(cfg: TransformerConfig, *, dtypes: dict, rngs) -> SwiGLU:
     return SwiGLU(cfg.hidden_size, cfg.intermediate_size, activation=cfg.mlp_activation, rngs=rngs, **dtypes)
 
 
+def layer_kind(cfg: TransformerConfig, index: int) -> tuple[str, bool]:
+    """All that sets layer `index`'s module apart from another layer's: its mixer's layer type and
+    whether its MLP has experts (layers of one kind scan together, models/layer_stack.py)."""
+    return cfg.layer_types[index], index in cfg.moe_layers
+
+
 def decoder_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> nnx.Module:
+    layer_type, experts = layer_kind(cfg, index)
     if cfg.block == "gemma4":
-        return _gemma4_layer(cfg, index, attention=attention, dtypes=dtypes, rngs=rngs)
-    name, mixer = _mixer(cfg, cfg.layer_types[index], attention=attention, dtypes=dtypes, rngs=rngs)
-    mlp = _mlp(cfg, index, dtypes=dtypes, rngs=rngs)
+        return _gemma4_layer(cfg, layer_type, experts, attention=attention, dtypes=dtypes, rngs=rngs)
+    name, mixer = _mixer(cfg, layer_type, attention=attention, dtypes=dtypes, rngs=rngs)
+    mlp = _mlp(cfg, experts, dtypes=dtypes, rngs=rngs)
     return DecoderBlock(name, mixer, mlp, hidden_size=cfg.hidden_size, norm_kw=_norm_kw(cfg, dtypes))
 
 
-def _gemma4_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> Gemma4Block:
-    layer_type = cfg.layer_types[index]
+def _gemma4_layer(
+    cfg: TransformerConfig, layer_type: str, experts: bool, *, attention: str, dtypes: dict, rngs
+) -> Gemma4Block:
     own = layer_attention(cfg, layer_type)
     mixer = Gemma4Attention(
         hidden_size=cfg.hidden_size,
@@ -107,7 +116,7 @@ def _gemma4_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes:
         rngs=rngs,
         **dtypes,
     )
-    moe = MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes) if index in cfg.moe_layers else None
+    moe = MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes) if experts else None
     mlp = _dense_mlp(cfg, dtypes=dtypes, rngs=rngs)
     return Gemma4Block(mixer, mlp, moe, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, **dtypes)
 
@@ -124,17 +133,30 @@ class Transformer(nnx.Module):
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         attention: str = "auto",
+        scan_layers: bool = False,
         rngs: nnx.Rngs,
     ):
-        """`attention`: the packed forward's attention code (`attention.IMPLEMENTATIONS`)."""
+        """`attention`: the packed forward's attention code (`attention.IMPLEMENTATIONS`).
+        `scan_layers`: each run of a repeating layer pattern runs under one scan over its layers'
+        stacked weights (models/layer_stack.py); `layers[k]` is then segment k (`segments[k]`):
+        one layer, or a `LayerStack`. Otherwise `layers[i]` is layer i."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs
         )
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        kinds = [layer_kind(cfg, i) for i in range(cfg.num_layers)]
+        self.segments = layer_stack.segments(kinds, scan=scan_layers)
+
+        def make(index: int, rngs: nnx.Rngs) -> nnx.Module:
+            return decoder_layer(cfg, index, attention=attention, dtypes=dtypes, rngs=rngs)
+
         self.layers = nnx.List(
-            [decoder_layer(cfg, i, attention=attention, dtypes=dtypes, rngs=rngs) for i in range(cfg.num_layers)]
+            [
+                layer_stack.LayerStack(segment, make, rngs=rngs) if segment.scanned else make(segment.start, rngs)
+                for segment in self.segments
+            ]
         )
         self.norm = RMSNorm(cfg.hidden_size, **_norm_kw(cfg, dtypes))
         self.lm_head = (
@@ -170,8 +192,41 @@ class Transformer(nnx.Module):
     def new_cache(self, batch: int, max_len: int, *, max_step: int = 1) -> KVCache:
         """Room for `max_len` tokens a row; a `decode` call that a later call may roll back adds at
         most `max_step` tokens (the speculative block; a prefill may add more)."""
-        layers = tuple(layer.mixer.new_cache(batch, max_len, max_step) for layer in self.layers)
+        layers = tuple(self._mixer_of(i).new_cache(batch, max_len, max_step) for i in range(self.cfg.num_layers))
         return KVCache.create(layers, batch, max_len)
+
+    def _mixer_of(self, index: int) -> nnx.Module:
+        """Layer `index`'s mixer module (stacked with its kind's, in a scanned segment: the cache
+        it makes depends on its settings alone)."""
+        for segment, layer in zip(self.segments, self.layers):
+            if segment.start <= index < segment.stop:
+                return layer.stacked[(index - segment.start) % segment.period].mixer if segment.scanned else layer.mixer
+        raise IndexError(index)
+
+    def layer(self, index: int) -> nnx.Module:
+        """Layer `index`'s module (a scanned one's weights sliced out of its stack)."""
+        for segment, layer in zip(self.segments, self.layers):
+            if segment.start <= index < segment.stop:
+                return layer.split().layer(*divmod(index - segment.start, segment.period)) if segment.scanned else layer
+        raise IndexError(index)
+
+    def _units(self) -> list[tuple[layer_stack.Segment, nnx.Module | layer_stack.Stacked]]:
+        return [
+            (segment, layer.split() if segment.scanned else layer) for segment, layer in zip(self.segments, self.layers)
+        ]
+
+    def checkpoint_paths(self, path: Sequence) -> list[tuple]:
+        """The parameter paths, as the model without scanned layers names them (`layers.{i}.…`, the
+        checkpoints' layout), of what the parameter at `path` holds: one, or a stacked parameter's
+        layers in slot order."""
+        path = tuple(path)
+        if path[0] != "layers" or not any(s.scanned for s in self.segments):
+            return [path]
+        segment = self.segments[int(path[1])]
+        if not segment.scanned:
+            return [("layers", segment.start, *path[2:])]
+        position = int(path[3])  # layers.{k}.stacked.{position}.…
+        return [("layers", segment.layer(g, position), *path[4:]) for g in range(segment.repeats)]
 
     def __call__(
         self,
@@ -190,21 +245,21 @@ class Transformer(nnx.Module):
             last = self.cfg.num_layers - 1 if return_logits else max(hidden_layers)
             x = self.embed(tokens)
             tables = self._rotary(positions, num_positions=tokens.shape[-1])
-            outputs = []
-            for layer, layer_type in zip(self.layers[: last + 1], self.cfg.layer_types):
-                x = layer(x, PackedRows(segment_ids, tables[layer_type]))
-                outputs.append(x)
-            outputs = self.layer_outputs(outputs)
-            logits = self.unembed(outputs[-1]) if return_logits else None
+
+            def inputs_of(layer: int) -> PackedRows:
+                return PackedRows(segment_ids, tables[self.cfg.layer_types[layer]])
+
+            x, kept = layer_stack.run_layers(x, self._units(), inputs_of, last=last, keep=hidden_layers)
+            outputs = self.layer_outputs({**kept, last: x})
+            logits = self.unembed(outputs[last]) if return_logits else None
             return logits, tuple(outputs[i] for i in hidden_layers)
 
-    def layer_outputs(self, outputs: list[jax.Array]) -> list[jax.Array]:
-        """Raw decoder-layer outputs -> the hidden state of each layer as transformers'
+    def layer_outputs(self, outputs: dict[int, jax.Array]) -> dict[int, jax.Array]:
+        """Raw decoder-layer outputs by layer -> the hidden state of each layer as transformers'
         `hidden_states[i + 1]` holds it: the last layer's after the final norm (docs/design.md §2),
         which is what the reference DFlash code reads as that layer's context feature."""
-        if len(outputs) == self.cfg.num_layers:
-            outputs = [*outputs[:-1], self.norm(outputs[-1])]
-        return outputs
+        final = self.cfg.num_layers - 1
+        return {i: self.norm(x) if i == final else x for i, x in outputs.items()}
 
     def features(self, tokens, segment_ids, positions, layer_ids: Sequence[int]) -> jax.Array:
         """DFlash context features (docs/design.md §2): the chosen layers' hidden states
@@ -229,20 +284,22 @@ class Transformer(nnx.Module):
         the caller then sets `lengths` to start + num_valid.
         `num_slots` (static): attention reads only the caches' first slots, at least every row's
         length + T (None: all M); the decoding loop picks it from a few buckets.
+        Layers run one by one, each with its own cache slice (scanned segments' weights sliced).
         """
         num_new = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
         tables = self._rotary(positions)
         x = self.embed(tokens)
-        outputs, layer_caches = [], []
-        for layer, layer_type, layer_cache in zip(self.layers, self.cfg.layer_types, cache.layers):
+        outputs, layer_caches = {}, []
+        layers = layer_stack.layer_modules([unit for _, unit in self._units()])
+        for i, (layer, layer_type, layer_cache) in enumerate(zip(layers, self.cfg.layer_types, cache.layers)):
             x, layer_cache = layer.decode(
                 x, DecodeStep(cache.lengths, tables[layer_type], num_valid, num_slots), layer_cache
             )
-            outputs.append(x)
+            outputs[i] = x
             layer_caches.append(layer_cache)
         outputs = self.layer_outputs(outputs)
-        logits = self.unembed(outputs[-1])
+        logits = self.unembed(outputs[self.cfg.num_layers - 1])
         features = jnp.concatenate([outputs[i] for i in feature_layers], axis=-1) if feature_layers else None
         return logits, features, cache.replace(layers=tuple(layer_caches), lengths=cache.lengths + num_new)
 

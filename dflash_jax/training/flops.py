@@ -22,9 +22,10 @@ def model_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
 
 def remat_flops_per_step(setup: TrainSetup, rows: int, seq_len: int) -> float:
     """Matmul FLOPs recomputed in the backward pass: the drafter layers' forward with
-    `train.remat`, else the attention chunks only (the LM head's are never recomputed)."""
+    `train.remat` and the 'full' policy, else the attention chunks only (the LM head's are never
+    recomputed; the 'dots' policies keep the layers' matmuls)."""
     _, _, layers, attention = _parts(setup, rows, seq_len)
-    return layers if setup.objective.remat else attention
+    return layers if setup.objective.remat and setup.objective.remat_policy == "full" else attention
 
 
 def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: int) -> float:

@@ -116,6 +116,7 @@ class TrainingRun:
             compute_dtype=setup.target_dtype,
             mesh=mesh,
             attention=setup.run.attention,
+            scan_layers=setup.run.scan_layers,
         )
         target_graphdef, self.target_params = nnx.split(self.target)
         program = build_train_step(setup, mesh, target_graphdef, self.target_params, total_steps=self.total_steps)

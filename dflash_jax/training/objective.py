@@ -81,6 +81,10 @@ class ObjectiveSettings:
     selector_alpha: float = 1.0
     # Recompute each drafter layer in the backward pass.
     remat: bool = False
+    # What a recomputed layer keeps (models/layer_stack.py's REMAT_POLICIES): 'full' nothing;
+    # 'dots_saveable' every matmul's output; 'dots_with_no_batch_dims_saveable' the weight
+    # matmuls' (not attention's).
+    remat_policy: str = "full"
     # Blocks per attention chunk (memory vs speed).
     attention_chunk_blocks: int = BLOCKS_PER_CHUNK
     # Blocks per LM-head/cross-entropy chunk.
@@ -391,7 +395,7 @@ def drafter_loss(
         ctx_positions,
         blocks.ctx_mask,
         blocks_per_chunk=cfg.attention_chunk_blocks,
-        remat=cfg.remat,
+        remat_policy=cfg.remat_policy if cfg.remat else None,
     )
     if cfg.kind == "dflash2":
         weights_of = functools.partial(slot_weights, cfg=cfg)

@@ -60,6 +60,8 @@ class Plan:
     compile_seconds: float
     drafter_kind: str = "dflash"  # models.architecture.DRAFTER_KINDS: its heads' FLOPs are in model_flops
     kernels: tuple[Kernel, ...] = ()  # of one device's program, for the roofline (training/roofline.py)
+    lower_seconds: float = 0.0  # tracing and lowering the step, before compiling it
+    compile_cpu_seconds: float = 0.0  # CPU time of the compile, every thread of it (wall time: compile_seconds)
 
     def fits(self, hbm_bytes: float) -> bool:
         return self.peak <= USABLE_FRACTION * hbm_bytes
@@ -100,10 +102,12 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
     """Compile the step of `setup` on `devices` (default: all) and read back its plan; with
     `hlo_path`, also write the compiled program's HLO text there."""
     mesh = make_mesh(*setup.mesh_shape, devices=devices)
-    lowered, state, target, batch = lower_train_step(setup, mesh)
     start = time.perf_counter()
+    lowered, state, target, batch = lower_train_step(setup, mesh)
+    lower_seconds = time.perf_counter() - start
+    start, start_cpu = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
-    compile_seconds = time.perf_counter() - start
+    compile_seconds, compile_cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     memory = compiled.memory_analysis()
     text = compiled.as_text()
     if hlo_path:
@@ -142,6 +146,8 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
         collectives=tuple(collectives(program)),
         compile_seconds=compile_seconds,
         kernels=tuple(hlo.kernels(program)),
+        lower_seconds=lower_seconds,
+        compile_cpu_seconds=compile_cpu_seconds,
     )
 
 
@@ -202,9 +208,11 @@ def _shard_bytes(mesh: dict[str, int], path, shape, dtype) -> int:
 def _experts_per_device(mesh: dict[str, int], leaves) -> tuple[int, tuple[str, ...]]:
     """(experts of a layer one device holds, the mesh axes they are split over); (0, ()) without experts."""
     for path, shape, _ in leaves:
-        if sharding.param_axes(path)[0] == sharding.EXPERTS:
-            axes = sharding.spec_axes(sharding.param_spec(mesh, path, shape)[0])
-            return shape[0] // math.prod(mesh[a] for a in axes), axes
+        names = sharding.param_axes(path)
+        if sharding.EXPERTS in names:  # after LAYERS in a scanned segment's stacked weights
+            axis = names.index(sharding.EXPERTS)
+            axes = sharding.spec_axes(sharding.param_spec(mesh, path, shape)[axis])
+            return shape[axis] // math.prod(mesh[a] for a in axes), axes
     return 0, ()
 
 
@@ -264,7 +272,7 @@ def format_plan(plan: Plan, hbm_bytes: float, *, title: str, fsdp: int, tensor: 
         f"plan: {title}",
         f"  mesh {plan.mesh} ({plan.num_devices} {plan.platform} devices), layout '{plan.layout}';"
         f" {plan.rows} rows x {plan.seq_len}, grad_accum_steps={plan.grad_accum_steps};"
-        f" compiled in {plan.compile_seconds:.0f} s",
+        f" lowered in {plan.lower_seconds:.0f} s, compiled in {plan.compile_seconds:.0f} s",
         "  per device:",
         f"    target weights (frozen)  {_gib(b['target'])}",
         f"    drafter weights (fp32)   {_gib(b['drafter'])}",

@@ -193,6 +193,7 @@ class RunSettings:
     seed: int
     attention: str
     init_from_target_layer: int
+    scan_layers: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +280,7 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
             top.seed,
             train.attention,
             train.init_from_target_layer,
+            train.scan_layers,
         ),
         checkpoint=_section(config, "checkpoint"),
         log=_section(config, "log"),

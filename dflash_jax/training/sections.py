@@ -18,6 +18,7 @@ import dataclasses
 from dflash_jax.data.settings import DataConfig
 from dflash_jax.models.architecture import DRAFTER_KINDS, DTYPES
 from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from dflash_jax.models.layer_stack import REMAT_POLICIES
 from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES, ObjectiveSettings
 from dflash_jax.training.optimizer import OPTIMIZERS, OptimizerConfig
 
@@ -127,6 +128,10 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
     # Attention code (models/attention.py): 'auto' = fused Pallas kernels on GPU, XLA elsewhere;
     # 'xla' (the reference) or 'fused' to force one.
     attention: str = "auto"
+    # Run the target's and the drafter's layers under a scan over their stacked weights, one per
+    # run of a repeating layer pattern (models/layer_stack.py): compile time grows with the
+    # pattern's period, not the depth. False: every layer in the program.
+    scan_layers: bool = False
     # Stop after this many consecutive skipped (non-finite) updates.
     max_nonfinite_streak: int = 20
     # >= 0: every drafter layer starts as a copy of this target layer, and the final norm as the
@@ -142,6 +147,7 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
             optimizer=OPTIMIZERS,
             compute_dtype=sorted(DTYPES),
             attention=ATTENTION_IMPLEMENTATIONS,
+            remat_policy=tuple(REMAT_POLICIES),
         )
         out += _at_least(
             "train",

@@ -47,15 +47,25 @@ class TrainState:
     nonfinite_streak: jax.Array  # int32: consecutive non-finite steps up to now
 
 
-def _new_drafter(cfg: DrafterConfig, compute_dtype, seed: int, attention: str = "auto") -> DFlashDrafter:
+def _new_drafter(
+    cfg: DrafterConfig, compute_dtype, seed: int, attention: str = "auto", scan_layers: bool = False
+) -> DFlashDrafter:
     return DFlashDrafter(
-        cfg, param_dtype=jnp.float32, compute_dtype=compute_dtype, attention=attention, rngs=nnx.Rngs(seed)
+        cfg,
+        param_dtype=jnp.float32,
+        compute_dtype=compute_dtype,
+        attention=attention,
+        scan_layers=scan_layers,
+        rngs=nnx.Rngs(seed),
     )
 
 
-def drafter_graph(cfg: DrafterConfig, compute_dtype, attention: str = "auto") -> nnx.GraphDef:
-    """The drafter's static graph; `attention` is its training forward's attention code."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: _new_drafter(cfg, compute_dtype, 0, attention)))
+def drafter_graph(
+    cfg: DrafterConfig, compute_dtype, attention: str = "auto", scan_layers: bool = False
+) -> nnx.GraphDef:
+    """The drafter's static graph; `attention` is its training forward's attention code,
+    `scan_layers` whether that forward scans its layers (the parameters are the same)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: _new_drafter(cfg, compute_dtype, 0, attention, scan_layers)))
     return graphdef
 
 
@@ -247,6 +257,7 @@ def new_target(setup: TrainSetup, *, seed: int = 0) -> Transformer:
         param_dtype=setup.target_dtype,
         compute_dtype=setup.target_dtype,
         attention=setup.run.attention,
+        scan_layers=setup.run.scan_layers,
         rngs=nnx.Rngs(seed),
     )
 
@@ -272,7 +283,7 @@ def build_train_step(
     tx = make_optimizer(setup.optimizer, total_steps)
     state_kw = dict(seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
     abstract = abstract_train_state(setup.drafter, tx, **state_kw)
-    drafter_graphdef = drafter_graph(setup.drafter, setup.compute_dtype, setup.run.attention)
+    drafter_graphdef = drafter_graph(setup.drafter, setup.compute_dtype, setup.run.attention, setup.run.scan_layers)
     step = make_train_step(
         drafter_graphdef=drafter_graphdef,
         target_graphdef=target_graphdef,
@@ -292,7 +303,9 @@ def build_train_step(
         init_state=lambda: init_train_state(
             setup.drafter,
             tx,
-            target_params=target_params,
+            target_params=warm_start.target_layer_params(
+                nnx.merge(target_graphdef, target_params), setup.run.init_from_target_layer
+            ),
             init_from_target_layer=setup.run.init_from_target_layer,
             **state_kw,
         ),

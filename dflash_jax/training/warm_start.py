@@ -14,8 +14,18 @@ import jax
 from flax import nnx
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.models.transformer import Transformer
 
 _LAYER = re.compile(r"^\['layers'\]\[\d+\]")
+
+
+def target_layer_params(target: Transformer, layer: int) -> dict | None:
+    """What `from_target_layer` reads of `target` (None when layer < 0), named as a target without
+    scanned layers names it: layer `layer`'s parameters (sliced out of their stack) and the final
+    norm's."""
+    if layer < 0:
+        return None
+    return {"layers": {layer: nnx.state(target.layer(layer))}, "norm": nnx.state(target.norm)}
 
 
 def from_target_layer(params: nnx.State, target_params: nnx.State, layer: int) -> nnx.State:

@@ -303,7 +303,9 @@ def test_muon_leaves_vocabulary_tables_to_adamw():
 
 
 def test_a_drafter_started_from_a_target_layer_holds_its_weights():
-    drafter_cfg = DrafterConfig.for_target(TARGET, num_layers=2, mask_token_id=VOCAB - 1, block_size=4, target_layer_ids=(0, 1))
+    drafter_cfg = DrafterConfig.for_target(
+        TARGET, num_layers=2, mask_token_id=VOCAB - 1, block_size=4, target_layer_ids=(0, 1)
+    )
     target = Transformer(TARGET, rngs=nnx.Rngs(1))
     _, target_params = nnx.split(target)
     mesh = make_mesh(1, 1)

@@ -1,0 +1,177 @@
+"""Scanned layers (models/layer_stack.py): segments follow the layer pattern, and a model whose
+layers run under scans over stacked weights computes what the unrolled one does: the target's
+logits, every layer's hidden state, the features of a forward that stops inside a scanned segment
+and cached decoding, loaded from the same checkpoint; the drafter's output and gradients under
+each remat policy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from dflash_jax.models import sharding
+from dflash_jax.models.architecture import DrafterConfig, RopeConfig
+from dflash_jax.models.block_attention import block_context_mask
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.hf import load_target
+from dflash_jax.models.layer_stack import REMAT_POLICIES, Segment, segments
+from dflash_jax.training import warm_start
+
+SEQ = 24
+
+
+def test_segments_follow_the_layer_pattern():
+    linear, full, sliding, dense, moe = "linear", "full", "sliding", "dense", "moe"
+    # Plain: one scan over every layer.
+    assert segments([full] * 6) == (Segment(0, 1, 6),)
+    # Hybrid 3:1 over 10 layers: two whole periods scanned, the two layers after them a scan of their own.
+    assert segments(([linear] * 3 + [full]) * 2 + [linear] * 2) == (Segment(0, 4, 2), Segment(8, 1, 2))
+    # Sliding/full alternation, Gemma's 5:1, 64 layers of 3:1: the shortest period that covers all.
+    assert segments([sliding, full] * 18) == (Segment(0, 2, 18),)
+    assert segments(([sliding] * 5 + [full]) * 10) == (Segment(0, 6, 10),)
+    assert segments(([linear] * 3 + [full]) * 16) == (Segment(0, 4, 16),)
+    # First k dense layers, then experts: the dense layers alone (k = 1) or scanned (k = 3).
+    assert segments([dense] + [moe] * 60) == (Segment(0), Segment(1, 1, 60))
+    assert segments([dense] * 3 + [moe] * 58) == (Segment(0, 1, 3), Segment(3, 1, 58))
+    # Nothing repeats: every layer alone; and scan=False.
+    assert segments([linear, full, sliding]) == (Segment(0), Segment(1), Segment(2))
+    assert segments([full] * 3, scan=False) == (Segment(0), Segment(1), Segment(2))
+    assert [Segment(2, 3, 4).layer(1, 2), Segment(2, 3, 4).stop] == [7, 14]
+
+
+def test_stacked_parameters_have_an_unsplit_leading_layers_axis():
+    path = "layers.0.stacked.1.self_attn.q_proj.kernel"
+    assert sharding.param_axes(path) == (sharding.LAYERS, sharding.EMBED, sharding.HEADS)
+    assert sharding.param_axes("layers.1.self_attn.q_proj.kernel") == (sharding.EMBED, sharding.HEADS)
+    mesh = {"data": 1, "fsdp": 2, "tensor": 2}
+    assert sharding.param_spec(mesh, path, (4, 64, 64)) == PartitionSpec(None, "fsdp", "tensor")
+    assert sharding.zero_spec({"data": 4}, path, (4, 64, 64)) == PartitionSpec(None, "data", None)
+    experts = "layers.1.stacked.0.mlp.experts.gate_proj"
+    assert sharding.param_spec({"fsdp": 4}, experts, (60, 8, 64, 32)) == PartitionSpec(None, "fsdp", None, None)
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(make_hf_checkpoint, tmp_path_factory):
+    """Qwen3.5's 3:1 linear/full pattern over 10 layers: two periods and two linear layers after."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hybrid"), arch="qwen3_5_text", num_hidden_layers=10)
+
+
+@pytest.fixture(scope="module", params=["plain", "hybrid"])
+def targets(request, qwen3_checkpoint, hybrid_checkpoint):
+    path = {"plain": qwen3_checkpoint, "hybrid": hybrid_checkpoint}[request.param]
+    kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    return request.param, load_target(path, scan_layers=False, **kw), load_target(path, scan_layers=True, **kw)
+
+
+def _rows(batch=2):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (batch, SEQ)))
+    # Two documents in the first row, so packed rows pass through the scanned mixers too.
+    segment_ids = jnp.ones_like(tokens).at[0, 15:].set(2)
+    positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape).at[0, 15:].add(-15)
+    return tokens, segment_ids, positions
+
+
+def _jit(model, fn):
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args)), state
+
+
+def test_scanned_target_equals_unrolled(targets):
+    name, unrolled, scanned = targets
+    num_layers = unrolled.cfg.num_layers
+    expected_segments = {"plain": (Segment(0, 1, 4),), "hybrid": (Segment(0, 4, 2), Segment(8, 1, 2))}[name]
+    assert scanned.segments == expected_segments
+    assert scanned.layers[0].stacked[0].input_layernorm.weight[...].shape == (expected_segments[0].repeats, 64)
+    rows = _rows()
+    # Layer ids read by a forward that stops after the middle of a scanned segment's last period.
+    partial = {"plain": (0, 2), "hybrid": (1, 5, 6)}[name]
+
+    def forward(model, *rows):
+        return model(*rows, hidden_layers=tuple(range(num_layers)))
+
+    def features(model, *rows):
+        return model.features(*rows, partial)
+
+    def decode(model, tokens):
+        logits, feats, cache = model.decode(tokens, model.new_cache(tokens.shape[0], SEQ + 4), feature_layers=partial)
+        return logits, feats, cache.layers
+
+    with jax.default_matmul_precision("highest"):
+        results, programs = [], []
+        for model in (unrolled, scanned):
+            run_forward, state = _jit(model, forward)
+            run_features, _ = _jit(model, features)
+            run_decode, _ = _jit(model, decode)
+            results.append((run_forward(state, *rows), run_features(state, *rows), run_decode(state, rows[0])))
+            programs.append(run_forward.lower(state, *rows).as_text())
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=2e-5)
+    # Every layer's own weights, sliced out of their stack, and what a warm start copies of them.
+    for i in range(num_layers):
+        for a, b in zip(jax.tree.leaves(nnx.state(unrolled.layers[i])), jax.tree.leaves(nnx.state(scanned.layer(i)))):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    drafter = DFlashDrafter(
+        DrafterConfig.for_target(unrolled.cfg, num_layers=1, mask_token_id=1, block_size=4, target_layer_ids=(0,)),
+        rngs=nnx.Rngs(0),
+    )
+    params = nnx.state(drafter)
+    warm = [warm_start.from_target_layer(params, warm_start.target_layer_params(m, 3), 3) for m in (unrolled, scanned)]
+    for a, b in zip(jax.tree.leaves(warm[0]), jax.tree.leaves(warm[1])):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    # The scanned program holds one period of each scanned segment: plain 1 layer of 4, hybrid 5 of 10.
+    dots = [program.count("dot_general") for program in programs]
+    assert dots[1] <= {"plain": 0.3, "hybrid": 0.55}[name] * dots[0], dots
+
+
+def _drafter_inputs(cfg: DrafterConfig, blocks=3, block_size=4):
+    keys = jax.random.split(jax.random.key(0), 3)
+    anchors = jnp.asarray([[2, 9, 15]])
+    ctx_positions = jnp.arange(SEQ)[None]
+    return (
+        jax.random.normal(keys[0], (1, blocks, block_size, cfg.hidden_size)),
+        anchors[..., None] + jnp.arange(block_size),
+        jax.random.normal(keys[1], (1, SEQ, cfg.hidden_size)),
+        ctx_positions,
+        block_context_mask(jnp.ones((1, SEQ), jnp.int32), anchors),
+    )
+
+
+def test_scanned_drafter_equals_unrolled_under_every_remat_policy():
+    # Three sliding layers then a full one: a scan over the three, the full layer alone.
+    cfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope=RopeConfig(theta=10000.0),
+        vocab_size=128,
+        num_target_layers=4,
+        target_layer_ids=(0, 2),
+        mask_token_id=127,
+        layer_types=("sliding_attention",) * 3 + ("full_attention",),
+        sliding_window=8,
+    )
+    unrolled = DFlashDrafter(cfg, rngs=nnx.Rngs(0))
+    scanned = DFlashDrafter(cfg, scan_layers=True, rngs=nnx.Rngs(0))
+    assert scanned.segments == (Segment(0, 1, 3), Segment(3))
+    graphdefs = {False: nnx.split(unrolled)[0], True: nnx.split(scanned)[0]}
+    params = nnx.split(unrolled)[1]  # the same parameters: the drafter stacks them in the forward pass
+    inputs = _drafter_inputs(cfg)
+
+    def loss(params, scan, policy):
+        hidden = nnx.merge(graphdefs[scan], params)(*inputs, blocks_per_chunk=2, remat_policy=policy)
+        return jnp.sum(hidden * jnp.cos(hidden)), hidden
+
+    grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=(1, 2))
+    with jax.default_matmul_precision("highest"):
+        reference = grad(params, False, None)
+        for policy in (None, *REMAT_POLICIES):
+            result = grad(params, True, policy)
+            for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(result)):
+                np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=str(policy))
