@@ -187,11 +187,12 @@ def load_target(
     compute_dtype=jnp.bfloat16,
     mesh: Mesh | None = None,
     attention: str = "auto",
-    scan_layers: bool = True,
+    scan_layers: bool = False,
 ) -> Transformer:
     """Load a Hugging Face checkpoint directory, or a GGUF file (models/gguf.py), into a
     `Transformer` (`attention`: its packed forward's attention code; `scan_layers`: its repeating
-    layers run under a scan, their weights stacked as they load)."""
+    layers run under a scan, their weights stacked as they load: training's layout; decoding
+    runs layers one by one, in the layout they load in without it)."""
     if gguf_file := gguf_source(path):
         path = model_dir(gguf_file)
     hf = read_config(path)

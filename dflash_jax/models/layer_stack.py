@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+
+from dflash_jax.models.sharding import is_stacked, param_sharding
 
 # What a rematerialized layer keeps for the backward pass (jax.checkpoint_policies): 'full' keeps
 # nothing and recomputes the layer; 'dots_saveable' keeps every matmul's output;
@@ -246,3 +249,50 @@ def _record(buffer: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
     index = jnp.maximum(slot, 0)
     current = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, x, current), index, 0)
+
+
+def moved(
+    params: dict[tuple, jax.Array],
+    paths_of: Callable[[tuple], list[tuple]],
+    wanted: dict[tuple, Any],
+    wanted_paths_of: Callable[[tuple], list[tuple]],
+) -> dict[tuple, jax.Array]:
+    """Weights of one layout -> those of another (`wanted`, abstract): each layout says by
+    `paths_of` which layers' tensors a parameter holds (`Transformer.checkpoint_paths`). A stack is
+    built from its layers, or cut into them, and the source buffers are freed at once, so the
+    devices hold at most one stack twice; a layer alone in both moves as it is. `params` are
+    consumed. On a mesh, every result lies where the sharding rules put its parameter."""
+    where = {}  # a layer's tensor -> (the parameter holding it, its slot in a stack or None)
+    for path in params:
+        for slot, layer_path in enumerate(paths_of(path)):
+            where[layer_path] = (path, slot if is_stacked(path) else None)
+    placed = next(iter(params.values())).sharding
+    mesh = placed.mesh if isinstance(placed, NamedSharding) else None
+
+    def sharding_of(path):
+        return None if mesh is None else param_sharding(mesh, path, wanted[path].shape)
+
+    out, cut = {}, {}
+    for path in wanted:
+        sources = [where[layer_path] for layer_path in wanted_paths_of(path)]
+        if is_stacked(path):
+            layers = [params[source] for source, _ in sources]
+            out[path] = jax.jit(jnp.stack, out_shardings=sharding_of(path))(layers)
+            _free(layers)
+            continue
+        ((source, slot),) = sources
+        if slot is None:
+            out[path] = params[source]
+            continue
+        if source not in cut:
+            layer_sharding = sharding_of(path)  # every slot of the stack is a parameter of one shape
+            cut[source] = jax.jit(tuple, out_shardings=layer_sharding)(params[source])
+            _free([params[source]])
+        out[path] = cut[source][slot]
+    return out
+
+
+def _free(arrays: list[jax.Array]) -> None:
+    """Give the buffers back now (the runtime waits for the computations still reading them)."""
+    for array in arrays:
+        array.delete()

@@ -1,7 +1,8 @@
 """The frozen target LM, built layer by layer from its config's per-layer spec, in Flax NNX.
 
 Every layer is a `layers.DecoderBlock`: a token mixer chosen by `cfg.layer_types[i]` and an MLP.
-Two entry points:
+With `scan_layers`, each run of a repeating layer pattern runs under one scan over its layers'
+stacked weights (models/layer_stack.py; docs/design.md §8). Two entry points:
   * `__call__` runs packed rows (tokens, segment_ids, positions); no mixer ever crosses a
     document, it returns the requested layers' hidden states and can stop after the last of
     them (DFlash training only needs the context features, not the logits).
@@ -141,7 +142,7 @@ class Transformer(nnx.Module):
         stacked weights (models/layer_stack.py); `layers[k]` is then segment k (`segments[k]`):
         one layer, or a `LayerStack`. Otherwise `layers[i]` is layer i."""
         self.cfg = cfg
-        self.compute_dtype = compute_dtype
+        self.param_dtype, self.compute_dtype, self.attention = param_dtype, compute_dtype, attention
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs
         )
@@ -227,6 +228,30 @@ class Transformer(nnx.Module):
             return [("layers", segment.start, *path[2:])]
         position = int(path[3])  # layers.{k}.stacked.{position}.…
         return [("layers", segment.layer(g, position), *path[4:]) for g in range(segment.repeats)]
+
+    def relayout(self, *, scan_layers: bool) -> Transformer:
+        """This model with its layers scanned or not (`scan_layers`), its weights moved to the other
+        layout. It takes this model's weights: each buffer is given up once moved, so the devices
+        hold at most one stack more than the model (decoding runs its layers one by one, and
+        slicing every layer's weights out of a stack each step would copy them all)."""
+        other = nnx.eval_shape(
+            lambda: Transformer(
+                self.cfg,
+                param_dtype=self.param_dtype,
+                compute_dtype=self.compute_dtype,
+                attention=self.attention,
+                scan_layers=scan_layers,
+                rngs=nnx.Rngs(0),
+            )
+        )
+        graphdef, abstract = nnx.split(other)
+        moved = layer_stack.moved(
+            _flat_params(nnx.state(self)), self.checkpoint_paths, _flat_params(abstract), other.checkpoint_paths
+        )
+        pure = nnx.to_pure_dict(abstract)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(pure)
+        nnx.replace_by_pure_dict(abstract, jax.tree.unflatten(treedef, [moved[_keys(p)] for p, _ in paths]))
+        return nnx.merge(graphdef, abstract)
 
     def __call__(
         self,
@@ -314,3 +339,12 @@ class Transformer(nnx.Module):
                 tables[key] = rotary(positions, own.rope, own.head_dim, num_positions=num_positions)
             by_type[layer_type] = tables[key]
         return by_type
+
+
+def _keys(path) -> tuple:
+    """A pytree key path of a pure parameter dict -> ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def _flat_params(state: nnx.State) -> dict[tuple, jax.Array]:
+    return {_keys(p): x for p, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state))}

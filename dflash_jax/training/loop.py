@@ -230,8 +230,16 @@ class TrainingRun:
             )
 
     def _evaluate(self) -> None:
-        """Acceptance by speculative decoding; a new best tau is kept and exported."""
-        self.eval_metrics = self.evaluate(self.target, nnx.merge(self.drafter_graphdef, self.served_params))
+        """Acceptance by speculative decoding; a new best tau is kept and exported. Decoding runs
+        the target's layers one by one: scanned layers are unstacked for it and stacked again."""
+        scanned = self.setup.run.scan_layers
+        target = self.target.relayout(scan_layers=False) if scanned else self.target
+        try:
+            self.eval_metrics = self.evaluate(target, nnx.merge(self.drafter_graphdef, self.served_params))
+        finally:
+            if scanned:
+                self.target = target.relayout(scan_layers=True)
+                self.target_params = nnx.state(self.target)
         self.monitor.write(self.eval_metrics, step=self.step, epoch=self.epoch, kind="eval")
         tau = self.eval_metrics["tau"]
         if np.isfinite(tau) and (self.best_tau is None or tau > self.best_tau):

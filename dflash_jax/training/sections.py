@@ -131,7 +131,7 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
     # Run the target's and the drafter's layers under a scan over their stacked weights, one per
     # run of a repeating layer pattern (models/layer_stack.py): compile time grows with the
     # pattern's period, not the depth. False: every layer in the program.
-    scan_layers: bool = False
+    scan_layers: bool = True
     # Stop after this many consecutive skipped (non-finite) updates.
     max_nonfinite_streak: int = 20
     # >= 0: every drafter layer starts as a copy of this target layer, and the final norm as the

@@ -18,7 +18,7 @@ from dflash_jax.models.architecture import DrafterConfig, RopeConfig
 from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_target
-from dflash_jax.models.layer_stack import REMAT_POLICIES, Segment, segments
+from dflash_jax.models.layer_stack import REMAT_POLICIES, LayerStack, Segment, segments
 from dflash_jax.training import warm_start
 
 SEQ = 24
@@ -60,9 +60,34 @@ def hybrid_checkpoint(make_hf_checkpoint, tmp_path_factory):
     return make_hf_checkpoint(tmp_path_factory.mktemp("hybrid"), arch="qwen3_5_text", num_hidden_layers=10)
 
 
-@pytest.fixture(scope="module", params=["plain", "hybrid"])
-def targets(request, qwen3_checkpoint, hybrid_checkpoint):
-    path = {"plain": qwen3_checkpoint, "hybrid": hybrid_checkpoint}[request.param]
+# name -> (checkpoint arch, layers, the segments, the layer ids of a forward that stops inside a
+# scanned segment, the most dot_generals the scanned forward may hold against the unrolled one's).
+CASES = {
+    "plain": ("qwen3", 4, (Segment(0, 1, 4),), (0, 2), 0.3),
+    "hybrid": ("qwen3_5_text", 10, (Segment(0, 4, 2), Segment(8, 1, 2)), (1, 5, 6), 0.55),
+    # gpt-oss: sliding and full attention alternating, experts everywhere
+    "alternating": ("gpt_oss", 4, (Segment(0, 2, 2),), (0, 2), 0.6),
+    # DeepSeek-V3: the first layer dense, the rest experts
+    "dense_first": ("deepseek_v3", 5, (Segment(0), Segment(1, 1, 4)), (1, 3), 0.55),
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "plain",
+        "hybrid",
+        *(pytest.param(name, marks=pytest.mark.slow) for name in ("alternating", "dense_first")),
+    ],
+)
+def targets(request, qwen3_checkpoint, hybrid_checkpoint, make_hf_checkpoint, tmp_path_factory):
+    arch, layers, *_ = CASES[request.param]
+    if request.param == "plain":
+        path = qwen3_checkpoint
+    elif request.param == "hybrid":
+        path = hybrid_checkpoint
+    else:
+        path = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), arch=arch, num_hidden_layers=layers)
     kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
     return request.param, load_target(path, scan_layers=False, **kw), load_target(path, scan_layers=True, **kw)
 
@@ -82,13 +107,11 @@ def _jit(model, fn):
 
 def test_scanned_target_equals_unrolled(targets):
     name, unrolled, scanned = targets
-    num_layers = unrolled.cfg.num_layers
-    expected_segments = {"plain": (Segment(0, 1, 4),), "hybrid": (Segment(0, 4, 2), Segment(8, 1, 2))}[name]
+    _, num_layers, expected_segments, partial, most_dots = CASES[name]
     assert scanned.segments == expected_segments
-    assert scanned.layers[0].stacked[0].input_layernorm.weight[...].shape == (expected_segments[0].repeats, 64)
+    stack = next(layer for layer in scanned.layers if isinstance(layer, LayerStack))
+    assert stack.stacked[0].input_layernorm.weight[...].shape == (stack.segment.repeats, 64)
     rows = _rows()
-    # Layer ids read by a forward that stops after the middle of a scanned segment's last period.
-    partial = {"plain": (0, 2), "hybrid": (1, 5, 6)}[name]
 
     def forward(model, *rows):
         return model(*rows, hidden_layers=tuple(range(num_layers)))
@@ -122,9 +145,26 @@ def test_scanned_target_equals_unrolled(targets):
     warm = [warm_start.from_target_layer(params, warm_start.target_layer_params(m, 3), 3) for m in (unrolled, scanned)]
     for a, b in zip(jax.tree.leaves(warm[0]), jax.tree.leaves(warm[1])):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-    # The scanned program holds one period of each scanned segment: plain 1 layer of 4, hybrid 5 of 10.
+    # The scanned program holds one period of each scanned segment (plain: 1 layer of 4; hybrid: 5 of 10).
     dots = [program.count("dot_general") for program in programs]
-    assert dots[1] <= {"plain": 0.3, "hybrid": 0.55}[name] * dots[0], dots
+    assert dots[1] <= most_dots * dots[0], dots
+
+
+def test_relayout_moves_the_weights_between_layouts(hybrid_checkpoint):
+    kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    unrolled = load_target(hybrid_checkpoint, scan_layers=False, **kw)
+    scanned = load_target(hybrid_checkpoint, scan_layers=True, **kw)
+    before = scanned.layers[0].stacked[1].mlp.up_proj.kernel[...]
+    relaid = scanned.relayout(scan_layers=False)
+    assert before.is_deleted()  # the stacked weights were given up, not copied
+    assert relaid.segments == unrolled.segments
+    for a, b in zip(jax.tree.leaves(nnx.state(unrolled)), jax.tree.leaves(nnx.state(relaid))):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    again = relaid.relayout(scan_layers=True)
+    assert again.segments == (Segment(0, 4, 2), Segment(8, 1, 2))
+    for i in range(unrolled.cfg.num_layers):
+        for a, b in zip(jax.tree.leaves(nnx.state(unrolled.layers[i])), jax.tree.leaves(nnx.state(again.layer(i)))):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def _drafter_inputs(cfg: DrafterConfig, blocks=3, block_size=4):
