@@ -6,6 +6,9 @@ each remat policy."""
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +23,7 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.layer_stack import REMAT_POLICIES, LayerStack, Segment, segments
 from dflash_jax.training import warm_start
+from support.simulated_devices import run_script
 
 SEQ = 24
 
@@ -215,3 +219,54 @@ def test_scanned_drafter_equals_unrolled_under_every_remat_policy():
             result = grad(params, True, policy)
             for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(result)):
                 np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=str(policy))
+
+
+SHARDED = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from dflash_jax.models import sharding
+    from dflash_jax.models.hf import load_target
+    from dflash_jax.training.mesh import make_mesh
+
+    kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    plain = load_target(path, **kw)
+    mesh = make_mesh(1, 4, 2)  # experts over fsdp x tensor: each device runs its own, inside the scan
+    scanned = load_target(path, mesh=mesh, scan_layers=True, **kw)
+    experts = scanned.layers[1].stacked[0].mlp.experts.gate_proj[...]
+    assert experts.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "tensor"), None, None), experts.sharding
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (4, 24)))
+    rows = (tokens, jnp.ones_like(tokens), jnp.broadcast_to(jnp.arange(24), tokens.shape))
+
+    def run(model, mesh=None):
+        def forward(*rows):
+            logits, hidden = model(*rows, hidden_layers=(0, 2, 4))
+            return logits, *hidden
+        if mesh is None:
+            return jax.jit(forward)(*rows)
+        with sharding.activation_sharding(mesh):
+            return jax.jit(forward)(*rows)
+
+    with jax.default_matmul_precision("highest"):
+        expected = run(plain)
+        for a, b in zip(expected, run(scanned, mesh)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=2e-5)
+        relaid = scanned.relayout(scan_layers=False)  # still placed by the rules, layer by layer
+        kernel = relaid.layers[2].mlp.experts.gate_proj[...]
+        assert kernel.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "tensor"), None, None), kernel.sharding
+        for a, b in zip(expected, run(relaid, mesh)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=2e-5)
+    print("OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_scanned_experts_on_a_mesh_equal_one_device(make_hf_checkpoint, tmp_path):
+    """A DeepSeek-V3 target loaded stacked onto 8 simulated devices (experts split, so each
+    scanned layer runs them expert-parallel) computes what one device does unrolled, and relayout
+    keeps every weight where the sharding rules put it."""
+    path = make_hf_checkpoint(tmp_path / "ckpt", arch="deepseek_v3", num_hidden_layers=5)
+    code = f"path = {str(path)!r}\n" + SHARDED
+    result = run_script(code, devices=8, import_dir=str(Path(__file__).resolve().parents[2]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK" in result.stdout

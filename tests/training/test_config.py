@@ -110,6 +110,11 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"train.ema_decay": 1.0}, 1, r"train.ema_decay=1.0 must be in \[0, 1\)"),
         ({"train.num_epochs": "six"}, 1, "train.num_epochs='six' must be an integer"),
         ({"train.remat": 1}, 1, "train.remat=1 must be True or False"),
+        (
+            {"train.remat_policy": "minimal"},
+            1,
+            "^train.remat_policy='minimal' is not one of full, dots_saveable, dots_with_no_batch_dims_saveable$",
+        ),
         ({"train.max_steps": True}, 1, "train.max_steps=True must be an integer"),
         ({"drafter.target_layer_ids": (0, "1")}, 1, r"drafter.target_layer_ids=\(0, '1'\) must be a tuple of integers"),
         # Drafter kinds: a bad value, a bad size, a bad combination.
