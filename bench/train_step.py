@@ -4,6 +4,7 @@
     python bench/train_step.py --configs=small --steps=10
     python bench/train_step.py --attention=xla      # force an attention implementation
     python bench/train_step.py --optimizers=adamw,muon   # each config once per optimizer
+    python bench/train_step.py --configs=default:dflash,default:dflash2,default:dspark   # per drafter kind
 
 Each config runs the real jitted train step (frozen target forward, drafter forward/backward,
 AdamW) on random weights and synthetic packed batches of the config's shapes, after one
@@ -74,12 +75,16 @@ def small_config():
 def setups(names: list[str]) -> dict[str, TrainSetup]:
     out = {}
     for name in names:
-        if name == "default":
-            out[name] = resolve(load_config_file(DEFAULT_CONFIG), num_devices=jax.device_count())
+        if name.partition(":")[0] == "default":  # `default:KIND`: the default with that drafter kind
+            config = load_config_file(DEFAULT_CONFIG)
+            if kind := name.partition(":")[2]:
+                config.drafter.kind = kind
+                config.train.loss = "dflash" if kind == "dspark" else config.train.loss  # DSpark's own weights
+            out[name] = resolve(config, num_devices=jax.device_count())
         elif name == "small":
             out[name] = resolve(small_config(), num_devices=jax.device_count(), target=SMALL_TARGET, check_files=False)
         else:
-            raise SystemExit(f"unknown config {name!r} (default, small)")
+            raise SystemExit(f"unknown config {name!r} (default, default:KIND, small)")
     return out
 
 
