@@ -184,7 +184,10 @@ def _drafter_inputs(cfg: DrafterConfig, blocks=3, block_size=4):
     )
 
 
-def test_scanned_drafter_equals_unrolled_under_every_remat_policy():
+@pytest.fixture(scope="module", params=["dflash", pytest.param("dflash2", marks=pytest.mark.slow)])
+def drafters(request):
+    """Unrolled and scanned drafters of one kind (DFlash2: convolutions around every sublayer)
+    over the same parameters, and the unrolled one's output and gradients."""
     # Three sliding layers then a full one: a scan over the three, the full layer alone.
     cfg = DrafterConfig(
         hidden_size=64,
@@ -200,6 +203,9 @@ def test_scanned_drafter_equals_unrolled_under_every_remat_policy():
         mask_token_id=127,
         layer_types=("sliding_attention",) * 3 + ("full_attention",),
         sliding_window=8,
+        kind=request.param,
+        selector_rank=8,
+        selector_top_k=4,
     )
     unrolled = DFlashDrafter(cfg, rngs=nnx.Rngs(0))
     scanned = DFlashDrafter(cfg, scan_layers=True, rngs=nnx.Rngs(0))
@@ -214,11 +220,18 @@ def test_scanned_drafter_equals_unrolled_under_every_remat_policy():
 
     grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=(1, 2))
     with jax.default_matmul_precision("highest"):
-        reference = grad(params, False, None)
-        for policy in (None, *REMAT_POLICIES):
-            result = grad(params, True, policy)
-            for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(result)):
-                np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=str(policy))
+        return grad, params, grad(params, False, None)
+
+
+@pytest.mark.parametrize(
+    "policy", [None, "full", *(pytest.param(p, marks=pytest.mark.slow) for p in REMAT_POLICIES if p != "full")]
+)
+def test_scanned_drafter_equals_unrolled_under_every_remat_policy(drafters, policy):
+    grad, params, reference = drafters
+    with jax.default_matmul_precision("highest"):
+        result = grad(params, True, policy)
+    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(result)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=str(policy))
 
 
 SHARDED = textwrap.dedent(
