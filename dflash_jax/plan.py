@@ -129,7 +129,8 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
     plan = plan_train_step(setup, devices=jax.devices()[:n], hlo_path=f.hlo_output)
     _, fsdp, tensor = setup.mesh_shape
     hbm = f.hbm_gb * GIB
-    print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, remat=setup.objective.remat))
+    remat = dict(remat=setup.objective.remat, remat_policy=setup.objective.remat_policy)
+    print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, **remat))
     hw = hardware(f.hardware, devices=n if on_cpu else 1)
     print(format_speed(plan, hw, epoch_tokens=f.epoch_tokens))
     if plan.fits(hbm):

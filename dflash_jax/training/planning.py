@@ -248,7 +248,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:8.2f} GB"
 
 
-def verdict(plan: Plan, hbm_bytes: float, *, fsdp: int, tensor: int, remat: bool) -> str:
+def verdict(plan: Plan, hbm_bytes: float, *, fsdp: int, tensor: int, remat: bool, remat_policy: str = "full") -> str:
     """'fits: …' or 'DOES NOT FIT: … try …' with what would reduce the peak."""
     usable = USABLE_FRACTION * hbm_bytes
     if plan.fits(hbm_bytes):
@@ -261,11 +261,15 @@ def verdict(plan: Plan, hbm_bytes: float, *, fsdp: int, tensor: int, remat: bool
     tips.append("fewer rows per device (--config.train.grad_accum_steps=2 keeps the global batch)")
     if not remat:
         tips.append("--config.train.remat=True")
+    elif remat_policy != "full":
+        tips.append("--config.train.remat_policy=full")
     tips.append("smaller train.lm_head_chunk_blocks / train.attention_chunk_blocks")
     return f"DOES NOT FIT: {plan.peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable per device; try " + "; ".join(tips)
 
 
-def format_plan(plan: Plan, hbm_bytes: float, *, title: str, fsdp: int, tensor: int, remat: bool) -> str:
+def format_plan(
+    plan: Plan, hbm_bytes: float, *, title: str, fsdp: int, tensor: int, remat: bool, remat_policy: str = "full"
+) -> str:
     b = plan.bytes_per_device
     usable = USABLE_FRACTION * hbm_bytes
     lines = [
@@ -282,7 +286,7 @@ def format_plan(plan: Plan, hbm_bytes: float, *, title: str, fsdp: int, tensor: 
         f"    temporaries              {_gib(plan.temporaries)}",
         f"    total                    {_gib(plan.peak)}  of {usable / GIB:.1f} GiB usable"
         f" ({USABLE_FRACTION:.0%} of --hbm_gb={hbm_bytes / GIB:g})",
-        f"  {verdict(plan, hbm_bytes, fsdp=fsdp, tensor=tensor, remat=remat)}",
+        f"  {verdict(plan, hbm_bytes, fsdp=fsdp, tensor=tensor, remat=remat, remat_policy=remat_policy)}",
         f"  model FLOPs per step {plan.model_flops / 1e12:,.1f} TFLOP"
         f" (+ {plan.remat_flops / 1e12:,.1f} TFLOP recomputed in the backward pass)",
         f"  tokens per step {plan.tokens:,} ({plan.rows} x {plan.seq_len}); drafter block tokens {plan.block_tokens:,}"

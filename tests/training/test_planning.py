@@ -111,6 +111,9 @@ def test_verdict_says_what_to_try():
     for tip in (":fsdp", "mesh.tensor", "grad_accum_steps", "remat=True"):
         assert tip in text, tip
     assert planning.verdict(plan, 141 * planning.GIB, fsdp=1, tensor=1, remat=True).startswith("fits: 90.0 GiB")
+    # Rematerialized layers that keep their matmuls' outputs: recomputing everything is the tip.
+    keeping = planning.verdict(plan, 80 * planning.GIB, fsdp=1, tensor=1, remat=True, remat_policy="dots_saveable")
+    assert "remat_policy=full" in keeping and "remat=True" not in keeping
 
 
 def test_a_target_too_big_for_one_host_names_the_fewest_hosts_that_fit():
