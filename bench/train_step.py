@@ -36,7 +36,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from anchor_study import apply_variant  # bench/anchor_study.py
 from flax import nnx
+from kinds_study import KINDS  # bench/kinds_study.py
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention
@@ -77,9 +79,8 @@ def setups(names: list[str]) -> dict[str, TrainSetup]:
     for name in names:
         if name.partition(":")[0] == "default":  # `default:KIND`: the default with that drafter kind
             config = load_config_file(DEFAULT_CONFIG)
-            if kind := name.partition(":")[2]:
-                config.drafter.kind = kind
-                config.train.loss = "dflash" if kind == "dspark" else config.train.loss  # DSpark's own weights
+            if kind := name.partition(":")[2]:  # the kind as the kinds study trains it
+                apply_variant(config, KINDS[kind])
             out[name] = resolve(config, num_devices=jax.device_count())
         elif name == "small":
             out[name] = resolve(small_config(), num_devices=jax.device_count(), target=SMALL_TARGET, check_files=False)

@@ -33,6 +33,7 @@ from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.errors import UserError
+from dflash_jax.simulated_devices import plan_xla_flags
 from dflash_jax.training.roofline import HARDWARE_NAMES
 
 RENAMED_FLAGS = {"hlo_out": "hlo_output"}
@@ -69,29 +70,15 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 _SIMULATED = "DFLASH_PLAN_SIMULATED_DEVICES"
-# XLA:CPU's default scheduler orders for concurrency and ignores memory; a GPU's scheduler keeps
-# memory in mind. The memory-minimizing one gives the closer plan (about half the temporaries).
-# XLA:CPU computes bf16 matmuls in f32, and loop-invariant code motion then hoists the f32
-# conversion of a scanned segment's whole stack of frozen weights out of its loop (twice the
-# target's bytes resident), which a GPU's bf16 matmuls never ask for: without the pass each
-# period converts its own weights, as each layer does unrolled.
-_CPU_FLAGS = (
-    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-    "--xla_disable_hlo_passes=while-loop-invariant-code-motion",
-)
 
 
 def _rerun_on_simulated_devices(n: int) -> None:
     """Execute this command again on n simulated CPU devices (XLA reads its flags at start-up)."""
     if os.environ.get(_SIMULATED):
         raise UserError(f"could not simulate {n} CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
-    xla_flags = [
-        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    xla_flags += [f for f in _CPU_FLAGS if f.split("=")[0] not in " ".join(xla_flags)]
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{_SIMULATED: str(n)})
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA:CPU's "slow compile" alarms and partitioner notes
-    env["XLA_FLAGS"] = " ".join([*xla_flags, f"--xla_force_host_platform_device_count={n}"])
+    env["XLA_FLAGS"] = plan_xla_flags(n, os.environ.get("XLA_FLAGS", ""))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "dflash_jax.plan", *sys.argv[1:]], env)
