@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.decoding.sampling import SamplingConfig, choose
-from dflash_jax.models.heads.dflash2 import unary_logits
+from dflash_jax.models.heads.dflash2 import top_k, unary_logits
 
 
 def _walk(step, first, xs, key: jax.Array):
@@ -35,7 +35,7 @@ def selector_walk(target, drafter, hidden: jax.Array, anchor: jax.Array, samplin
     d, selector = drafter.cfg, drafter.candidate_selector
     h = hidden[:, 1:]
     unary = unary_logits(target.unembed(h).astype(jnp.float32), d.output_multiplier, d.final_logit_softcapping)
-    values, candidates = jax.lax.top_k(unary, d.selector_top_k)
+    values, candidates = top_k(unary, d.selector_top_k)
 
     def step(previous, xs):
         h_t, values_t, candidates_t, key_t = xs

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dflash_jax.models.chunking import scan_block_chunks
+from dflash_jax.models.heads.dflash2 import top_k
 from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, active_mesh, constrain_spec, per_device
 
 
@@ -43,15 +44,15 @@ def vocab_parallel_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Arra
     top-k of the gathered n·k (XLA's partitioner would gather the logits for a sharded top-k)."""
     spec = activation_spec(logits.shape, (BATCH, ..., VOCAB))
     if spec is None or spec[-1] is None:
-        return jax.lax.top_k(logits, k)
+        return top_k(logits, k)
     axes = spec[-1]
 
     def per_shard(shard):  # this device's [..., V / n]
-        values, ids = jax.lax.top_k(shard, k)
+        values, ids = top_k(shard, k)
         ids = ids + shard.shape[-1] * jax.lax.axis_index(axes)
         values = jax.lax.all_gather(values, axes, axis=values.ndim - 1, tiled=True)
         ids = jax.lax.all_gather(ids, axes, axis=ids.ndim - 1, tiled=True)
-        values, best = jax.lax.top_k(values, k)
+        values, best = top_k(values, k)
         return values, jnp.take_along_axis(ids, best, axis=-1)
 
     mesh, out = active_mesh(), PartitionSpec(*spec[:-1], None)

@@ -124,6 +124,14 @@ def successor_scores(context: jax.Array, successors: jax.Array) -> jax.Array:
     return jnp.einsum("...r,vr->...v", context, successors.astype(context.dtype), preferred_element_type=jnp.float32)
 
 
+def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` over the last axis of logits [..., V], taken over rows [-1, V]: XLA:CPU turns
+    the top-k sort into its TopK kernel only for some shapes, and the training step's [R, N, Bk, V]
+    became a full sort of every row (4.9 DFlash steps a step instead of 1.4)."""
+    values, ids = jax.lax.top_k(logits.reshape(-1, logits.shape[-1]), k)
+    return values.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
+
+
 def unary_logits(logits: jax.Array, output_multiplier: float, softcap: float) -> jax.Array:
     """The LM head's logits as the selector reads them: scaled, then soft-capped (0 = no cap)."""
     logits = logits * output_multiplier if output_multiplier != 1.0 else logits
