@@ -5,7 +5,7 @@
     python bench/anchor_study.py --study=recipe --seeds=0 --max_new_tokens=64   # §3.6, then Muon
     python bench/anchor_study.py --variants=anchor_scheme=document,anchor_scheme=row --seeds=0 --num_epochs=1
 
-A variant is a set of overrides of `configs/default.py`, `key=value` joined by `+`
+A variant is a set of overrides of `configs/default.py` (or of `--config`), `key=value` joined by `+`
 (`loss=dpace+dpace_alpha=0.8`; a bare key is a `train.` field, others name their section:
 `data.docs_per_row=1`); `--study` names a prepared list of them and the base they were measured
 on (`STUDY_BASES`: the settings of the default run at the time, applied before each variant, so
@@ -33,6 +33,7 @@ import numpy as np
 from dflash_jax.decoding.acceptance import measure_acceptance
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.models.hf import load_drafter, load_target
+from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.loop import train
 from dflash_jax.training.run_config import load_config_file, resolve
 
@@ -73,12 +74,12 @@ STUDIES = {
     ),
 }
 
-# What each study was measured on, before its variants: the default run of the time (AdamW at
-# 3e-3; the anchor study also with the paper's loss).
+# What each study was measured on, before its variants: the default run of the time (a DFlash
+# drafter, AdamW at 3e-3; the anchor study also with the paper's loss).
 STUDY_BASES = {
-    "anchors": "optimizer=adamw+learning_rate=0.003+loss=dflash",
-    "objective": "optimizer=adamw+learning_rate=0.003",
-    "recipe": "optimizer=adamw+learning_rate=0.003",
+    "anchors": "drafter.kind=dflash+optimizer=adamw+learning_rate=0.003+loss=dflash",
+    "objective": "drafter.kind=dflash+optimizer=adamw+learning_rate=0.003",
+    "recipe": "drafter.kind=dflash+optimizer=adamw+learning_rate=0.003",
 }
 
 
@@ -104,9 +105,19 @@ def apply_variant(config, variant: str) -> None:
         section[field] = value
 
 
+def study_target(args):
+    """(the study's config, its target in fp32, its chat tokenizer, the first --num_prompts
+    bundled held-out prompts)."""
+    config = load_config_file(args.config)
+    model = str(resolve_model(config.target.path))
+    target = load_target(model, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    chat = ChatTokenizer(model)
+    return config, target, chat, load_prompts("heldout_prompts", chat, limit=args.num_prompts)[1]
+
+
 def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     """(export directory, training seconds, steps) of one run."""
-    config = load_config_file(DEFAULT_CONFIG)
+    config = load_config_file(args.config)
     config.workdir = os.path.join(args.root, f"{variant.replace('=', '-').replace('+', '_')}_s{seed}")
     config.seed = config.data.seed = seed
     config.train.max_steps = args.max_steps
@@ -125,6 +136,7 @@ def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", choices=sorted(STUDIES), default="", help="a prepared list, on its base")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="the config file the variants change")
     parser.add_argument("--variants", default="", help="comma-separated variants; default: the study's")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--max_new_tokens", default="64,256")
@@ -142,10 +154,7 @@ def main() -> None:
     lengths = [int(n) for n in args.max_new_tokens.split(",")]
     args.root = args.root or os.path.join("runs", f"{args.study or 'variants'}_study")
 
-    config = load_config_file(DEFAULT_CONFIG)
-    target = load_target(config.target.path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
-    chat = ChatTokenizer(config.target.path)
-    _, prompts = load_prompts("heldout_prompts", chat, limit=args.num_prompts)
+    config, target, chat, prompts = study_target(args)
 
     rows = []
     for seed in seeds:  # a seed of every variant first: a study cut short still compares them

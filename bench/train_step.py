@@ -4,7 +4,7 @@
     python bench/train_step.py --configs=small --steps=10
     python bench/train_step.py --attention=xla      # force an attention implementation
     python bench/train_step.py --optimizers=adamw,muon   # each config once per optimizer
-    python bench/train_step.py --configs=default:dflash,default:dflash2,default:dspark   # per drafter kind
+    python bench/train_step.py --configs=default:dflash,default:dflash2,default:dspark --interleave --steps=8
 
 Each config runs the real jitted train step (frozen target forward, drafter forward/backward,
 AdamW) on random weights and synthetic packed batches of the config's shapes, after one
@@ -246,12 +246,33 @@ def bench(
     }
 
 
+def interleaved(chosen: dict[str, TrainSetup], rounds: int) -> None:
+    """Every config's step compiled first, then timed one step each per round, in turn: on a
+    shared machine all see the same disturbances, so their ratios hold while the rates vary.
+    Prints each one's fastest and median step and both against the first config's."""
+    compiled = {name: compile_step(setup, 2) for name, setup in chosen.items()}
+    times = {name: [] for name in compiled}
+    for r in range(rounds):
+        for name, step in compiled.items():
+            start = time.perf_counter()
+            step(step.batches[r % 2])
+            times[name].append(time.perf_counter() - start)
+    first = next(iter(times.values()))
+    print(f"interleaved, {rounds} rounds: {'fastest ms':>10s} {'median ms':>10s} {'÷ first':>8s} {'÷ first':>8s}")
+    for name, t in times.items():
+        print(
+            f"{name:24s} {1e3 * min(t):10.1f} {1e3 * np.median(t):10.1f} "
+            f"{min(t) / min(first):8.2f} {np.median(t) / np.median(first):8.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="default,small")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config (after one compiling step)")
     parser.add_argument("--attention", default="auto", choices=attention.IMPLEMENTATIONS)
     parser.add_argument("--optimizers", default="", help="comma-separated (adamw, muon); default: the config's")
+    parser.add_argument("--interleave", action="store_true", help="time the configs' steps in turn, side by side")
     args = parser.parse_args()
     chosen = {name: with_attention(setup, args.attention) for name, setup in setups(args.configs.split(",")).items()}
     if args.optimizers:
@@ -266,6 +287,8 @@ def main() -> None:
     device = jax.devices()[0]
     resolved = attention.resolve_implementation(args.attention)
     print(f"devices: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}); attention: {resolved}")
+    if args.interleave:
+        return interleaved(chosen, args.steps)
     peaks = {}
     for name, setup in chosen.items():
         dtype = jnp.dtype(setup.compute_dtype)

@@ -55,8 +55,8 @@ def latest_checkpoint(workdir: Path) -> int | None:
 
 # The fields that train each drafter kind (docs/design.md §12); DSpark weights its own slots.
 KINDS = {
-    "dflash": {},
-    "dflash2": {"drafter.kind": "dflash2"},
+    "dflash": {"drafter.kind": "dflash"},
+    "dflash2": {},  # the default's
     "dspark": {"drafter.kind": "dspark", "train.loss": "dflash"},
 }
 
@@ -319,6 +319,6 @@ def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, t
     outcome = train(resolve(config, num_devices=1))
     assert (outcome.finished, outcome.already_finished, outcome.step) == (True, False, 3)
     assert sorted(train_metrics(workdir)) == [1, 2, 3]
-    assert json.loads((workdir / "export" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert json.loads((workdir / "export" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     again = train(resolve(config, num_devices=1))
     assert (again.finished, again.already_finished, again.step) == (True, True, 3)
