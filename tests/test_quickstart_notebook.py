@@ -104,7 +104,7 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path):
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, MAX_STEPS + 1))
     export = json.loads((workdir / "export" / "config.json").read_text())
-    assert export["architectures"] == ["DFlashDraftModel"]
+    assert export["architectures"] == ["DFlash2DraftModel"]  # the default kind
     assert f"step {MAX_STEPS}: loss" in text
 
     # τ printed, within 1..B; the figures drawn (training curves, acceptance plots).
