@@ -175,7 +175,7 @@ KIND_TENSORS = {
 }
 
 
-@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash2", pytest.param("dspark", marks=pytest.mark.slow)])
 def test_export_in_the_engines_layout_loads_back_and_decodes_the_same(target, kind, tmp_path):
     drafter = trained_like(make_drafter(target, kind))
     cfg = drafter.cfg

@@ -80,8 +80,7 @@ CASES = {
     scope="module",
     params=[
         "plain",
-        "hybrid",
-        *(pytest.param(name, marks=pytest.mark.slow) for name in ("alternating", "dense_first")),
+        *(pytest.param(name, marks=pytest.mark.slow) for name in ("hybrid", "alternating", "dense_first")),
     ],
 )
 def targets(request, qwen3_checkpoint, hybrid_checkpoint, make_hf_checkpoint, tmp_path_factory):

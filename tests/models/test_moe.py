@@ -326,6 +326,7 @@ EXPERT_PARALLEL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess on 8 simulated devices
 def test_expert_parallel_forward_equals_one_device():
     """Under a mesh that splits the experts, each device runs its own experts on the tokens of its
     group (8 simulated devices, fsdp and tensor layouts, every output equal to one device's)."""

@@ -19,6 +19,7 @@ from support.gguf_checkpoint import write_tiny_gguf
 STEPS = 3
 
 
+@pytest.mark.slow  # a training subprocess
 def test_the_smollm2_recipe_trains_and_exports_on_a_tiny_gguf(compilation_cache, tmp_path):
     # 8 layers, so that the recipe's 5 context layers spread over the depth as on SmolLM2's 30.
     gguf_file = write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf", layers=8)
@@ -51,6 +52,7 @@ def test_the_smollm2_recipe_trains_and_exports_on_a_tiny_gguf(compilation_cache,
 
     drafter = load_drafter(workdir / "export")
     assert drafter.cfg.mask_token_id == 16  # <empty_output>
+    assert drafter.cfg.kind == "dflash2"
     assert drafter.cfg.target_layer_ids == (1, 2, 3, 4, 5)  # 5 of the 8 layers, z-lab's spread
     assert (drafter.cfg.num_layers, drafter.cfg.num_target_layers, drafter.cfg.vocab_size) == (2, 8, 400)
 
