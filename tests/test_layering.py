@@ -1,6 +1,6 @@
 """The package's layers only point down (docs/design.md §9):
 
-    errors, bundled <- models <- data <- decoding <- training <- command-line modules
+    errors, bundled, simulated_devices <- models <- data <- decoding <- training <- command-line modules
 
 no module imports, through others, itself (no import circles, inside a package included), and
 the package imports no test framework or reference implementation (torch)."""
@@ -13,7 +13,7 @@ import pytest
 
 from support.package_imports import PACKAGE, imports, module_name
 
-LAYERS = {"errors": 0, "bundled": 0, "models": 1, "data": 2, "decoding": 3, "training": 4}
+LAYERS = {"errors": 0, "bundled": 0, "simulated_devices": 0, "models": 1, "data": 2, "decoding": 3, "training": 4}
 COMMAND_LINE = 5  # dflash_jax/<name>.py: cli, commands, train, prepare, evaluate, regenerate, export, plan, ...
 FORBIDDEN = {"torch", "pytest", "support"}
 
