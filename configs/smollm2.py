@@ -22,7 +22,7 @@ Without either, the run stops at once with the pip command to type.
   bundled held-out prompts, with `python -m dflash_jax.evaluate` (above).
 - kind and optimizer by held-out τ (bench/anchor_study.py --config=configs/smollm2.py, 57 steps,
   16 bundled held-out prompts, 64 new tokens, seed 0): DFlash2 1.65 against DFlash's 1.48 (+12 %)
-  at 1.13 times the step; Muon at 6e-3 against AdamW at 3e-3: 1.48 against 1.07.
+  at 1.13 times the step; Muon at 6e-3 1.48 against AdamW 1.07 at 3e-3 and 1.13 at 6e-4.
 - block size 8, not the paper's 16: on a CPU the target's verify is compute-bound, and a DFlash
   step costs 2.5 target decode steps at block 8 against 3.3 at 16 (bench/dflash_step.py,
   docs/design.md §11), so τ must pass 2.5 for DFlash to beat the target alone.
