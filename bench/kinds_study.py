@@ -75,7 +75,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     lengths = [int(n) for n in args.max_new_tokens.split(",")]
 
-    config, target, chat, prompts = study_target(args)
+    _, target, chat, prompts = study_target(args)
 
     rows = []
     for seed in seeds:  # a seed of every kind first: a study cut short still compares them

@@ -246,17 +246,26 @@ def bench(
     }
 
 
-def interleaved(chosen: dict[str, TrainSetup], rounds: int) -> None:
-    """Every config's step compiled first, then timed one step each per round, in turn: on a
-    shared machine all see the same disturbances, so their ratios hold while the rates vary.
-    Prints each one's fastest and median step and both against the first config's."""
-    compiled = {name: compile_step(setup, 2) for name, setup in chosen.items()}
+def time_in_turn(
+    compiled: dict[str, CompiledStep], rounds: int, after_each: Callable[[], object] = lambda: None
+) -> dict[str, list[float]]:
+    """Seconds of each compiled step, one step of each per round, in turn (`after_each` runs
+    after every step, untimed): on a shared machine all see the same disturbances, so their
+    ratios hold while the rates vary."""
     times = {name: [] for name in compiled}
     for r in range(rounds):
         for name, step in compiled.items():
             start = time.perf_counter()
-            step(step.batches[r % 2])
+            step(step.batches[r % len(step.batches)])
             times[name].append(time.perf_counter() - start)
+            after_each()
+    return times
+
+
+def interleaved(chosen: dict[str, TrainSetup], rounds: int) -> None:
+    """Every config's step compiled first, then timed in turn (`time_in_turn`). Prints each one's
+    fastest and median step and both against the first config's."""
+    times = time_in_turn({name: compile_step(setup, 2) for name, setup in chosen.items()}, rounds)
     first = next(iter(times.values()))
     print(f"interleaved, {rounds} rounds: {'fastest ms':>10s} {'median ms':>10s} {'÷ first':>8s} {'÷ first':>8s}")
     for name, t in times.items():

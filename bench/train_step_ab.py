@@ -20,7 +20,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -29,7 +28,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from train_step import MatmulPeak, compile_step  # noqa: E402
+from train_step import MatmulPeak, compile_step, time_in_turn  # noqa: E402
 
 from dflash_jax.training.flops import model_flops_per_step  # noqa: E402
 
@@ -71,13 +70,7 @@ def main() -> None:
         }
     peak = MatmulPeak(jnp.dtype(setup.compute_dtype))
     peak.measure(10)
-    times = {name: [] for name in runs}
-    for i in range(args.rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run(run.batches[i % len(run.batches)])
-            times[name].append(time.perf_counter() - start)
-            peak.measure()
+    times = time_in_turn(runs, args.rounds, after_each=peak.measure)
     peak_flops = peak.flops * jax.device_count()
     print(f"{args.rounds} rounds, {flops / 1e9:.1f} GFLOP/step, matmul peak {peak_flops / 1e9:.1f} GFLOP/s")
     for name, t in times.items():
