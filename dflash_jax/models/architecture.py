@@ -337,8 +337,27 @@ def default_target_layer_ids(num_target_layers: int, num_context_layers: int) ->
     return tuple(int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterHeads:
+    """The drafter's kind and the sizes of its heads, defaulted once for the training config's
+    drafter section and `DrafterConfig`, which both extend it."""
+
+    # docs/design.md "Drafter kinds": 'dflash'; 'dflash2' (z-lab: grouped dynamic convolutions
+    # around every sublayer and a candidate selector); 'dspark' (DeepSeek: a Markov head and a
+    # confidence head; every slot of the block drafts the token after it).
+    kind: str = "dflash"
+    # 'dflash2': per layer two grouped dynamic convolutions of K taps over groups of g channels,
+    # and a candidate selector of rank r over the top-k unary logits.
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    # 'dspark': rank of the Markov head (and the previous token's part of the confidence input).
+    markov_rank: int = 256
+
+
 @dataclasses.dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(DrafterHeads):
     """A DFlash drafter: Qwen3-style layers over target features, sharing the target's E and W."""
 
     hidden_size: int
@@ -362,20 +381,10 @@ class DrafterConfig:
     # Causal attention inside the block: None = sliding layers causal and full layers not (as in
     # SpecForge's and z-lab's drafters); True / False = every layer (config.json `is_causal`).
     is_causal: bool | None = None
-    # docs/design.md "Drafter kinds": the heads on the DFlash backbone (`DRAFTER_KINDS`).
-    kind: str = "dflash"
-    # 'dflash2': per layer two grouped dynamic convolutions of K taps over groups of g channels,
-    # and a candidate selector of rank r over the top-k unary logits; the unary logits are
-    # scaled by output_multiplier and soft-capped at final_logit_softcapping (0 = none), as
-    # z-lab's released drafters ask (training leaves both off).
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
+    # 'dflash2': the unary logits scaled by output_multiplier and soft-capped at
+    # final_logit_softcapping (0 = none), as z-lab's released drafters ask (training leaves both off).
     output_multiplier: float = 1.0
     final_logit_softcapping: float = 0.0
-    # 'dspark': rank of the Markov head (and the previous token's part of the confidence input).
-    markov_rank: int = 256
 
     LAYER_TYPES = ("full_attention", "sliding_attention")  # a class constant: no annotation, no field
 
@@ -621,14 +630,14 @@ _KIND_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftMod
 _ARCHITECTURE_KINDS = {**{a: k for k, a in _KIND_ARCHITECTURES.items()}, "DSparkDraftModel": "dspark"}
 
 
+_DEFAULT_HEADS = DrafterHeads()
+
+
 def _kind_fields(kind: str, field) -> dict[str, Any]:
     """A released drafter's head fields (`field(name, default)` reads its config.json)."""
     if kind == "dflash2":
         return dict(
-            conv_kernel_size=int(field("conv_kernel_size", 2)),
-            conv_group_size=int(field("conv_group_size", 16)),
-            selector_rank=int(field("selector_rank", 256)),
-            selector_top_k=int(field("selector_top_k", 16)),
+            **{name: int(field(name, getattr(_DEFAULT_HEADS, name))) for name in KIND_FIELDS[kind]},
             output_multiplier=float(field("output_multiplier", 1.0)),
             final_logit_softcapping=float(field("final_logit_softcapping") or 0.0),
         )
@@ -641,5 +650,5 @@ def _kind_fields(kind: str, field) -> dict[str, Any]:
                 raise ValueError(f"DSpark drafter with {name}={field(name)!r}: only {name}={value!r} is supported")
         if int(field("draft_vocab_size") or field("vocab_size")) != int(field("vocab_size")):
             raise ValueError("DSpark drafters with a reduced draft vocabulary (draft_vocab_size) are not supported")
-        return dict(markov_rank=int(field("markov_rank", 256)))
+        return {name: int(field(name, getattr(_DEFAULT_HEADS, name))) for name in KIND_FIELDS[kind]}
     return {}

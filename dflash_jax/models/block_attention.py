@@ -86,7 +86,7 @@ def block_attention(
 
         start, end = fused_block.context_spans(ctx_mask)
         return attention.per_shard(
-            fused_block.block_attention,
+            fused_block.block_attention_in_spans,
             (q, k_ctx, v_ctx, k_blk, v_blk, start, end),
             (
                 attention.HEADS_SPEC,

@@ -37,7 +37,7 @@ def describe_config(config: ml_collections.ConfigDict) -> str:
     values = field_values(config)
     legend = (
         "# Every field of the config. `(default: X)` marks a field that the config file, its variants\n"
-        "# or the command line set away from its default in training/sections.py (data/settings.py)."
+        "# or the command line set away from its default (training/sections.py and the classes it extends)."
     )
     blocks = [legend, _describe_section("", TopLevelSettings, values)]
     for name, cls in SECTIONS.items():

@@ -65,7 +65,8 @@ from dflash_jax.training.workdir import Workdir
 FIELDS_DOCUMENTED = (
     "every field, its default and its meaning are documented in the section dataclasses of "
     "dflash_jax/training/sections.py (train: also ObjectiveSettings in dflash_jax/training/objective.py "
-    "and OptimizerConfig in dflash_jax/training/optimizer.py; data: DataConfig in dflash_jax/data/settings.py)"
+    "and OptimizerConfig in dflash_jax/training/optimizer.py; drafter: also DrafterHeads in "
+    "dflash_jax/models/architecture.py; data: DataConfig in dflash_jax/data/settings.py)"
 )
 
 

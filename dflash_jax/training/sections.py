@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_jax.data.settings import DataConfig
-from dflash_jax.models.architecture import DRAFTER_KINDS, DTYPES
+from dflash_jax.models.architecture import DRAFTER_KINDS, DTYPES, DrafterHeads
 from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from dflash_jax.models.layer_stack import REMAT_POLICIES
 from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES, ObjectiveSettings
@@ -55,8 +55,9 @@ class TargetSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class DrafterSettings:
-    """The drafter's shape; everything else about it follows the target (docs/design.md §2)."""
+class DrafterSettings(DrafterHeads):
+    """The drafter's kind and shape (its heads' fields: models/architecture.py's DrafterHeads);
+    everything else about it follows the target (docs/design.md §2)."""
 
     num_layers: int = 5
     # Tokens per block: the anchor and the positions drafted after it.
@@ -79,18 +80,6 @@ class DrafterSettings:
     layer_types: tuple[str, ...] = ()
     # Context positions a sliding layer's query sees, its own included (released drafters: 2048).
     sliding_window: int = 0
-    # docs/design.md "Drafter kinds": 'dflash'; 'dflash2' (z-lab: grouped dynamic convolutions
-    # around every sublayer and a candidate selector); 'dspark' (DeepSeek: a Markov head and a
-    # confidence head; every slot of the block drafts the token after it).
-    kind: str = "dflash"
-    # 'dflash2': taps and channels per group of the convolutions; rank of the selector and the
-    # candidates it chooses among (the top of the unary logits).
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    # 'dspark': rank of the Markov head.
-    markov_rank: int = 256
 
     def problems(self) -> list[str]:
         return _one_of("drafter", self, kind=DRAFTER_KINDS) + _at_least(

@@ -6,6 +6,7 @@ rules in `dflash_jax/models/sharding.py` shows up here as a readable diff.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -134,12 +135,19 @@ def abstract_params(model_fn):
     return nnx.split(nnx.eval_shape(model_fn))[1]
 
 
+@functools.cache
+def target_leaves(name: str) -> list:
+    """A hub target's named parameters (shapes only, bfloat16), traced once for every layout."""
+    cfg = {"qwen3-8b": QWEN3_8B, "qwen3-4b-tied": QWEN3_4B}[name]
+    return leaves(abstract_params(lambda: Transformer(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+
+
 @pytest.mark.parametrize("layout", list(MESHES))
-@pytest.mark.parametrize("cfg", [QWEN3_8B, QWEN3_4B], ids=["qwen3-8b", "qwen3-4b-tied"])
-def test_every_target_parameter_spec(layout, cfg):
+@pytest.mark.parametrize("target", ["qwen3-8b", "qwen3-4b-tied"])
+def test_every_target_parameter_spec(layout, target):
     mesh = MESHES[layout]
     assert sharding.layout_of(mesh) == layout.split("+")[-1]
-    params = leaves(abstract_params(lambda: Transformer(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    cfg, params = {"qwen3-8b": QWEN3_8B, "qwen3-4b-tied": QWEN3_4B}[target], target_leaves(target)
     assert len(params) == 3 + 11 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
     for name, leaf in params:
         got = sharding.param_spec(mesh, name, leaf.shape)
@@ -168,7 +176,7 @@ def test_drafter_state_is_split_over_every_device(layout):
 def test_the_logical_axes_of_every_parameter_are_named():
     names = dict(
         (n.split(".", 2)[-1] if n.startswith("layers.") else n, sharding.param_axes(n))
-        for n, _ in leaves(abstract_params(lambda: Transformer(QWEN3_8B, rngs=nnx.Rngs(0))))
+        for n, _ in target_leaves("qwen3-8b")
     )
     assert names["self_attn.q_proj.kernel"] == ("embed", "heads")
     assert names["self_attn.k_proj.kernel"] == ("embed", "kv_heads")

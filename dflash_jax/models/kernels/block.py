@@ -262,7 +262,7 @@ def _fused_bwd(block_len, residuals, do):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def block_attention(
+def block_attention_in_spans(
     q: jax.Array,
     k_ctx: jax.Array,
     v_ctx: jax.Array,
