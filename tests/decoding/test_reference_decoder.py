@@ -38,6 +38,7 @@ def models(qwen3_checkpoint, tmp_path_factory):
     return target, drafter, ref_target, ref_drafter
 
 
+@pytest.mark.slow  # the fast tier keeps the reference's tokens and steps (below)
 def test_reference_drafts_the_same_logits_from_the_same_features(models):
     target, drafter, ref_target, ref_drafter = models
     prompt = np.random.default_rng(0).integers(0, MASK, 10)

@@ -135,12 +135,12 @@ def small_models():
     "kind, cfg, confidence_threshold",
     [
         ("dflash", SamplingConfig(1.0), 0.0),
-        # The fast tier keeps plain DFlash and DSpark's truncated blocks (below).
+        # The fast tier keeps plain DFlash; the kinds' variants are the slow tier's.
         pytest.param("dflash", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.0, marks=pytest.mark.slow),
         pytest.param("dflash2", SamplingConfig(1.0), 0.0, marks=pytest.mark.slow),
         pytest.param("dspark", SamplingConfig(1.0), 0.0, marks=pytest.mark.slow),
         # Truncated blocks: drafts after a low-confidence slot are not offered.
-        ("dspark", SamplingConfig(1.0), 0.2),
+        pytest.param("dspark", SamplingConfig(1.0), 0.2, marks=pytest.mark.slow),
     ],
 )
 def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models, kind, cfg, confidence_threshold):

@@ -235,7 +235,7 @@ def test_rejects_mismatched_drafter_and_long_prompts(random_target):
         decoder.generate(random_prompts(0, (9,)))
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", pytest.param("dspark", marks=pytest.mark.slow)])
 def test_served_drafts_equal_the_training_forward(cases, kind):
     """At every step, the drafter's logits as served equal its training forward for that anchor.
 

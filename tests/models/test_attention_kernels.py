@@ -134,7 +134,7 @@ def _block_loss_and_grads(impl, args, mask, cotangent):
 @pytest.mark.parametrize(
     ("seq_len", "block_len", "heads", "kv_heads", "dtype", "atol"),
     [
-        (150, 8, 4, 2, jnp.float32, 2e-5),  # S not a multiple of the key tile, G = 2
+        (100, 8, 4, 2, jnp.float32, 2e-5),  # S not a multiple of the key tile, G = 2
         pytest.param(
             128, 10, 8, 2, jnp.float32, 2e-5, marks=pytest.mark.slow
         ),  # block length not a power of two, G = 4
@@ -178,6 +178,7 @@ def _tiny_target(impl, head_dim=32):
     return Transformer(cfg, attention=impl, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_target_forward_fused_equals_xla():
     batch = _packed(2, 96, (10, 50))
     args = (batch["tokens"], batch["segment_ids"], batch["positions"])

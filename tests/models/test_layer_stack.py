@@ -83,12 +83,10 @@ CASES = {
         *(pytest.param(name, marks=pytest.mark.slow) for name in ("hybrid", "alternating", "dense_first")),
     ],
 )
-def targets(request, qwen3_checkpoint, hybrid_checkpoint, make_hf_checkpoint, tmp_path_factory):
+def targets(request, make_hf_checkpoint, tmp_path_factory):
     arch, layers, *_ = CASES[request.param]
-    if request.param == "plain":
-        path = qwen3_checkpoint
-    elif request.param == "hybrid":
-        path = hybrid_checkpoint
+    if request.param in ("plain", "hybrid"):  # the checkpoints other tests share, written when asked
+        path = request.getfixturevalue({"plain": "qwen3_checkpoint", "hybrid": "hybrid_checkpoint"}[request.param])
     else:
         path = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), arch=arch, num_hidden_layers=layers)
     kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
@@ -153,6 +151,7 @@ def test_scanned_target_equals_unrolled(targets):
     assert dots[1] <= most_dots * dots[0], dots
 
 
+@pytest.mark.slow
 def test_relayout_moves_the_weights_between_layouts(hybrid_checkpoint):
     kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
     unrolled = load_target(hybrid_checkpoint, scan_layers=False, **kw)

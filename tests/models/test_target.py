@@ -62,8 +62,11 @@ def test_rope_table_rows_equal_the_tables_of_the_positions(rope):
 
 def test_features_stop_after_last_requested_layer(target):
     tokens = np.arange(12) % 128
-    full_logits, hidden = _run(target, tokens, np.ones(12, int), np.arange(12), hidden_layers=(0, 2))
-    features = target.features(jnp.asarray(tokens)[None], jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None], (0, 2))
+    # Compiled, not op by op: the same values, in a fraction of the time.
+    _, hidden = jax.jit(lambda t: _run(target, t, np.ones(12, int), np.arange(12), hidden_layers=(0, 2)))(tokens)
+    features = jax.jit(lambda t: target.features(t[None], jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None], (0, 2)))(
+        jnp.asarray(tokens)
+    )
     np.testing.assert_allclose(features, jnp.concatenate(hidden, -1), atol=1e-6)
     # Stopping early means layer 3 never runs: 3 layers' matmuls of the 4 and the LM head's.
     jaxpr = jax.make_jaxpr(lambda t: target.features(t, jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None], (0, 2)))(

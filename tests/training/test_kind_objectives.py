@@ -233,7 +233,7 @@ def target():
     return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], compiler_options=FAST_COMPILE)())
 
 
-@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash2", pytest.param("dspark", marks=pytest.mark.slow)])
 def test_loss_of_packed_rows_is_the_references_on_the_drafters_states(target, kind):
     """drafter_loss on packed rows: the reference loss of the drafter's own hidden states, the
     blocks' labels, and (DSpark) the target's distribution at the position before each label."""
