@@ -230,7 +230,7 @@ def test_hub_ids_that_are_not_cached_are_one_line_errors(tiny_hub, monkeypatch):
     assert str(raised.value).endswith("hf download tiny/other")
 
 
-@pytest.mark.parametrize("kind, threshold", [("dflash2", 0.0), ("dspark", 0.3)])
+@pytest.mark.parametrize("kind, threshold", [("dflash2", 0.0), pytest.param("dspark", 0.3, marks=pytest.mark.slow)])
 def test_evaluate_reports_per_slot_acceptance_for_every_kind(chat_target, prompts_file, tmp_path, kind, threshold):
     """A DFlash2 or DSpark export evaluates like a DFlash one: per-slot acceptance for each of its
     drafts (DSpark: every slot of its block of 4 drafts, so 5 tokens are verified a step)."""

@@ -115,7 +115,16 @@ def test_greedy_is_lossless(cases, name, tau_range, batch_size):
     assert tau_range[0] <= np.mean(taus) <= tau_range[1], taus
 
 
-@pytest.mark.parametrize("name", ["untrained", "copies_target", "partial", "dflash2_partial", "dspark_copies_target"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "untrained",
+        "partial",
+        "dflash2_partial",
+        "dspark_copies_target",
+        pytest.param("copies_target", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_is_lossless_across_stop_tokens(cases, name):
     target, drafter = cases[name]
     prompts = random_prompts(20, PROMPT_LENGTHS)
@@ -153,7 +162,10 @@ def test_first_token_stop_ends_without_a_step(cases):
     assert len(out.step_lengths) == 0
 
 
-@pytest.mark.parametrize("name", ["untrained", "partial", "dflash2_partial", "dspark_partial"])
+@pytest.mark.parametrize(
+    "name",
+    ["untrained", "dflash2_partial", *(pytest.param(n, marks=pytest.mark.slow) for n in ("partial", "dspark_partial"))],
+)
 def test_step_bookkeeping(cases, name):
     """Per step: a+1 tokens emitted (1..B, B the tokens verified), both caches hold exactly
     prompt + output minus anchor."""

@@ -64,7 +64,7 @@ def test_auto_means_xla_on_cpu_and_fused_on_gpu():
         attention.resolve_implementation("flash")
 
 
-@pytest.mark.parametrize("seq_len", [40, 100, 330, pytest.param(700, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seq_len", [40, 100, *(pytest.param(s, marks=pytest.mark.slow) for s in (330, 700))])
 def test_tiled_packed_causal_equals_dense_mask(seq_len):
     batch = _packed(2, seq_len, (seq_len // 6, seq_len // 2))
     q, k, v = _qkv(2, seq_len, 4, 2, 16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -63,13 +64,22 @@ def block_inputs(target, tokens):
 
 
 def draft_hidden(target, drafter, tokens, features=None, blocks_per_chunk=2):
-    seg, pos = jnp.asarray(SEG)[None], jnp.asarray(POS)[None]
+    """The drafter's hidden states for the row's blocks (features: the target's, unless given),
+    compiled once per shape for every test here rather than run op by op."""
+    graphdef, state = nnx.split((target, drafter))
     with jax.default_matmul_precision("highest"):
-        if features is None:
-            features = target.features(jnp.asarray(tokens)[None], seg, pos, LAYER_IDS)
-        embeds, block_pos = block_inputs(target, tokens)
-        mask = block_context_mask(seg, jnp.asarray(ANCHORS)[None])
-        return drafter(embeds, block_pos, drafter.context(features), pos, mask, blocks_per_chunk=blocks_per_chunk)
+        return _compiled_draft_hidden(graphdef, state, jnp.asarray(tokens), features, blocks_per_chunk)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _compiled_draft_hidden(graphdef, state, tokens, features, blocks_per_chunk):
+    target, drafter = nnx.merge(graphdef, state)
+    seg, pos = jnp.asarray(SEG)[None], jnp.asarray(POS)[None]
+    if features is None:
+        features = target.features(tokens[None], seg, pos, LAYER_IDS)
+    embeds, block_pos = block_inputs(target, tokens)
+    mask = block_context_mask(seg, jnp.asarray(ANCHORS)[None])
+    return drafter(embeds, block_pos, drafter.context(features), pos, mask, blocks_per_chunk=blocks_per_chunk)
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def trained_like(drafter, seed=0):
     return drafter
 
 
-@pytest.mark.parametrize("taps, group_size", [(2, 16), (3, 8)])
+@pytest.mark.parametrize("taps, group_size", [(2, 16), pytest.param(3, 8, marks=pytest.mark.slow)])
 def test_grouped_dynamic_conv_matches_reference_values_and_gradients(taps, group_size):
     rng = np.random.default_rng(taps)
     x = rng.normal(size=(3, 5, 32))

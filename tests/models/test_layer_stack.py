@@ -221,9 +221,7 @@ def drafters(request):
         return grad, params, grad(params, False, None)
 
 
-@pytest.mark.parametrize(
-    "policy", [None, "full", *(pytest.param(p, marks=pytest.mark.slow) for p in REMAT_POLICIES if p != "full")]
-)
+@pytest.mark.parametrize("policy", [None, *(pytest.param(p, marks=pytest.mark.slow) for p in REMAT_POLICIES)])
 def test_scanned_drafter_equals_unrolled_under_every_remat_policy(drafters, policy):
     grad, params, reference = drafters
     with jax.default_matmul_precision("highest"):

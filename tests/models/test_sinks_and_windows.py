@@ -103,7 +103,7 @@ def test_reference_is_transformers_gpt_oss_attention(window):
 
 @pytest.mark.parametrize(
     ("seq_len", "window", "with_sinks"),
-    [(300, 0, True), (300, 37, False), (600, 128, True), (100, 500, True)],
+    [(300, 0, True), (300, 37, False), pytest.param(600, 128, True, marks=pytest.mark.slow), (100, 500, True)],
 )
 def test_xla_packed_attention_equals_reference(seq_len, window, with_sinks):
     segment_ids = _segments(2, seq_len, (seq_len // 6, seq_len // 2))
@@ -129,7 +129,7 @@ def test_window_shrinks_the_computed_pairs():
         (0, True, jnp.float32, 2e-5),
         (1, True, jnp.float32, 2e-5),  # each query sees itself only
         (64, False, jnp.float32, 2e-5),  # exactly one key tile
-        (100, True, jnp.bfloat16, 3e-2),
+        pytest.param(100, True, jnp.bfloat16, 3e-2, marks=pytest.mark.slow),
     ],
 )
 def test_fused_packed_attention_equals_xla(window, with_sinks, dtype, atol):

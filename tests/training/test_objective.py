@@ -296,7 +296,11 @@ def _reference_weights(ce, label_mask, cfg):
 
 @pytest.mark.parametrize(
     "cfg",
-    [_cfg(), _cfg(loss="dpace", dpace_alpha=0.3), _cfg(loss="dpace", distill=True)],
+    [
+        _cfg(),
+        pytest.param(_cfg(loss="dpace", dpace_alpha=0.3), marks=pytest.mark.slow),
+        _cfg(loss="dpace", distill=True),
+    ],
     ids=["dflash", "dpace", "dpace-distill"],
 )
 def test_loss_is_weighted_sum_of_slot_cross_entropies(models, cfg):
