@@ -635,9 +635,10 @@ _DEFAULT_HEADS = DrafterHeads()
 
 def _kind_fields(kind: str, field) -> dict[str, Any]:
     """A released drafter's head fields (`field(name, default)` reads its config.json)."""
+    sizes = {name: int(field(name, getattr(_DEFAULT_HEADS, name))) for name in KIND_FIELDS[kind]}
     if kind == "dflash2":
         return dict(
-            **{name: int(field(name, getattr(_DEFAULT_HEADS, name))) for name in KIND_FIELDS[kind]},
+            **sizes,
             output_multiplier=float(field("output_multiplier", 1.0)),
             final_logit_softcapping=float(field("final_logit_softcapping") or 0.0),
         )
@@ -650,5 +651,4 @@ def _kind_fields(kind: str, field) -> dict[str, Any]:
                 raise ValueError(f"DSpark drafter with {name}={field(name)!r}: only {name}={value!r} is supported")
         if int(field("draft_vocab_size") or field("vocab_size")) != int(field("vocab_size")):
             raise ValueError("DSpark drafters with a reduced draft vocabulary (draft_vocab_size) are not supported")
-        return {name: int(field(name, getattr(_DEFAULT_HEADS, name))) for name in KIND_FIELDS[kind]}
-    return {}
+    return sizes
