@@ -23,9 +23,11 @@ Without either, the run stops at once with the pip command to type.
 - kind and optimizer by held-out τ (bench/anchor_study.py --config=configs/smollm2.py, 57 steps,
   16 bundled held-out prompts, 64 new tokens, seed 0): DFlash2 1.65 against DFlash's 1.48 (+12 %)
   at 1.13 times the step; Muon at 6e-3 1.48 against AdamW 1.07 at 3e-3 and 1.13 at 6e-4.
-- block size 8, not the paper's 16: on a CPU the target's verify is compute-bound, and a DFlash
-  step costs 2.5 target decode steps at block 8 against 3.3 at 16 (bench/dflash_step.py,
-  docs/design.md §11), so τ must pass 2.5 for DFlash to beat the target alone.
+- block size 8, not the paper's 16, and 2 drafter layers, by held-out τ the same way: block 16
+  1.64, 1 layer 1.55, 3 layers 1.57 against the recipe's 1.65 (docs/design.md §11). On a CPU
+  the target's verify is compute-bound, and a DFlash step costs 2.6 target decode steps at
+  block 8 against 3.6 at 16 (bench/dflash_step.py, docs/design.md §11), so τ must pass 2.6 for
+  DFlash to beat the target alone.
 - CPU sizes: fp32 (bf16 matmuls are emulated on CPUs), 2 rows of 768 tokens per step, 64
   anchors per row; the 154 conversations make 19 steps an epoch, 10 epochs about 80 minutes at
   the 26 s a step measured on 2 cores shared with other jobs (load average 15-20).
