@@ -36,6 +36,17 @@ from dflash_jax.training.step import TrainState
 _WRITER_GRACE_S = 10.0
 
 
+def join_by(thread: threading.Thread, deadline: float) -> None:
+    """Waits for `thread` to end, until `deadline` (time.monotonic()). threading lists a thread
+    from its start() on, before it runs, and joining it then raises: wait for it to run too."""
+    while time.monotonic() < deadline:
+        try:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            return
+        except RuntimeError:  # "cannot join thread before it is started"
+            time.sleep(0.01)
+
+
 def _size(num_bytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
         if num_bytes >= scale:
@@ -163,7 +174,7 @@ class RunCheckpoints:
         deadline = time.monotonic() + _WRITER_GRACE_S
         for thread in set(threading.enumerate()) - self._threads_before_save:
             if thread is not threading.current_thread() and not thread.daemon:
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+                join_by(thread, deadline)
         for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
             if step is not None and name.startswith(f"{step}.orbax-checkpoint-tmp"):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)  # the partial save

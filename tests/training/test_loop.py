@@ -10,6 +10,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -19,7 +21,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.models.hf import load_drafter
-from dflash_jax.training.checkpoint import BestCheckpoint, CheckpointSaveError, RunCheckpoints, optimizer_of
+from dflash_jax.training.checkpoint import (
+    BestCheckpoint,
+    CheckpointSaveError,
+    RunCheckpoints,
+    join_by,
+    optimizer_of,
+)
 from dflash_jax.training.drafters import restore_params
 from dflash_jax.training.workdir import Workdir
 from support import training_runs as testing
@@ -292,6 +300,16 @@ def test_failed_save_never_becomes_latest(tmp_path):
     restored = reopened.restore_state(1, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
     np.testing.assert_array_equal(restored["w"], np.arange(4.0))
     reopened.close()
+
+
+def test_a_failed_save_waits_for_a_writer_thread_that_has_not_run_yet():
+    """Orbax may start a writer thread just as a save fails: threading lists it before it runs,
+    and joining it then raised instead of waiting for it (seen once under a loaded machine)."""
+    ran = threading.Event()
+    writer = threading.Thread(target=lambda: (time.sleep(0.05), ran.set()))
+    threading.Timer(0.05, writer.start).start()  # listed or not, it has not run when joined
+    join_by(writer, time.monotonic() + 10.0)
+    assert ran.is_set() and not writer.is_alive()
 
 
 @pytest.mark.parametrize("layer_ids, warned", [((0, 3), True), ((0, 2), False)])
