@@ -26,6 +26,7 @@ from dflash_jax.models.transformer import Transformer
 TARGETS = Path(__file__).resolve().parents[2] / "configs" / "targets"
 QWEN3_8B = target_config(json.loads((TARGETS / "Qwen3-8B.json").read_text()))
 QWEN3_4B = target_config(json.loads((TARGETS / "Qwen3-4B.json").read_text()))
+HUB_TARGETS = {"qwen3-8b": QWEN3_8B, "qwen3-4b-tied": QWEN3_4B}
 
 MESHES = {  # layout name -> a mesh shape that selects it (8 devices)
     "data": {"data": 8, "fsdp": 1, "tensor": 1},
@@ -138,16 +139,15 @@ def abstract_params(model_fn):
 @functools.cache
 def target_leaves(name: str) -> list:
     """A hub target's named parameters (shapes only, bfloat16), traced once for every layout."""
-    cfg = {"qwen3-8b": QWEN3_8B, "qwen3-4b-tied": QWEN3_4B}[name]
-    return leaves(abstract_params(lambda: Transformer(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
+    return leaves(abstract_params(lambda: Transformer(HUB_TARGETS[name], param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
 
 
 @pytest.mark.parametrize("layout", list(MESHES))
-@pytest.mark.parametrize("target", ["qwen3-8b", "qwen3-4b-tied"])
+@pytest.mark.parametrize("target", list(HUB_TARGETS))
 def test_every_target_parameter_spec(layout, target):
     mesh = MESHES[layout]
     assert sharding.layout_of(mesh) == layout.split("+")[-1]
-    cfg, params = {"qwen3-8b": QWEN3_8B, "qwen3-4b-tied": QWEN3_4B}[target], target_leaves(target)
+    cfg, params = HUB_TARGETS[target], target_leaves(target)
     assert len(params) == 3 + 11 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
     for name, leaf in params:
         got = sharding.param_spec(mesh, name, leaf.shape)
