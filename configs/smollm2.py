@@ -28,8 +28,9 @@ Without either, the run stops at once with the pip command to type.
 - block size 8, not the paper's 16, and 2 drafter layers, by held-out τ the same way: block 16
   1.64, 1 layer 1.55, 3 layers 1.57 against the recipe's 1.65 (docs/design.md §11). On a CPU
   the target's verify is compute-bound, and a DFlash step costs 2.6 target decode steps at
-  block 8 against 3.6 at 16 (bench/dflash_step.py, docs/design.md §11), so τ must pass 2.6 for
-  DFlash to beat the target alone.
+  block 8 against 3.6 at 16 on the slower machine of bench/dflash_step.py's table in
+  docs/design.md §11 (single-threaded CPU time); on two threads of a faster machine a DFlash2
+  step costs 1.59 decode steps, and DFlash was 1.31x the target alone at τ 2.09 (above).
 - CPU sizes: fp32 (bf16 matmuls are emulated on CPUs), 2 rows of 768 tokens per step, 64
   anchors per row; the 683 training conversations make 98 steps an epoch, 4 epochs (392 steps)
   22 minutes on 2 quiet cores, evaluation included.
@@ -64,7 +65,7 @@ def get_config():
     c.data.tokenize_processes = 2
     c.data.read_threads = 0
 
-    c.train.num_epochs = 4  # about 85 steps each
+    c.train.num_epochs = 4  # 98 steps each
     c.train.num_anchors = 64
     c.train.loss = "dpace"
     c.train.optimizer = "muon"
