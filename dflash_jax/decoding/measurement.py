@@ -1,7 +1,7 @@
 """Measuring a drafter as a serving engine would: acceptance length and speed against the target.
 
 For every prompt set, the same prompts are decoded by DFlash speculative decoding and by the
-target alone (after compiling both), and the result holds τ (docs/design.md §4), its histogram,
+target alone (after compiling both; batch by batch, the two in turn), and the result holds τ (docs/design.md §4), its histogram,
 per-slot acceptance rates, tokens/s, time per output token and the speed ratio. Multi-turn rows
 (mt-bench) are decoded turn by turn: each later user turn follows the target's own answer to the
 earlier ones, and every answered turn counts as one generation in τ, as in the DFlash benchmark.
@@ -27,13 +27,19 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
 
 
-def timed_generate(decoder: Decoder, prompts, *, seed: int, desc: str) -> list[tuple[float, list]]:
-    """Decode batch by batch; returns (seconds, generations) per batch."""
-    batches = []
-    for i, start in enumerate(tqdm(range(0, len(prompts), decoder.batch_size), desc=desc, leave=False)):
-        t0 = time.perf_counter()
-        generations = decoder.generate(prompts[start : start + decoder.batch_size], seed=seed + i)
-        batches.append((time.perf_counter() - t0, generations))
+def timed_generate(
+    decoders: dict[str, Decoder], prompts, *, seed: int, desc: str
+) -> dict[str, list[tuple[float, list]]]:
+    """Decode batch by batch, each batch by every decoder in turn; returns, per decoder name,
+    (seconds, generations) per batch. Interleaved, so that a slow spell of a shared machine
+    weighs on every decoder alike and their speed ratio stays fair."""
+    batches = {name: [] for name in decoders}
+    batch_size = min(d.batch_size for d in decoders.values())
+    for i, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc=desc, leave=False)):
+        for name, decoder in decoders.items():
+            t0 = time.perf_counter()
+            generations = decoder.generate(prompts[start : start + batch_size], seed=seed + i)
+            batches[name].append((time.perf_counter() - t0, generations))
     return batches
 
 
@@ -123,10 +129,8 @@ def _decode_both(
     lengths = [len(p) for p in prompts]
     dflash.warmup(lengths)  # compile outside the timed runs
     alone.warmup(lengths)
-    return (
-        timed_generate(dflash, prompts, seed=seed, desc=f"DFlash{label}"),
-        timed_generate(alone, prompts, seed=seed, desc=f"target alone{label}"),
-    )
+    batches = timed_generate({"dflash": dflash, "alone": alone}, prompts, seed=seed, desc=f"DFlash and target{label}")
+    return batches["dflash"], batches["alone"]
 
 
 def evaluate(

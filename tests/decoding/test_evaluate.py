@@ -17,7 +17,7 @@ from flax import nnx
 
 from dflash_jax import evaluate
 from dflash_jax.decoding.generate import TargetDecoder
-from dflash_jax.decoding.measurement import evaluate_set
+from dflash_jax.decoding.measurement import evaluate_set, timed_generate
 from dflash_jax.decoding.prompt_sets import BadRow, ChatTokenizer, PromptSet, load_prompts
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import UserError
@@ -250,3 +250,31 @@ def test_evaluate_reports_per_slot_acceptance_for_every_kind(chat_target, prompt
     if kind != "dspark":  # the threshold truncates DSpark's blocks only: anything else is a user error
         with pytest.raises(UserError, match="a confidence threshold applies to DSpark drafters"):
             run_cli(evaluate, [*settings, "--confidence_threshold=0.5"])
+
+
+def test_speed_is_timed_batch_by_batch_with_the_decoders_in_turn():
+    """A slow spell of a shared machine must weigh on DFlash and on the target alone alike: each
+    batch is decoded by one and then the other, not all of one's batches before the other's."""
+    calls = []
+
+    class Recording:
+        batch_size = 2
+
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompts, *, seed):
+            calls.append((self.name, list(prompts), seed))
+            return [self.name] * len(prompts)
+
+    batches = timed_generate({"a": Recording("a"), "b": Recording("b")}, [1, 2, 3, 4, 5], seed=10, desc="test")
+    assert [(name, prompts) for name, prompts, _ in calls] == [
+        ("a", [1, 2]),
+        ("b", [1, 2]),
+        ("a", [3, 4]),
+        ("b", [3, 4]),
+        ("a", [5]),
+        ("b", [5]),
+    ]
+    assert [seed for _, _, seed in calls] == [10, 10, 11, 11, 12, 12]  # the same seed for both
+    assert [gens for _, gens in batches["b"]] == [["b", "b"], ["b", "b"], ["b"]]
