@@ -23,6 +23,7 @@ def _load(name):
 
 build_corpus = _load("build_corpus")
 train_tiny_target = _load("train_tiny_target")
+completion_prompts = _load("completion_prompts")
 
 # A few packages keep the stdlib walk short; a large held-out fraction makes both sides non-empty.
 SMALL = dict(
@@ -136,6 +137,27 @@ def test_committed_corpus():
     _check_split(train, heldout, prompts)
     assert len(train) > 1000 and len(prompts) == 32
     assert "PYTHON SOFTWARE FOUNDATION LICENSE" in (DATA / "LICENSE-PSF.txt").read_text()
+
+
+def test_completion_prompts_cut_each_function_after_its_docstring(tmp_path):
+    """The committed corpus's first conversations, turned into code to complete: the prompt holds
+    the answer's lines up to the end of its docstring, and nothing of the body."""
+    lines = (DATA / "stdlib_train.jsonl").read_text(encoding="utf-8").splitlines()[:40]
+    source = tmp_path / "train.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "completion.jsonl"
+    completion_prompts.main(["--input", str(source), "--output", str(out), "--first", "3", "--last", "30"])
+    records = _read_jsonl(out)
+    assert [r["id"] for r in records] == [json.loads(line)["id"] + ":complete" for line in lines[2:30]]
+    for record in records:
+        user, assistant = (m["content"] for m in record["messages"])
+        code = assistant.removeprefix("```python\n").removesuffix("\n```")
+        header = user.removeprefix("Complete the following Python function:\n```python\n").removesuffix("\n```")
+        assert code.startswith(header + "\n") and header.endswith(('"', "'"))  # cut after the docstring
+        assert len(header.splitlines()) < len(code.splitlines())  # some body is left to write
+    assert completion_prompts.header("x = 1") is None
+    assert completion_prompts.header("def f():\n    return 1") is None  # no docstring to cut at
+    assert completion_prompts.header('@d\ndef f():\n    """Doc."""\n    return 1') == '@d\ndef f():\n    """Doc."""'
 
 
 def test_committed_target_loads_in_transformers():
