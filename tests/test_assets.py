@@ -160,6 +160,24 @@ def test_completion_prompts_cut_each_function_after_its_docstring(tmp_path):
     assert completion_prompts.header('@d\ndef f():\n    """Doc."""\n    return 1') == '@d\ndef f():\n    """Doc."""'
 
 
+def test_committed_smollm2_data_is_made_of_training_prompts():
+    """configs/smollm2.py's regenerated files: prose prompts of stdlib_train.jsonl as they are, and
+    the completion prompts `completion_prompts.py` makes of its rows; no held-out source file."""
+    train = {r["id"]: r for r in _read_jsonl(DATA / "stdlib_train.jsonl")}
+    heldout_sources = {r["source"] for r in _read_jsonl(DATA / "stdlib_heldout.jsonl")}
+    prose = _read_jsonl(DATA / "smollm2_train_regen.jsonl")
+    completion = _read_jsonl(DATA / "smollm2_completion_regen.jsonl")
+    assert len(prose) > 600 and len(completion) > 800
+    for record in prose:
+        assert record["messages"][0] == train[record["id"]]["messages"][0]
+    for record in completion:
+        made = completion_prompts.completion_record(train[record["id"].removesuffix(":complete")])
+        assert record["messages"][0] == made["messages"][0]
+    for record in prose + completion:
+        assert record["source"] not in heldout_sources
+        assert [m["role"] for m in record["messages"]] == ["user", "assistant"] and "regenerated" in record
+
+
 def test_committed_target_loads_in_transformers():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
