@@ -1,10 +1,11 @@
 """Measuring a drafter as a serving engine would: acceptance length and speed against the target.
 
 For every prompt set, the same prompts are decoded by DFlash speculative decoding and by the
-target alone (after compiling both; batch by batch, the two in turn), and the result holds τ (docs/design.md §4), its histogram,
-per-slot acceptance rates, tokens/s, time per output token and the speed ratio. Multi-turn rows
-(mt-bench) are decoded turn by turn: each later user turn follows the target's own answer to the
-earlier ones, and every answered turn counts as one generation in τ, as in the DFlash benchmark.
+target alone (after compiling both; batch by batch, the two in turn), and the result holds τ
+(docs/design.md §4), its histogram, per-slot acceptance rates, tokens/s, time per output token
+and the speed ratio. Multi-turn rows (mt-bench) are decoded turn by turn: each later user turn
+follows the target's own answer to the earlier ones, and every answered turn counts as one
+generation in τ, as in the DFlash benchmark.
 """
 
 from __future__ import annotations
