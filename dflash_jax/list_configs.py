@@ -90,9 +90,10 @@ def _fields(values: dict) -> str:
 
 
 def _value(value) -> str:
-    """A field's value, a bundled path as it reads in the repository (configs/targets/...)."""
-    if isinstance(value, str) and os.path.isabs(value):
-        value = bundled.shown(value)
+    """A field's value, bundled paths (one, or comma-separated as `data.train` takes them) as they
+    read in the repository (configs/targets/...)."""
+    if isinstance(value, str) and os.path.isabs(value.split(",")[0]):
+        value = ",".join(bundled.shown(part) for part in value.split(","))
     return repr(value)
 
 
