@@ -32,7 +32,7 @@ Without either, the run stops at once with the pip command to type.
   a block's verify costs more than a decode step, and a DFlash step costs 2.6 target decode steps at
   block 8 against 3.6 at 16 on the slower machine of bench/dflash_step.py's table in
   docs/design.md §11 (single-threaded CPU time); on two threads of a faster machine a DFlash2
-  step costs 1.6-1.9 decode steps (XLA:CPU's matmul of 2-16 rows costs 1.2-1.8 times its
+  step costs 1.6-2.1 decode steps (XLA:CPU's matmul of 2-16 rows costs 1.2-1.8 times its
   one-row product, §11).
 - CPU sizes: fp32 (bf16 matmuls are emulated on CPUs), 2 rows of 768 tokens per step, 64
   anchors per row; the 2,952 training conversations make 381 steps an epoch, 3 epochs (1,144
