@@ -12,7 +12,6 @@ every field of the result.
 from __future__ import annotations
 
 import inspect
-import os
 import textwrap
 from pathlib import Path
 
@@ -92,7 +91,7 @@ def _fields(values: dict) -> str:
 def _value(value) -> str:
     """A field's value, bundled paths (one, or comma-separated as `data.train` takes them) as they
     read in the repository (configs/targets/...)."""
-    if isinstance(value, str) and os.path.isabs(value.split(",")[0]):
+    if isinstance(value, str):  # `shown` leaves anything but an absolute path as it is
         value = ",".join(bundled.shown(part) for part in value.split(","))
     return repr(value)
 

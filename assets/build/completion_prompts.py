@@ -21,7 +21,7 @@ import ast
 import json
 
 PROMPT = "Complete the following Python function:\n```python\n{header}\n```"
-FENCE = "```python\n"
+FENCE, FENCE_END = "```python\n", "\n```"
 
 
 def header(source: str) -> str | None:
@@ -39,9 +39,9 @@ def header(source: str) -> str | None:
 
 def completion_record(record: dict) -> dict | None:
     answer = record["messages"][1]["content"]
-    if not (answer.startswith(FENCE) and answer.endswith("\n```")):
+    if not (answer.startswith(FENCE) and answer.endswith(FENCE_END)):
         return None
-    head = header(answer[len(FENCE) : -len("\n```")])
+    head = header(answer[len(FENCE) : -len(FENCE_END)])
     if head is None:
         return None
     user = {"role": "user", "content": PROMPT.format(header=head)}
