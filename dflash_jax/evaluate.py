@@ -79,6 +79,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         upper_bound=1,
         **fv,
     )
+    flags.DEFINE_integer(
+        "draft_vocab",
+        0,
+        "Draft among the drafter's this many most frequent trained-on tokens (its token_frequencies.json; "
+        "0: the whole vocabulary). Lossless: the target still verifies over every token.",
+        lower_bound=0,
+        **fv,
+    )
     flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).", **fv)
     flags.DEFINE_enum(
         "dtype",
@@ -111,6 +119,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         dtype=DTYPES[f.dtype or cli.default_dtype()],
         seed=f.seed,
         confidence_threshold=f.confidence_threshold,
+        draft_vocab=f.draft_vocab,
     )
     write_outputs(evaluation, f.output)
     print(report.table(evaluation["sets"]))

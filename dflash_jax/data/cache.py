@@ -35,6 +35,7 @@ TOKENS = "tokens.u32"
 LOSS_MASK = "loss_mask.u8"
 OFFSETS = "offsets.npy"
 SAMPLES = "samples.npy"
+COUNT_CHUNK = 1 << 26  # tokens read at once when counting them
 # source: index into the manifest's inputs.sources; row: 0-based line (JSON Lines) or row
 # (Parquet) in it; prompt_key: `heldout.prompt_key` of its prompt, when has_prompt.
 SAMPLE_FIELDS = np.dtype([("source", "<u4"), ("row", "<i8"), ("prompt_key", "<u8"), ("has_prompt", "?")])
@@ -133,6 +134,18 @@ class TokenizedCache:
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         start, end = self.offsets[i], self.offsets[i + 1]
         return self.tokens[start:end], self.loss_mask[start:end]
+
+    def trained_token_counts(self, vocab_size: int, leave_out: np.ndarray) -> np.ndarray:
+        """How often each token id is trained on (loss mask 1) in every sample but `leave_out`:
+        counts [vocab_size], the cache read in chunks."""
+        counts = np.zeros(vocab_size, np.int64)
+        for start in range(0, len(self.tokens), COUNT_CHUNK):
+            tokens, mask = self.tokens[start : start + COUNT_CHUNK], self.loss_mask[start : start + COUNT_CHUNK]
+            counts += np.bincount(tokens[mask.astype(bool)], minlength=vocab_size)[:vocab_size]
+        for i in leave_out:
+            tokens, mask = self.sample(i)
+            counts -= np.bincount(tokens[mask.astype(bool)], minlength=vocab_size)[:vocab_size]
+        return counts
 
 
 def read_manifest(directory: str) -> dict | None:

@@ -95,6 +95,10 @@ class DataPipeline:
             heldout_rows=data.heldout_rows,
         )
 
+    def trained_token_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token id is trained on [vocab_size], the held-out prompts left out."""
+        return self.cache.trained_token_counts(vocab_size, leave_out=self.heldout)
+
     def steps_in_epoch(self, epoch: int) -> int:
         if epoch not in self._steps_in_epoch:
             self.plan(epoch)

@@ -30,12 +30,14 @@ def _walk(step, first, xs, key: jax.Array):
     return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1), out)
 
 
-def selector_walk(target, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array):
-    """DFlash2: hidden [B, Bk, D] of the block -> (drafts [B, Bk-1], draft logits [B, Bk-1, V])."""
+def selector_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array):
+    """DFlash2: hidden [B, Bk, D] of the block -> (drafts [B, Bk-1], draft logits [B, Bk-1, V]);
+    `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
     d, selector = drafter.cfg, drafter.candidate_selector
     h = hidden[:, 1:]
-    unary = unary_logits(target.unembed(h).astype(jnp.float32), d.output_multiplier, d.final_logit_softcapping)
-    values, candidates = top_k(unary, d.selector_top_k)
+    unary = unary_logits(vocab.logits(h).astype(jnp.float32), d.output_multiplier, d.final_logit_softcapping)
+    values, candidates = top_k(unary, min(d.selector_top_k, unary.shape[-1]))  # a draft vocabulary may be smaller
+    candidates = vocab.tokens(candidates)
 
     def step(previous, xs):
         h_t, values_t, candidates_t, key_t = xs
@@ -45,25 +47,31 @@ def selector_walk(target, drafter, hidden: jax.Array, anchor: jax.Array, samplin
 
     drafts, scores = _walk(step, anchor, (h, values, candidates), key)
     rows, slots = jnp.indices(candidates.shape[:2])
-    logits = jnp.full(unary.shape, -jnp.inf, jnp.float32).at[rows[..., None], slots[..., None], candidates].set(scores)
+    logits = (
+        jnp.full((*candidates.shape[:2], d.vocab_size), -jnp.inf, jnp.float32)
+        .at[rows[..., None], slots[..., None], candidates]
+        .set(scores)
+    )
     return drafts, logits
 
 
 def markov_walk(
-    target, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array, threshold: float
+    vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array, threshold: float
 ):
-    """DSpark: hidden [B, γ, D] -> (drafts [B, γ], draft logits [B, γ, V], drafts proposed [B])."""
+    """DSpark: hidden [B, γ, D] -> (drafts [B, γ], draft logits [B, γ, V], drafts proposed [B]);
+    `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
     markov = drafter.markov_head
-    unary = target.unembed(hidden).astype(jnp.float32)
+    unary = vocab.logits(hidden).astype(jnp.float32)
 
     def step(previous, xs):
         unary_k, h_k, key_k = xs
         embedding = markov.embed(previous)
-        logits = unary_k + markov.bias(embedding)
-        token = choose(logits, sampling, key_k)
+        logits = unary_k + vocab.columns(markov.bias(embedding))
+        token = vocab.tokens(choose(logits, sampling, key_k))
         return token, (token, logits, jax.nn.sigmoid(drafter.confidence_head(h_k, embedding)))
 
     drafts, logits, confidence = _walk(step, anchor, (unary, hidden), key)
+    logits = vocab.scatter(logits)
     if threshold > 0:  # the drafts before the first slot whose confidence is below the threshold
         proposed = jnp.sum(jnp.cumprod(confidence >= threshold, axis=1), axis=1)
     else:

@@ -66,11 +66,12 @@ def evaluate_set(
     batch_size,
     sampling,
     seed,
-    confidence_threshold=0.0,
+    drafting: dict | None = None,
 ) -> dict:
     """DFlash against the target alone on every turn of every row. Turn k of every row that has
     one is decoded together, after turn k-1: a row's history holds its earlier turns and the
-    target-alone answers to them (its own greedy output, which greedy DFlash reproduces)."""
+    target-alone answers to them (its own greedy output, which greedy DFlash reproduces).
+    `drafting`: `SpeculativeDecoder`'s drafting options (default: its own)."""
     rows = prompt_set.rows
     turns = max(map(len, rows))
     histories: list[list[dict]] = [[] for _ in rows]
@@ -91,7 +92,7 @@ def evaluate_set(
             stop_tokens=chat.stop_tokens,
             seed=seed + turn * len(rows),  # every batch of every turn its own seed
             label=label,
-            confidence_threshold=confidence_threshold,
+            drafting=drafting or {},
         )
         answers = [g for _, gens in turn_ref for g in gens]
         for i, answer in zip(active, answers):
@@ -114,9 +115,7 @@ def evaluate_set(
     return result
 
 
-def _decode_both(
-    target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed, label, confidence_threshold
-):
+def _decode_both(target, drafter, prompts, *, max_new_tokens, batch_size, sampling, stop_tokens, seed, label, drafting):
     """(DFlash, target alone) timed batches of the same prompts, each decoder compiled first."""
     kw = dict(
         max_prompt_len=max(len(p) for p in prompts),
@@ -125,7 +124,7 @@ def _decode_both(
         sampling=sampling,
         stop_tokens=stop_tokens,
     )
-    dflash = SpeculativeDecoder(target, drafter, confidence_threshold=confidence_threshold, **kw)
+    dflash = SpeculativeDecoder(target, drafter, **drafting, **kw)
     alone = TargetDecoder(target, **kw)
     lengths = [len(p) for p in prompts]
     dflash.warmup(lengths)  # compile outside the timed runs
@@ -146,10 +145,13 @@ def evaluate(
     sampling: SamplingConfig = GREEDY,
     seed: int = 0,
     confidence_threshold: float = 0.0,
+    draft_tokens: np.ndarray | None = None,
 ) -> dict:
     """Evaluate every prompt set (specs as `chat.resolve_prompt_set` reads them, or
     `HeldoutPrompts`); {"run": settings, "sets": {name: result}}. `confidence_threshold`:
-    DSpark's truncation (0 = the whole block)."""
+    DSpark's truncation (0 = the whole block); `draft_tokens`: the draft vocabulary
+    (decoding/draft_vocab.py; None = the whole vocabulary)."""
+    drafting = dict(confidence_threshold=confidence_threshold, draft_tokens=draft_tokens)
     prompt_sets = [load_prompt_set(spec, chat, limit=num_prompts) for spec in prompt_specs]
     sets = {}
     for prompt_set in prompt_sets:
@@ -164,13 +166,14 @@ def evaluate(
             batch_size=batch_size,
             sampling=sampling,
             seed=seed,
-            confidence_threshold=confidence_threshold,
+            drafting=drafting,
         )
     run = {
         "drafter_kind": drafter.cfg.kind,
         "block_size": drafter.cfg.block_size,
         "verify_size": drafter.cfg.verify_size,  # the longest acceptance
         "confidence_threshold": confidence_threshold,
+        "draft_vocab": 0 if draft_tokens is None else len(draft_tokens),  # 0: the whole vocabulary
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
         "temperature": sampling.temperature,

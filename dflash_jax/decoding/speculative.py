@@ -20,10 +20,12 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dflash_jax.decoding import drafting
 from dflash_jax.decoding import outputs as outputs_lib
+from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary
 from dflash_jax.decoding.generate import Decoder, prefill
 from dflash_jax.decoding.sampling import SamplingConfig, choose, verify_block
 from dflash_jax.models.cache import KVCache
@@ -43,6 +45,7 @@ class SpecState:
 def draft_block(
     target: Transformer,
     drafter: DFlashDrafter,
+    vocab,
     anchor,
     positions,
     context,
@@ -54,18 +57,19 @@ def draft_block(
     """Step 1: one drafter pass over the block at `positions` [B, Bk] -> (drafts [B, K], the
     logits they were chosen from [B, K, V], the number of drafts proposed [B]), K = the kind's
     drafts per block. DFlash drafts every slot after the anchor on its own; DFlash2 and DSpark
-    walk the block (`drafting.py`), and DSpark may propose fewer than K. `num_slots`: the
-    context slots the drafter's attention reads (static; None: all)."""
+    walk the block (`drafting.py`), and DSpark may propose fewer than K. `vocab`: the tokens
+    drafted among (`draft_vocab.py`). `num_slots`: the context slots the drafter's attention
+    reads (static; None: all)."""
     cfg = drafter.cfg
     block = jnp.full(positions.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
     hidden = drafter.decode(target.embed(block), positions, context, num_slots=num_slots)
     proposed = jnp.full(anchor.shape, cfg.num_drafts, jnp.int32)
     if cfg.kind == "dspark":
-        return drafting.markov_walk(target, drafter, hidden, anchor, sampling, key, confidence_threshold)
+        return drafting.markov_walk(vocab, drafter, hidden, anchor, sampling, key, confidence_threshold)
     if cfg.kind == "dflash2":
-        return (*drafting.selector_walk(target, drafter, hidden, anchor, sampling, key), proposed)
-    logits = target.unembed(hidden[:, 1:])
-    return choose(logits, sampling, key), logits, proposed
+        return (*drafting.selector_walk(vocab, drafter, hidden, anchor, sampling, key), proposed)
+    logits = vocab.logits(hidden[:, 1:])
+    return vocab.tokens(choose(logits, sampling, key)), vocab.scatter(logits), proposed
 
 
 @functools.cache
@@ -75,7 +79,7 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
 
     @functools.partial(jax.jit, static_argnames=("cache_len", "capacity", "num_slots"))
     def prefill_fn(state, tokens, lengths, valid, key, max_new_tokens, stop_ids, *, cache_len, capacity, num_slots):
-        target, drafter = nnx.merge(graphdef, state)
+        target, drafter, _ = nnx.merge(graphdef, state)
         batch, prompt_len = tokens.shape
         cache = target.new_cache(batch, cache_len, max_step=drafter.cfg.verify_size)
         key, prefill_key = jax.random.split(key)
@@ -100,7 +104,8 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
 
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("num_slots",))
     def step_fn(state, st: SpecState, max_new_tokens, stop_ids, *, num_slots):
-        target, drafter = nnx.merge(graphdef, state)
+        target, drafter, draft_vocabulary = nnx.merge(graphdef, state)
+        vocab = draft_vocabulary or FullVocabulary(target)
         key, draft_key, verify_key = jax.random.split(st.key, 3)
         start = st.target_cache.lengths
         # The target verifies the anchor and the drafts (one more token than the drafter's block
@@ -109,6 +114,7 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
         drafts, draft_logits, proposed = draft_block(
             target,
             drafter,
+            vocab,
             st.anchor,
             positions[:, : drafter.cfg.block_size],
             st.context,
@@ -145,9 +151,18 @@ class SpeculativeDecoder(Decoder):
     target's output distribution. `Generation.step_lengths` are the acceptance lengths (a+1,
     cut where a stop token or max_new_tokens ends the output). `confidence_threshold` (DSpark
     drafters only): propose the drafts up to the first slot whose confidence is below it.
+    `draft_tokens`: token ids [V'] the drafter drafts among (`draft_vocab.py`; None: all).
     """
 
-    def __init__(self, target: Transformer, drafter: DFlashDrafter, *, confidence_threshold: float = 0.0, **kwargs):
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: DFlashDrafter,
+        *,
+        confidence_threshold: float = 0.0,
+        draft_tokens: np.ndarray | None = None,
+        **kwargs,
+    ):
         if drafter.cfg.vocab_size != target.cfg.vocab_size or drafter.cfg.hidden_size != target.cfg.hidden_size:
             raise ValueError(
                 f"drafter (vocab {drafter.cfg.vocab_size}, hidden {drafter.cfg.hidden_size}) does not "
@@ -160,7 +175,12 @@ class SpeculativeDecoder(Decoder):
             )
         if confidence_threshold and drafter.cfg.kind != "dspark":
             raise ValueError(f"a confidence threshold needs a DSpark drafter, not a {drafter.cfg.kind!r} one")
+        if draft_tokens is not None and not 0 < len(draft_tokens) <= target.cfg.vocab_size:
+            raise ValueError(
+                f"a draft vocabulary of {len(draft_tokens)} tokens (the target has {target.cfg.vocab_size})"
+            )
         self.block_size = drafter.cfg.verify_size
+        vocab = None if draft_tokens is None else DraftVocabulary(target, draft_tokens)
         super().__init__(
-            (target, drafter), functools.partial(spec_fns, confidence_threshold=confidence_threshold), **kwargs
+            (target, drafter, vocab), functools.partial(spec_fns, confidence_threshold=confidence_threshold), **kwargs
         )

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import jax
@@ -222,11 +222,17 @@ def load_drafter(
     return model
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype=jnp.bfloat16) -> Path:
-    """Write config.json + model.safetensors in the format of docs/design.md §5, atomically."""
+def export_drafter(
+    drafter: DFlashDrafter, out_dir: str | os.PathLike, *, dtype=jnp.bfloat16, extra_files: Sequence[str] = ()
+) -> Path:
+    """Write config.json + model.safetensors in the format of docs/design.md §5, atomically, with
+    copies of `extra_files` (those that exist) beside them."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
+    for path in extra_files:
+        if os.path.isfile(path):
+            shutil.copyfile(path, tmp / os.path.basename(path))
     _, state = nnx.split(drafter)
     tensors = {}
     for path, value in _param_paths(state):

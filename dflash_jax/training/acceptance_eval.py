@@ -16,6 +16,7 @@ import numpy as np
 
 from dflash_jax.decoding import measurement
 from dflash_jax.decoding.acceptance import measure_acceptance
+from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DFlashDrafter
@@ -69,10 +70,12 @@ def run_evaluation(
     drafter_step=None,
     dtype=jnp.bfloat16,
     enable_thinking=False,
+    draft_vocab: int = 0,
     **kwargs,
 ) -> dict:
     """`decoding.measurement.evaluate` on models loaded from disk (the drafter: an export or a
-    workdir), both in `dtype`."""
+    workdir), both in `dtype`; `draft_vocab` > 0: drafting among the drafter's that many most
+    frequent trained-on tokens (decoding/draft_vocab.py)."""
     chat = ChatTokenizer(target_path, enable_thinking=enable_thinking)
     target = load_target(target_path, param_dtype=dtype, compute_dtype=dtype)
     drafter = load_any_drafter(drafter_path, step=drafter_step, param_dtype=dtype, compute_dtype=dtype)
@@ -80,6 +83,8 @@ def run_evaluation(
         raise UserError(
             f"a confidence threshold applies to DSpark drafters; {drafter_path} is a {drafter.cfg.kind!r} one"
         )
+    if draft_vocab:
+        kwargs["draft_tokens"] = draft_token_ids(drafter_path, draft_vocab)
     result = measurement.evaluate(target, drafter, chat, prompt_specs, **kwargs)
     result["run"].update(
         target=target_path, drafter=drafter_path, drafter_step=drafter_step, dtype=jnp.dtype(dtype).name

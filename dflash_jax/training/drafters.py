@@ -26,11 +26,16 @@ from dflash_jax.training.step import abstract_train_state, drafter_graph
 from dflash_jax.training.workdir import Workdir
 
 
-def export_params(cfg: DrafterConfig, params: nnx.State, out_dir: str, *, dtype=jnp.bfloat16) -> str:
-    """Gathers (possibly multi-host sharded) drafter weights; process 0 writes the export."""
+def export_params(
+    cfg: DrafterConfig, params: nnx.State, out_dir: str, *, dtype=jnp.bfloat16, workdir: Workdir | None = None
+) -> str:
+    """Gathers (possibly multi-host sharded) drafter weights; process 0 writes the export, with
+    the token frequencies of `workdir`'s run (decoding/draft_vocab.py) where it has them."""
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
-        export_drafter(nnx.merge(drafter_graph(cfg, jnp.float32), host_params), out_dir, dtype=dtype)
+        drafter = nnx.merge(drafter_graph(cfg, jnp.float32), host_params)
+        extra = [workdir.token_frequencies] if workdir else []
+        export_drafter(drafter, out_dir, dtype=dtype, extra_files=extra)
     return out_dir
 
 
@@ -66,7 +71,7 @@ def export_checkpoint(
     workdir: Workdir, *, step: int | None = None, out_dir: str | None = None, dtype=jnp.bfloat16
 ) -> str:
     cfg, params = restore_params(workdir, step)
-    return export_params(cfg, params, out_dir or workdir.export, dtype=dtype)
+    return export_params(cfg, params, out_dir or workdir.export, dtype=dtype, workdir=workdir)
 
 
 def is_export_dir(path: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 
 import jax
@@ -20,6 +21,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from dflash_jax.data.pipeline import DataPipeline
+from dflash_jax.decoding.draft_vocab import write_frequencies
 from dflash_jax.errors import UserError
 from dflash_jax.models.hf import load_target
 from dflash_jax.training.acceptance_eval import AcceptanceEval
@@ -118,6 +120,11 @@ class TrainingRun:
             attention=setup.run.attention,
             scan_layers=setup.run.scan_layers,
         )
+        if jax.process_index() == 0 and not os.path.isfile(workdir.token_frequencies):
+            counts = self.data.trained_token_counts(self.target.cfg.vocab_size)
+            write_frequencies(
+                workdir.token_frequencies, counts, source=f"data {self.data.cache.manifest['content_sha256'][:16]}"
+            )
         target_graphdef, self.target_params = nnx.split(self.target)
         program = build_train_step(setup, mesh, target_graphdef, self.target_params, total_steps=self.total_steps)
         self.schedule, self.drafter_graphdef, self.step_fn = program.schedule, program.drafter_graphdef, program.step
@@ -185,7 +192,7 @@ class TrainingRun:
         if already_finished:
             log.info("this run had already finished at step %d; its drafter is in %s", self.step, self.workdir.export)
         elif self.step >= self.total_steps:
-            export_params(self.setup.drafter, self.served_params, self.workdir.export)
+            export_params(self.setup.drafter, self.served_params, self.workdir.export, workdir=self.workdir)
             if jax.process_index() == 0:
                 self.workdir.mark_finished(self.step)
             log.info("training finished at step %d; drafter exported to %s", self.step, self.workdir.export)
@@ -245,7 +252,7 @@ class TrainingRun:
         if np.isfinite(tau) and (self.best_tau is None or tau > self.best_tau):
             self.best_tau = tau
             self.best.save(self.step, self.served_params, tau)
-            export_params(self.setup.drafter, self.served_params, self.workdir.export_best)
+            export_params(self.setup.drafter, self.served_params, self.workdir.export_best, workdir=self.workdir)
 
     def _log(self) -> dict:
         skipped = int(self.state.skipped_updates)

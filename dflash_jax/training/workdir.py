@@ -6,6 +6,8 @@
       export/             the final drafter (docs/design.md §5), written when the run finishes
       export_best/        the best-tau drafter in the same format
       finished.json       {"step": N}: the run reached its last step N and exported
+      token_frequencies.json  the trained-on tokens by count (decoding/draft_vocab.py), copied
+                          into every export
       metrics.jsonl       one JSON line per log step, epoch start and evaluation
       tensorboard/        the same scalars for TensorBoard
       eval/               the closing evaluation (eval.json, eval.png)
@@ -27,6 +29,7 @@ import uuid
 
 import jax
 
+from dflash_jax.decoding.draft_vocab import FREQUENCIES_FILE
 from dflash_jax.errors import UserError
 
 
@@ -60,6 +63,10 @@ class Workdir:
     @property
     def export_best(self) -> str:
         return self._path("export_best")
+
+    @property
+    def token_frequencies(self) -> str:
+        return self._path(FREQUENCIES_FILE)
 
     @property
     def metrics(self) -> str:

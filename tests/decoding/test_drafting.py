@@ -1,6 +1,7 @@
 """DFlash2's selector walk and DSpark's Markov walk against float64 references of z-lab's and
 DeepSpec's decoding loops (tests/support/kind_references.py), greedy and with DSpark's
-confidence truncation."""
+confidence truncation, over the whole vocabulary and over a draft vocabulary (the references
+then see -inf logits outside it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from dflash_jax.decoding import drafting
+from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, warp_probs
 from support import kind_references as ref
 from support.decoding_models import make_drafter, make_target, perturbed
@@ -29,17 +31,32 @@ def models():
     }
 
 
+# 40 of the 64 tokens, in no particular order.
+DRAFT_TOKENS = np.random.default_rng(9).permutation(64)[:40].astype(np.int32)
+
+
+def _vocabulary(target, draft_tokens):
+    """(the vocabulary the walk drafts among, the target's logits as the reference sees them)."""
+    if draft_tokens is None:
+        return FullVocabulary(target), target.unembed
+    outside = np.ones(target.cfg.vocab_size, bool)
+    outside[draft_tokens] = False
+    return DraftVocabulary(target, draft_tokens), lambda h: jnp.where(outside, -jnp.inf, target.unembed(h))
+
+
 def _inputs(seed):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.normal(size=(3, 4, 32)), jnp.float32), jnp.asarray(rng.integers(0, 63, 3), jnp.int32)
 
 
-def test_selector_walk_drafts_as_z_labs(models):
+@pytest.mark.parametrize("draft_tokens", [None, DRAFT_TOKENS])
+def test_selector_walk_drafts_as_z_labs(models, draft_tokens):
     target, drafter = models["dflash2"]
+    vocab, reference_logits = _vocabulary(target, draft_tokens)
     hidden, anchor = _inputs(0)
     with jax.default_matmul_precision("highest"):
-        drafts, logits = drafting.selector_walk(target, drafter, hidden, anchor, GREEDY, jax.random.key(0))
-        unary = target.unembed(hidden[:, 1:])
+        drafts, logits = drafting.selector_walk(vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0))
+        unary = reference_logits(hidden[:, 1:])
     selector = drafter.candidate_selector
     codebooks = (_t(selector.predecessor_codebook[...]), _t(selector.successor_codebook[...]))
     for row in range(3):
@@ -57,22 +74,25 @@ def test_selector_walk_drafts_as_z_labs(models):
     np.testing.assert_array_equal(np.argmax(logits, -1), drafts)
     # Sampled: every draft is one of its slot's candidates, drawn from softmax(S / T) over them.
     sampled, sampled_logits = drafting.selector_walk(
-        target, drafter, hidden, anchor, SamplingConfig(1.0), jax.random.key(1)
+        vocab, drafter, hidden, anchor, SamplingConfig(1.0), jax.random.key(1)
     )
     q = np.asarray(warp_probs(sampled_logits, SamplingConfig(1.0)))
     assert np.all(np.take_along_axis(q, np.asarray(sampled)[..., None], -1) > 0)
     assert np.all((q > 0).sum(-1) == 8)
+    if draft_tokens is not None:
+        assert set(np.asarray(drafts).ravel()) | set(np.asarray(sampled).ravel()) <= set(draft_tokens)
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.5])
-def test_markov_walk_drafts_as_deepspec(models, threshold):
+@pytest.mark.parametrize("threshold, draft_tokens", [(0.0, None), (0.5, None), (0.0, DRAFT_TOKENS)])
+def test_markov_walk_drafts_as_deepspec(models, threshold, draft_tokens):
     target, drafter = models["dspark"]
+    vocab, reference_logits = _vocabulary(target, draft_tokens)
     hidden, anchor = _inputs(1)
     with jax.default_matmul_precision("highest"):
         drafts, logits, proposed = drafting.markov_walk(
-            target, drafter, hidden, anchor, GREEDY, jax.random.key(0), threshold
+            vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0), threshold
         )
-        unary = target.unembed(hidden)
+        unary = reference_logits(hidden)
     markov, confidence = drafter.markov_head, drafter.confidence_head
     weights = (_t(markov.markov_w1.embedding[...]), _t(markov.markov_w2.kernel[...]))
     head = (_t(confidence.proj.kernel[...][:, 0]), _t(confidence.proj.bias[...][0]))
@@ -85,5 +105,7 @@ def test_markov_walk_drafts_as_deepspec(models, threshold):
         counts.append(count)
     assert np.asarray(proposed).tolist() == counts
     np.testing.assert_array_equal(np.argmax(logits, -1), drafts)  # the corrected logits chose them
+    if draft_tokens is not None:
+        assert np.all(np.isfinite(logits).sum(-1) == len(draft_tokens))
     if threshold:
         assert min(counts) < 4  # the truncation is exercised

@@ -131,19 +131,27 @@ def small_models():
     }
 
 
+# A draft vocabulary of 13 of the 16 tokens: q is zero on the other 3.
+DRAFT_TOKENS = np.array([9, 0, 4, 12, 1, 7, 15, 3, 10, 5, 2, 13, 8], np.int32)
+
+
 @pytest.mark.parametrize(
-    "kind, cfg, confidence_threshold",
+    "kind, cfg, confidence_threshold, draft_tokens",
     [
-        ("dflash", SamplingConfig(1.0), 0.0),
+        ("dflash", SamplingConfig(1.0), 0.0, None),
         # The fast tier keeps plain DFlash; the kinds' variants are the slow tier's.
-        pytest.param("dflash", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.0, marks=pytest.mark.slow),
-        pytest.param("dflash2", SamplingConfig(1.0), 0.0, marks=pytest.mark.slow),
-        pytest.param("dspark", SamplingConfig(1.0), 0.0, marks=pytest.mark.slow),
+        pytest.param("dflash", SamplingConfig(0.8, top_p=0.9, top_k=6), 0.0, None, marks=pytest.mark.slow),
+        pytest.param("dflash2", SamplingConfig(1.0), 0.0, None, marks=pytest.mark.slow),
+        pytest.param("dspark", SamplingConfig(1.0), 0.0, None, marks=pytest.mark.slow),
         # Truncated blocks: drafts after a low-confidence slot are not offered.
-        pytest.param("dspark", SamplingConfig(1.0), 0.2, marks=pytest.mark.slow),
+        pytest.param("dspark", SamplingConfig(1.0), 0.2, None, marks=pytest.mark.slow),
+        pytest.param("dflash", SamplingConfig(1.0), 0.0, DRAFT_TOKENS, marks=pytest.mark.slow),
+        pytest.param("dflash2", SamplingConfig(1.0), 0.0, DRAFT_TOKENS, marks=pytest.mark.slow),
     ],
 )
-def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models, kind, cfg, confidence_threshold):
+def test_sampled_speculative_decoding_keeps_the_target_distribution(
+    small_models, kind, cfg, confidence_threshold, draft_tokens
+):
     target, drafter = small_models[kind]
     prompt = np.array([3, 1, 4, 1, 5], np.int32)
     # 4 tokens: the prefill's, then one block of 2 drafts + bonus covers every verification path.
@@ -156,6 +164,7 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(small_models
         batch_size=batch,
         sampling=cfg,
         confidence_threshold=confidence_threshold,
+        draft_tokens=draft_tokens,
     )
     generations = []
     for seed in range(rounds):

@@ -12,11 +12,13 @@ from flax import nnx
 
 from dflash_jax.decoding import generate as generate_lib
 from dflash_jax.decoding import speculative
+from dflash_jax.decoding.draft_vocab import FullVocabulary
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.block_attention import block_context_mask
 from support.decoding_models import (
     BLOCK,
+    VOCAB,
     MASK_ID,
     OracleDrafter,
     make_drafter,
@@ -151,6 +153,29 @@ def test_greedy_is_lossless_at_every_max_new_tokens(cases, max_new):
         assert 1 + s.step_lengths.sum() == max_new
 
 
+@pytest.mark.parametrize(
+    "name", ["copies_target", "dflash2_copies_target", pytest.param("dspark_copies_target", marks=pytest.mark.slow)]
+)
+def test_greedy_with_a_draft_vocabulary_is_lossless(cases, name):
+    """Every token in the draft vocabulary (in another order): the same drafts, all accepted. A
+    fifth of the tokens left out: the target emits them, the drafts miss them, the output stays."""
+    target, drafter = cases[name]
+    prompts = random_prompts(50, (5, 12))
+    ref, spec = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=2)
+    every = np.random.default_rng(0).permutation(VOCAB).astype(np.int32)
+    emitted = np.concatenate([r.tokens for r in ref])
+    most = every[~np.isin(every, emitted[:: len(emitted) // 12])]
+    assert len(most) < VOCAB
+    for tokens in (every, most):
+        kw = dict(max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW, batch_size=2, draft_tokens=tokens)
+        drafted = SpeculativeDecoder(target, drafter, **kw).generate(prompts)
+        for r, s, d in zip(ref, spec, drafted):
+            np.testing.assert_array_equal(d.tokens, r.tokens)
+            if tokens is every:
+                np.testing.assert_array_equal(d.step_lengths, s.step_lengths)
+    assert np.mean([d.step_lengths.mean() for d in drafted]) < np.mean([s.step_lengths.mean() for s in spec])
+
+
 def test_first_token_stop_ends_without_a_step(cases):
     target, drafter = cases["partial"]
     prompts = random_prompts(40, (6,))
@@ -270,7 +295,7 @@ def test_served_drafts_equal_the_training_forward(cases, kind):
         positions = st.target_cache.lengths[:, None] + jnp.arange(BLOCK)[None, :]
         key = jax.random.key(0)
         return speculative.draft_block(
-            t, d, st.anchor, positions, st.context, decoder.sampling, key, num_slots=num_slots
+            t, d, FullVocabulary(t), st.anchor, positions, st.context, decoder.sampling, key, num_slots=num_slots
         )[:2]
 
     st = decoder._prefill(*generate_lib.pad_batch(prompt, 1, 16), jax.random.key(0))

@@ -3,6 +3,7 @@ after SIGTERM, failed saves, non-finite stops, in-training acceptance and the ex
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -20,6 +21,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from dflash_jax.data.pipeline import DataPipeline
+from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.models.hf import load_drafter
 from dflash_jax.training.checkpoint import (
     BestCheckpoint,
@@ -148,6 +151,7 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     assert exported.keys() == trained.keys() and "fc.weight" in exported
     for name in exported:
         np.testing.assert_array_equal(exported[name], trained[name], err_msg=name)
+    assert (out / "token_frequencies.json").read_text() == (reference / "token_frequencies.json").read_text()
     exported_drafter = load_drafter(reference / "export")
     assert (exported_drafter.cfg.mask_token_id, exported_drafter.cfg.kind) == (testing.MASK_TOKEN_ID, kind)
 
@@ -332,11 +336,24 @@ def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, t
 
     config = load_config_file(str(testing.REPO / "configs" / "default.py"))
     workdir = tmp_path / "run"
-    fields = testing.overrides(tiny_run, workdir, **{"train.max_steps": 3, "checkpoint.every_steps": 2})
-    config.update_from_flattened_dict(fields)
+    fields = {"train.max_steps": 3, "checkpoint.every_steps": 2, "data.heldout_rows": 2}
+    config.update_from_flattened_dict(testing.overrides(tiny_run, workdir, **fields))
     outcome = train(resolve(config, num_devices=1))
     assert (outcome.finished, outcome.already_finished, outcome.step) == (True, False, 3)
     assert sorted(train_metrics(workdir)) == [1, 2, 3]
     assert json.loads((workdir / "export" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    # The trained-on tokens by count, held-out prompts left out, in the workdir and the export.
+    setup = resolve(config, num_devices=1)
+    data = DataPipeline.from_config(setup.data, setup.target_path)
+    assert len(data.heldout) == 2
+    want = collections.Counter()
+    for i in data.train_samples:
+        tokens, mask = data.cache.sample(i)
+        want.update(tokens[mask == 1].tolist())
+    frequencies = json.loads((workdir / "token_frequencies.json").read_text())
+    assert dict(zip(frequencies["token_ids"], frequencies["counts"])) == want
+    assert frequencies["counts"] == sorted(frequencies["counts"], reverse=True)
+    assert (workdir / "export" / "token_frequencies.json").read_text() == json.dumps(frequencies)
+    np.testing.assert_array_equal(draft_token_ids(str(workdir / "export"), 5), frequencies["token_ids"][:5])
     again = train(resolve(config, num_devices=1))
     assert (again.finished, again.already_finished, again.step) == (True, True, 3)
