@@ -96,25 +96,16 @@ class RopeConfig:
         out: dict[str, Any] = {"rope_theta": self.theta}
         if self.partial_factor != 1.0:
             out["partial_rotary_factor"] = self.partial_factor
-        if self.kind == "llama3":
-            out["rope_scaling"] = {
-                "rope_type": "llama3",
-                "factor": self.factor,
-                "low_freq_factor": self.low_freq_factor,
-                "high_freq_factor": self.high_freq_factor,
-                "original_max_position_embeddings": self.original_max_position_embeddings,
-            }
-        elif self.kind == "yarn":
-            out["rope_scaling"] = {
-                "rope_type": "yarn",
-                "factor": self.factor,
-                "original_max_position_embeddings": self.original_max_position_embeddings,
-                "beta_fast": self.beta_fast,
-                "beta_slow": self.beta_slow,
-                "truncate": self.truncate,
-                "attention_factor": self.attention_factor,
-            }
+        if self.kind in _SCALING_FIELDS:
+            out["rope_scaling"] = {"rope_type": self.kind, **{k: getattr(self, k) for k in _SCALING_FIELDS[self.kind]}}
         return out
+
+
+# The fields of each rope scaling that `rope_scaling` spells out (with its rope_type).
+_SCALING_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "attention_factor"),
+}
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

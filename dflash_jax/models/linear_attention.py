@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models.architecture import LinearAttentionConfig
 from dflash_jax.models.layers import RMSNorm, linear
 from dflash_jax.models.mixers import DecodeStep, PackedRows
 
@@ -201,34 +202,29 @@ class GatedDeltaNet(nnx.Module):
 
     def __init__(
         self,
+        config: LinearAttentionConfig,
         *,
         hidden_size,
-        num_k_heads,
-        num_v_heads,
-        head_k_dim,
-        head_v_dim,
-        conv_kernel_size,
         eps,
         param_dtype,
         compute_dtype,
         rngs: nnx.Rngs,
     ):
-        if num_v_heads % num_k_heads:
-            raise ValueError(f"linear attention: {num_v_heads} value heads do not group over {num_k_heads} key heads")
-        self.num_k_heads = num_k_heads
-        self.num_v_heads = num_v_heads
-        self.head_k_dim = head_k_dim
-        self.head_v_dim = head_v_dim
-        self.conv_kernel_size = conv_kernel_size
+        if config.num_v_heads % config.num_k_heads:
+            raise ValueError(
+                f"linear attention: {config.num_v_heads} value heads do not group over {config.num_k_heads} key heads"
+            )
+        self.config = config
         self.compute_dtype = compute_dtype
-        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        num_v_heads, head_v_dim = config.num_v_heads, config.head_v_dim
+        key_dim, value_dim = config.num_k_heads * config.head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * key_dim + value_dim
         kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
         self.in_proj_qkv = linear(hidden_size, self.conv_dim, **kw)
         self.in_proj_z = linear(hidden_size, value_dim, **kw)
         self.in_proj_b = linear(hidden_size, num_v_heads, **kw)
         self.in_proj_a = linear(hidden_size, num_v_heads, **kw)
-        self.conv1d = CausalConv(self.conv_dim, conv_kernel_size, **kw)
+        self.conv1d = CausalConv(self.conv_dim, config.conv_kernel_size, **kw)
         self.dt_bias = nnx.Param(jnp.ones((num_v_heads,), param_dtype))
         # A in [1, 16] as transformers initializes it; checkpoints overwrite it.
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (num_v_heads,), param_dtype, 1.0, 16.0)))
@@ -239,14 +235,15 @@ class GatedDeltaNet(nnx.Module):
         """x [B, S, D] and its conv output [B, S, C] -> q, k [B, S, K, H], v, z [B, S, K, G, U],
         g, beta [B, S, K, G] (q, k normalized, q scaled; v, z in the compute dtype)."""
         b, s, _ = x.shape
-        k_heads, g_heads = self.num_k_heads, self.num_v_heads // self.num_k_heads
-        key_dim = k_heads * self.head_k_dim
+        c = self.config
+        k_heads, g_heads = c.num_k_heads, c.num_v_heads // c.num_k_heads
+        key_dim = k_heads * c.head_k_dim
         q, k, v = jnp.split(mixed, [key_dim, 2 * key_dim], axis=-1)
-        q = _l2_normalized(q.reshape(b, s, k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
-        k = _l2_normalized(k.reshape(b, s, k_heads, self.head_k_dim))
+        q = _l2_normalized(q.reshape(b, s, k_heads, c.head_k_dim)) * c.head_k_dim**-0.5
+        k = _l2_normalized(k.reshape(b, s, k_heads, c.head_k_dim))
         grouped = (b, s, k_heads, g_heads)  # value head k·G + g serves key head k, as transformers
-        v = v.reshape(*grouped, self.head_v_dim)
-        z = self.in_proj_z(x).reshape(*grouped, self.head_v_dim)
+        v = v.reshape(*grouped, c.head_v_dim)
+        z = self.in_proj_z(x).reshape(*grouped, c.head_v_dim)
         beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32).reshape(grouped)
         a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         g = (-jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)).reshape(grouped)
@@ -266,13 +263,13 @@ class GatedDeltaNet(nnx.Module):
 
         Padding positions give finite values of no meaning.
         """
-        width = self.conv_kernel_size
+        width = self.config.conv_kernel_size
         resets = segment_ids != jnp.pad(segment_ids, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
         runs = jnp.cumsum(resets, axis=1)  # [B, S]: document number within the row, from 1
         inputs = jnp.pad(self.in_proj_qkv(x), ((0, 0), (width - 1, 0), (0, 0)))
         mixed = self.conv1d(inputs, jnp.pad(runs, ((0, 0), (width - 1, 0))))
         q, k, v, z, g, beta = self._heads(x, mixed)
-        state = jnp.zeros((x.shape[0], *beta.shape[2:], self.head_k_dim, self.head_v_dim), jnp.float32)
+        state = jnp.zeros((x.shape[0], *beta.shape[2:], self.config.head_k_dim, self.config.head_v_dim), jnp.float32)
         o, _, _ = gated_delta_rule(q, k, v, g, beta, resets, state)
         return self._output(o, z)
 
@@ -283,13 +280,14 @@ class GatedDeltaNet(nnx.Module):
 
     def empty_cache(self, batch: int, max_new: int) -> LinearCache:
         """An empty cache for rows of `batch`, rolling back over at most `max_new` tokens."""
-        g_heads = self.num_v_heads // self.num_k_heads
-        heads = (batch, max_new, self.num_k_heads, g_heads)
+        c = self.config
+        g_heads = c.num_v_heads // c.num_k_heads
+        heads = (batch, max_new, c.num_k_heads, g_heads)
         return LinearCache(
-            state=jnp.zeros((batch, self.num_k_heads, g_heads, self.head_k_dim, self.head_v_dim), jnp.float32),
-            inputs=jnp.zeros((batch, self.conv_kernel_size - 1 + max_new, self.conv_dim), self.compute_dtype),
-            keys=jnp.zeros((batch, max_new, self.num_k_heads, self.head_k_dim), jnp.float32),
-            deltas=jnp.zeros((*heads, self.head_v_dim), jnp.float32),
+            state=jnp.zeros((batch, c.num_k_heads, g_heads, c.head_k_dim, c.head_v_dim), jnp.float32),
+            inputs=jnp.zeros((batch, c.conv_kernel_size - 1 + max_new, self.conv_dim), self.compute_dtype),
+            keys=jnp.zeros((batch, max_new, c.num_k_heads, c.head_k_dim), jnp.float32),
+            deltas=jnp.zeros((*heads, c.head_v_dim), jnp.float32),
             decays=jnp.zeros(heads, jnp.float32),
             base=jnp.zeros((batch,), jnp.int32),
         )
@@ -316,7 +314,7 @@ class GatedDeltaNet(nnx.Module):
         g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
         resets = jnp.zeros(x.shape[:2], bool)
         o, _, state = gated_delta_rule(q, k, v, g, beta, resets, cache.state_after(r))
-        width = self.conv_kernel_size - 1
+        width = self.config.conv_kernel_size - 1
         window = jnp.take_along_axis(inputs, (num_valid[:, None] + jnp.arange(width))[..., None], axis=1)
         cache = LinearCache(
             state=state,

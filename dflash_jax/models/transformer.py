@@ -35,18 +35,10 @@ from dflash_jax.models.moe import MoE
 def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: dict, rngs) -> tuple[str, nnx.Module]:
     """The token mixer of a layer of `layer_type` -> (its checkpoint name, the module)."""
     if layer_type == "linear_attention":
-        lin = cfg.linear_attention
-        return "linear_attn", GatedDeltaNet(
-            hidden_size=cfg.hidden_size,
-            num_k_heads=lin.num_k_heads,
-            num_v_heads=lin.num_v_heads,
-            head_k_dim=lin.head_k_dim,
-            head_v_dim=lin.head_v_dim,
-            conv_kernel_size=lin.conv_kernel_size,
-            eps=cfg.rms_norm_eps,
-            rngs=rngs,
-            **dtypes,
+        mixer = GatedDeltaNet(
+            cfg.linear_attention, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs, **dtypes
         )
+        return "linear_attn", mixer
     if cfg.latent_attention is not None:
         return "self_attn", LatentAttention(
             cfg.latent_attention,

@@ -37,6 +37,11 @@ class WorkdirBusyError(UserError):
     """Another training process holds the workdir."""
 
 
+def _entry(name: str) -> property:
+    """A path inside the workdir, as a read-only attribute."""
+    return property(lambda self: os.path.join(self.root, name))
+
+
 @dataclasses.dataclass(frozen=True)
 class Workdir:
     root: str  # absolute
@@ -48,41 +53,15 @@ class Workdir:
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name)
 
-    @property
-    def checkpoints(self) -> str:
-        return self._path("checkpoints")
-
-    @property
-    def best_checkpoint(self) -> str:
-        return self._path("best_checkpoint")
-
-    @property
-    def export(self) -> str:
-        return self._path("export")
-
-    @property
-    def export_best(self) -> str:
-        return self._path("export_best")
-
-    @property
-    def token_frequencies(self) -> str:
-        return self._path(FREQUENCIES_FILE)
-
-    @property
-    def metrics(self) -> str:
-        return self._path("metrics.jsonl")
-
-    @property
-    def tensorboard(self) -> str:
-        return self._path("tensorboard")
-
-    @property
-    def eval(self) -> str:
-        return self._path("eval")
-
-    @property
-    def _finished_file(self) -> str:
-        return self._path("finished.json")
+    checkpoints = _entry("checkpoints")
+    best_checkpoint = _entry("best_checkpoint")
+    export = _entry("export")
+    export_best = _entry("export_best")
+    token_frequencies = _entry(FREQUENCIES_FILE)
+    metrics = _entry("metrics.jsonl")
+    tensorboard = _entry("tensorboard")
+    eval = _entry("eval")
+    _finished_file = _entry("finished.json")
 
     def wandb_run_id(self) -> str:
         """A random id made once per workdir: a resumed run continues its own W&B run only."""

@@ -18,8 +18,8 @@ from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.block_attention import block_context_mask
 from support.decoding_models import (
     BLOCK,
-    VOCAB,
     MASK_ID,
+    VOCAB,
     OracleDrafter,
     make_drafter,
     make_successor_target,
