@@ -55,9 +55,11 @@ def measure_acceptance(
     stop_tokens: Sequence[int] = (),
     seed: int = 0,
     confidence_threshold: float = 0.0,
+    draft_tokens: np.ndarray | None = None,
 ) -> dict:
     """Speculative-decode `prompts` (1-D token arrays, chat template applied) and return
-    `acceptance_stats` (key "tau", ...). `confidence_threshold`: DSpark's truncation (0 = off).
+    `acceptance_stats` (key "tau", ...). `confidence_threshold`: DSpark's truncation (0 = off);
+    `draft_tokens`: the draft vocabulary (decoding/draft_vocab.py; None: every token).
 
     Repeated calls with the same prompts, settings and model structure reuse the compiled
     steps, so calling this every N training steps costs only the decoding itself.
@@ -73,5 +75,6 @@ def measure_acceptance(
         sampling=sampling,
         stop_tokens=stop_tokens,
         confidence_threshold=confidence_threshold,
+        draft_tokens=draft_tokens,
     )
     return acceptance_stats(decoder.generate(prompts, seed=seed), drafter.cfg.verify_size)

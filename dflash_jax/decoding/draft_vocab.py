@@ -26,11 +26,16 @@ from dflash_jax.errors import UserError
 FREQUENCIES_FILE = "token_frequencies.json"
 
 
+def by_frequency(counts: np.ndarray) -> np.ndarray:
+    """Token ids by falling count [V] (ties by id), the unseen ones left out."""
+    ids = np.argsort(-counts, kind="stable")
+    return ids[counts[ids] > 0].astype(np.int32)
+
+
 def write_frequencies(path: str, counts: np.ndarray, *, source: str) -> None:
     """`counts` [V] of the trained-on tokens, written as token ids by falling count (unseen ones
     left out), atomically."""
-    ids = np.argsort(-counts, kind="stable")
-    ids = ids[counts[ids] > 0]
+    ids = by_frequency(counts)
     record = {"source": source, "token_ids": ids.tolist(), "counts": counts[ids].tolist()}
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)

@@ -36,12 +36,14 @@ class AcceptanceEval:
         *,
         max_new_tokens: int,
         confidence_threshold: float = 0.0,
+        draft_tokens: np.ndarray | None = None,
     ):
         self.prompts, self.stop, self.max_new_tokens = prompts, stop, max_new_tokens
-        self.confidence_threshold = confidence_threshold
+        self.drafting = dict(confidence_threshold=confidence_threshold, draft_tokens=draft_tokens)
 
     @classmethod
-    def for_setup(cls, setup: TrainSetup) -> AcceptanceEval:
+    def for_setup(cls, setup: TrainSetup, draft_tokens: np.ndarray | None = None) -> AcceptanceEval:
+        """`draft_tokens`: the run's draft vocabulary (`eval.draft_vocab`; None: every token)."""
         chat = ChatTokenizer(setup.target_path, enable_thinking=setup.data.enable_thinking)
         _, prompts = load_prompts(setup.eval.prompts, chat, limit=setup.eval.num_prompts)
         return cls(
@@ -49,6 +51,7 @@ class AcceptanceEval:
             chat.stop_tokens,
             max_new_tokens=setup.eval.max_new_tokens,
             confidence_threshold=setup.eval.confidence_threshold,
+            draft_tokens=draft_tokens,
         )
 
     def __call__(self, target: Transformer, drafter: DFlashDrafter) -> dict:
@@ -58,7 +61,7 @@ class AcceptanceEval:
             self.prompts,
             max_new_tokens=self.max_new_tokens,
             stop_tokens=self.stop,
-            confidence_threshold=self.confidence_threshold,
+            **self.drafting,
         )
 
 
@@ -112,6 +115,7 @@ def final_evaluation(setup: TrainSetup) -> dict | None:
         dtype=setup.target_dtype,
         enable_thinking=setup.data.enable_thinking,
         confidence_threshold=setup.eval.confidence_threshold,
+        draft_vocab=setup.eval.draft_vocab,
     )
     measurement.write_outputs(result, workdir.eval)
     return result

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from dflash_jax.data.pipeline import DataPipeline
-from dflash_jax.decoding.draft_vocab import write_frequencies
+from dflash_jax.decoding.draft_vocab import by_frequency, write_frequencies
 from dflash_jax.errors import UserError
 from dflash_jax.models.hf import load_target
 from dflash_jax.training.acceptance_eval import AcceptanceEval
@@ -120,11 +120,7 @@ class TrainingRun:
             attention=setup.run.attention,
             scan_layers=setup.run.scan_layers,
         )
-        if jax.process_index() == 0 and not os.path.isfile(workdir.token_frequencies):
-            counts = self.data.trained_token_counts(self.target.cfg.vocab_size)
-            write_frequencies(
-                workdir.token_frequencies, counts, source=f"data {self.data.cache.manifest['content_sha256'][:16]}"
-            )
+        draft_tokens = self._count_trained_tokens()
         target_graphdef, self.target_params = nnx.split(self.target)
         program = build_train_step(setup, mesh, target_graphdef, self.target_params, total_steps=self.total_steps)
         self.schedule, self.drafter_graphdef, self.step_fn = program.schedule, program.drafter_graphdef, program.step
@@ -143,7 +139,7 @@ class TrainingRun:
             self.state, meta = self.checkpoints.restore(self.last_saved, program.abstract_state, self.iterator)
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
-        self.evaluate = AcceptanceEval.for_setup(setup) if setup.eval.during_training else None
+        self.evaluate = AcceptanceEval.for_setup(setup, draft_tokens) if setup.eval.during_training else None
         self.best = BestCheckpoint(workdir.best_checkpoint, resumed_step=self.last_saved) if self.evaluate else None
         self.monitor = Monitor(
             workdir,
@@ -155,6 +151,18 @@ class TrainingRun:
         self.step = int(self.state.step)
         self.epoch = None
         self.eval_metrics: dict = {}
+
+    def _count_trained_tokens(self) -> np.ndarray | None:
+        """Writes the workdir's token frequencies (process 0, once); returns the draft vocabulary
+        `eval.draft_vocab` asks for (None for the whole vocabulary)."""
+        path, size = self.workdir.token_frequencies, self.setup.eval.draft_vocab
+        write = jax.process_index() == 0 and not os.path.isfile(path)
+        if not (write or size):
+            return None
+        counts = self.data.trained_token_counts(self.target.cfg.vocab_size)
+        if write:
+            write_frequencies(path, counts, source=f"data {self.data.cache.manifest['content_sha256'][:16]}")
+        return by_frequency(counts)[:size] if size else None
 
     @property
     def served_params(self):

@@ -223,6 +223,9 @@ class EvalSettings:
     # drafter.kind='dspark': propose the drafts only up to the first slot whose confidence is
     # below this (DSpark's truncation); 0 = the whole block.
     confidence_threshold: float = 0.0
+    # > 0: draft among this many of the most frequent trained-on tokens (docs/design.md §4 "Draft
+    # vocabulary"; evaluate --draft_vocab); 0 = every token.
+    draft_vocab: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -233,7 +236,7 @@ class EvalSettings:
         return self.enabled and self.every_steps > 0
 
     def problems(self) -> list[str]:
-        out = _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1)
+        out = _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1, draft_vocab=0)
         if not 0 <= self.confidence_threshold < 1:
             out.append(f"eval.confidence_threshold={self.confidence_threshold} must be in [0, 1)")
         return out

