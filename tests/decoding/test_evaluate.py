@@ -16,6 +16,7 @@ from absl import flags
 from flax import nnx
 
 from dflash_jax import evaluate
+from dflash_jax.decoding.draft_vocab import FREQUENCIES_FILE, write_frequencies
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.measurement import evaluate_set, timed_generate
 from dflash_jax.decoding.prompt_sets import BadRow, ChatTokenizer, PromptSet, load_prompts
@@ -250,6 +251,14 @@ def test_evaluate_reports_per_slot_acceptance_for_every_kind(chat_target, prompt
     if kind != "dspark":  # the threshold truncates DSpark's blocks only: anything else is a user error
         with pytest.raises(UserError, match="a confidence threshold applies to DSpark drafters"):
             run_cli(evaluate, [*settings, "--confidence_threshold=0.5"])
+        # A draft vocabulary needs the drafter's token frequencies (training writes them).
+        with pytest.raises(UserError, match="token_frequencies.json"):
+            run_cli(evaluate, [*settings, "--draft_vocab=64"])
+        counts = np.random.default_rng(0).integers(0, 50, CHAT_VOCAB)
+        write_frequencies(str(export / FREQUENCIES_FILE), counts, source="test")
+        run_cli(evaluate, [*settings, "--draft_vocab=64"])
+        result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+        assert result["run"]["draft_vocab"] == 64 and result["sets"]["prompts"]["identical_outputs"] == 1.0
 
 
 def test_speed_is_timed_batch_by_batch_with_the_decoders_in_turn():
