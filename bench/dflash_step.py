@@ -112,7 +112,7 @@ def parts(decoder, target, drafter, draft_tokens, st, steps: int) -> dict[str, C
     def drafter_part(state, st):
         target, drafter, vocab = nnx.merge(graphdef, state)
         positions = st.target_cache.lengths[:, None] + jnp.arange(block_size)[None, :]
-        vocab = vocab or FullVocabulary(target)
+        vocab = FullVocabulary(target) if vocab is None else vocab
         return draft_block(
             target, drafter, vocab, st.anchor, positions, st.context, GREEDY, st.key, num_slots=num_slots
         )

@@ -105,7 +105,7 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("num_slots",))
     def step_fn(state, st: SpecState, max_new_tokens, stop_ids, *, num_slots):
         target, drafter, draft_vocabulary = nnx.merge(graphdef, state)
-        vocab = draft_vocabulary or FullVocabulary(target)
+        vocab = FullVocabulary(target) if draft_vocabulary is None else draft_vocabulary
         key, draft_key, verify_key = jax.random.split(st.key, 3)
         start = st.target_cache.lengths
         # The target verifies the anchor and the drafts (one more token than the drafter's block
