@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.data.cache import write_json_atomically
 from dflash_jax.errors import UserError
+from dflash_jax.models.layers import soft_capped
 
 FREQUENCIES_FILE = "token_frequencies.json"
 
@@ -36,10 +38,7 @@ def write_frequencies(path: str, counts: np.ndarray, *, source: str) -> None:
     """`counts` [V] of the trained-on tokens, written as token ids by falling count (unseen ones
     left out), atomically."""
     ids = by_frequency(counts)
-    record = {"source": source, "token_ids": ids.tolist(), "counts": counts[ids].tolist()}
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+    write_json_atomically(path, {"source": source, "token_ids": ids.tolist(), "counts": counts[ids].tolist()})
 
 
 def draft_token_ids(model_dir: str, size: int) -> np.ndarray:
@@ -96,7 +95,7 @@ class DraftVocabulary(nnx.Module):
         """h [..., D] -> logits [..., V'] of the draft tokens (one flat matmul: see layers.Linear)."""
         flat = h.reshape(-1, h.shape[-1]).astype(self.compute_dtype)
         logits = (flat @ self.kernel[...].astype(self.compute_dtype)).reshape(*h.shape[:-1], -1)
-        return self.softcap * jnp.tanh(logits / self.softcap) if self.softcap else logits
+        return soft_capped(logits, self.softcap)
 
     def tokens(self, index: jax.Array) -> jax.Array:
         """Indices into the draft vocabulary -> token ids."""

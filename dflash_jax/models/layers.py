@@ -38,6 +38,11 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.compute_dtype) * normed.astype(self.compute_dtype)
 
 
+def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
+    """cap · tanh(logits / cap) (Gemma's and DFlash2's soft cap); 0 = no cap."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
     """x [..., N] divided by its root mean square over the last axis, in fp32 (no scale)."""
     x32 = x.astype(jnp.float32)

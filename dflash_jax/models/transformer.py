@@ -26,7 +26,7 @@ from dflash_jax.models.architecture import TransformerConfig, layer_attention
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.gemma import Gemma4Attention, Gemma4Block
 from dflash_jax.models.latent_attention import LatentAttention
-from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, rotary
+from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, rotary, soft_capped
 from dflash_jax.models.linear_attention import GatedDeltaNet
 from dflash_jax.models.mixers import DecodeStep, PackedRows, SelfAttention
 from dflash_jax.models.moe import MoE
@@ -179,8 +179,7 @@ class Transformer(nnx.Module):
             logits = self.embed_tokens.attend(h.astype(self.compute_dtype))
         else:
             logits = self.lm_head(h)
-        cap = self.cfg.final_logit_softcap
-        return cap * jnp.tanh(logits / cap) if cap else logits
+        return soft_capped(logits, self.cfg.final_logit_softcap)
 
     def new_cache(self, batch: int, max_len: int, *, max_step: int = 1) -> KVCache:
         """Room for `max_len` tokens a row; a `decode` call that a later call may roll back adds at

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.layers import DecoderBlock, linear
+from dflash_jax.models.layers import DecoderBlock, linear, soft_capped
 
 
 def grouped_dynamic_conv(x: jax.Array, delta: jax.Array, base: jax.Array) -> jax.Array:
@@ -135,4 +135,4 @@ def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def unary_logits(logits: jax.Array, output_multiplier: float, softcap: float) -> jax.Array:
     """The LM head's logits as the selector reads them: scaled, then soft-capped (0 = no cap)."""
     logits = logits * output_multiplier if output_multiplier != 1.0 else logits
-    return softcap * jnp.tanh(logits / softcap) if softcap else logits
+    return soft_capped(logits, softcap)
