@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import flax.struct
@@ -37,10 +38,13 @@ SLOT_BUCKET = 128
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """One prompt's output: the new tokens (stop token included) and, per decoding step, how
-    many tokens that step added (the first token comes from the prefill and is in no step)."""
+    many tokens that step added (the first token comes from the prefill and is in no step).
+    `first_token_s`: the seconds its batch took to the first token (the prefill; serving's
+    time to first token), so that the decoding after it can be timed apart."""
 
     tokens: np.ndarray
     step_lengths: np.ndarray
+    first_token_s: float = 0.0
 
 
 def prompt_bucket(length: int) -> int:
@@ -175,12 +179,14 @@ def run_loop(step: Callable, st, *, block_size: int, max_steps: int | None = Non
     return st, emitted
 
 
-def collect(outputs: outputs_lib.Outputs, emitted: np.ndarray | None, num_rows: int) -> list[Generation]:
+def collect(
+    outputs: outputs_lib.Outputs, emitted: np.ndarray | None, num_rows: int, first_token_s: float = 0.0
+) -> list[Generation]:
     tokens, lengths = np.asarray(outputs.tokens), np.asarray(outputs.lengths)
     result = []
     for i in range(num_rows):
         steps = emitted[:, i] if emitted is not None else np.zeros((0,), np.int32)
-        result.append(Generation(tokens[i, : lengths[i]].copy(), steps[steps > 0].astype(np.int32)))
+        result.append(Generation(tokens[i, : lengths[i]].copy(), steps[steps > 0].astype(np.int32), first_token_s))
     return result
 
 
@@ -257,9 +263,12 @@ class Decoder:
         return result
 
     def _decode_batch(self, batch, key, max_steps: int | None = None) -> list[Generation]:
-        st = self._prefill(*pad_batch(batch, self.batch_size, self.max_prompt_len), key)
+        start = time.perf_counter()
+        # Waiting for the prefill costs nothing: the loop reads its state back before the first step.
+        st = jax.block_until_ready(self._prefill(*pad_batch(batch, self.batch_size, self.max_prompt_len), key))
+        first_token_s = time.perf_counter() - start
         st, emitted = run_loop(self._step, st, block_size=self.block_size, max_steps=max_steps)
-        return collect(st.outputs, emitted, len(batch))
+        return collect(st.outputs, emitted, len(batch), first_token_s)
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
         """Compile everything `generate` runs for these prompt lengths (prefill per prompt bucket,

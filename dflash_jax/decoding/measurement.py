@@ -3,7 +3,8 @@
 For every prompt set, the same prompts are decoded by DFlash speculative decoding and by the
 target alone (after compiling both; batch by batch, the two in turn), and the result holds τ
 (docs/design.md §4), its histogram, per-slot acceptance rates, tokens/s, time per output token
-and the speed ratio. Multi-turn rows (mt-bench) are decoded turn by turn: each later user turn
+and the speed ratio, end to end and after the first token (the prefill, the same for both, left
+out). Multi-turn rows (mt-bench) are decoded turn by turn: each later user turn
 follows the target's own answer to the earlier ones, and every answered turn counts as one
 generation in τ, as in the DFlash benchmark.
 """
@@ -45,14 +46,23 @@ def timed_generate(
 
 
 def speed(batches: list[tuple[float, list]]) -> dict:
-    """Throughput, and each prompt's batch time per output token averaged over prompts."""
-    tokens = sum(len(g.tokens) for _, gens in batches for g in gens)
+    """Throughput, and each prompt's batch time per output token averaged over prompts; then the
+    same for the decoding after the first token (the batch's prefill, `Generation.first_token_s`,
+    left out: what a serving engine reports as time per output token after time to first token)."""
+    generations = [g for _, gens in batches for g in gens]
+    tokens = sum(len(g.tokens) for g in generations)
     seconds = sum(s for s, _ in batches)
+    first_token_s = [gens[0].first_token_s for _, gens in batches if gens]
+    after_first = [(s - g.first_token_s, len(g.tokens) - 1) for s, gens in batches for g in gens if len(g.tokens) > 1]
+    decode_seconds = seconds - sum(first_token_s)
     return {
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "ms_per_token": 1000 * float(np.mean([s / len(g.tokens) for s, gens in batches for g in gens])),
+        "first_token_ms": 1000 * float(np.mean(first_token_s)),
+        "decode_tokens_per_s": (tokens - len(generations)) / decode_seconds if decode_seconds > 0 else 0.0,
+        "decode_ms_per_token": 1000 * float(np.mean([s / n for s, n in after_first])) if after_first else 0.0,
     }
 
 
@@ -107,6 +117,10 @@ def evaluate_set(
     result["dflash"] = speed(spec)
     result["target"] = speed(ref)
     result["speedup"] = result["dflash"]["tokens_per_s"] / result["target"]["tokens_per_s"]
+    # The prefill is the same work for both and weighs more the shorter the answers.
+    result["decode_speedup"] = result["dflash"]["decode_tokens_per_s"] / max(
+        result["target"]["decode_tokens_per_s"], 1e-9
+    )
     if sampling.greedy:
         # Greedy DFlash is lossless in exact arithmetic; in bf16 a near-tie can still flip.
         result["identical_outputs"] = float(

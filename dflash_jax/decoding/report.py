@@ -15,6 +15,7 @@ COLUMNS = (
     ("DFlash ms/tok", 13, ".2f"),
     ("target ms/tok", 13, ".2f"),
     ("speedup", 7, ".2f"),
+    ("after 1st token", 15, ".2f"),
 )
 
 
@@ -24,7 +25,8 @@ def _row(cells: list[str], name_width: int) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    """One row per prompt set, then each set's acceptance-length histogram as fractions."""
+    """One row per prompt set (the last column: the speedup after the first token, the prefill
+    left out), then each set's acceptance-length histogram as fractions."""
     name_width = max([COLUMNS[0][1], *map(len, results)])
     header = _row([title for title, _, _ in COLUMNS], name_width)
     lines = [header, "-" * len(header)]
@@ -38,6 +40,7 @@ def table(results: dict[str, dict]) -> str:
             r["dflash"]["ms_per_token"],
             r["target"]["ms_per_token"],
             r["speedup"],
+            r["decode_speedup"],
         )
         lines.append(_row([format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)], name_width))
     for name, r in results.items():

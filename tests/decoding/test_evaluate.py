@@ -18,7 +18,8 @@ from flax import nnx
 from dflash_jax import evaluate
 from dflash_jax.decoding.draft_vocab import FREQUENCIES_FILE, write_frequencies
 from dflash_jax.decoding.generate import TargetDecoder
-from dflash_jax.decoding.measurement import evaluate_set, timed_generate
+from dflash_jax.decoding.generate import Generation
+from dflash_jax.decoding.measurement import evaluate_set, speed, timed_generate
 from dflash_jax.decoding.prompt_sets import BadRow, ChatTokenizer, PromptSet, load_prompts
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import UserError
@@ -120,6 +121,10 @@ def test_workdir_and_its_export_report_the_same_tau_and_name_their_target(
     for mode in ("dflash", "target"):
         assert ours[mode]["tokens"] == ours["num_tokens"] and ours[mode]["tokens_per_s"] > 0
     assert ours["speedup"] == pytest.approx(ours["dflash"]["tokens_per_s"] / ours["target"]["tokens_per_s"])
+    for mode in ("dflash", "target"):  # the prefill took some of the time, not all of it
+        assert 0 < ours[mode]["first_token_ms"] < 1000 * ours[mode]["seconds"]
+    decode = [ours[mode]["decode_tokens_per_s"] for mode in ("dflash", "target")]
+    assert ours["decode_speedup"] == pytest.approx(decode[0] / decode[1])
 
 
 @pytest.mark.parametrize(
@@ -287,3 +292,17 @@ def test_speed_is_timed_batch_by_batch_with_the_decoders_in_turn():
     ]
     assert [seed for _, _, seed in calls] == [10, 10, 11, 11, 12, 12]  # the same seed for both
     assert [gens for _, gens in batches["b"]] == [["b", "b"], ["b", "b"], ["b"]]
+
+
+def test_speed_after_the_first_token_leaves_each_batch_prefill_out():
+    def gen(num_tokens, first_token_s):
+        return Generation(np.zeros(num_tokens, np.int32), np.ones(num_tokens - 1, np.int32), first_token_s)
+
+    # Two batches: 2 s with a 0.5 s prefill (rows of 11 and 6 tokens), 1 s with a 0.2 s prefill (5 tokens).
+    result = speed([(2.0, [gen(11, 0.5), gen(6, 0.5)]), (1.0, [gen(5, 0.2)])])
+    assert result["tokens"] == 22 and result["tokens_per_s"] == pytest.approx(22 / 3)
+    assert result["first_token_ms"] == pytest.approx(350)
+    assert result["decode_tokens_per_s"] == pytest.approx((22 - 3) / (3 - 0.7))
+    assert result["decode_ms_per_token"] == pytest.approx(1000 * np.mean([1.5 / 10, 1.5 / 5, 0.8 / 4]))
+    # A one-token answer has no decoding after its first token to time.
+    assert speed([(1.0, [gen(1, 1.0)])])["decode_ms_per_token"] == 0.0
