@@ -89,16 +89,6 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         lower_bound=0,
         **fv,
     )
-    flags.DEFINE_float(
-        "verify_threshold",
-        0.0,
-        "> 0: each step the target verifies only the drafts the drafter gives at least this probability of "
-        "all being accepted, rounded up to 2, 4, 8... tokens (0: the whole block). Lossless; pays where a "
-        "shorter verify costs less (CPUs).",
-        lower_bound=0,
-        upper_bound=0.999999,
-        **fv,
-    )
     flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).", **fv)
     flags.DEFINE_enum(
         "dtype",
@@ -132,7 +122,6 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         seed=f.seed,
         confidence_threshold=f.confidence_threshold,
         draft_vocab=f.draft_vocab,
-        verify_threshold=f.verify_threshold,
     )
     write_outputs(evaluation, f.output)
     print(report.table(evaluation["sets"]))

@@ -56,12 +56,10 @@ def measure_acceptance(
     seed: int = 0,
     confidence_threshold: float = 0.0,
     draft_tokens: np.ndarray | None = None,
-    verify_threshold: float = 0.0,
 ) -> dict:
     """Speculative-decode `prompts` (1-D token arrays, chat template applied) and return
     `acceptance_stats` (key "tau", ...). `confidence_threshold`: DSpark's truncation (0 = off);
-    `draft_tokens`: the draft vocabulary (decoding/draft_vocab.py; None: every token);
-    `verify_threshold`: the adaptive verify length (decoding/speculative.py; 0 = the whole block).
+    `draft_tokens`: the draft vocabulary (decoding/draft_vocab.py; None: every token).
 
     Repeated calls with the same prompts, settings and model structure reuse the compiled
     steps, so calling this every N training steps costs only the decoding itself.
@@ -78,6 +76,5 @@ def measure_acceptance(
         stop_tokens=stop_tokens,
         confidence_threshold=confidence_threshold,
         draft_tokens=draft_tokens,
-        verify_threshold=verify_threshold,
     )
     return acceptance_stats(decoder.generate(prompts, seed=seed), drafter.cfg.verify_size)

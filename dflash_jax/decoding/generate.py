@@ -226,8 +226,7 @@ class Decoder:
         self.capacity = _round_up(max_new_tokens + self.block_size)
         self.slot_bucket = slot_bucket  # `attended_slots`; 0: attention reads every cache slot
         graphdef, self._state = nnx.split(models)
-        self.fns = make_fns(graphdef, sampling)  # (prefill, step, and what a subclass adds)
-        self.prefill_fn, self.step_fn = self.fns[:2]
+        self.prefill_fn, self.step_fn = make_fns(graphdef, sampling)
 
     def _prefill(self, tokens, lengths, valid, key):
         return self.prefill_fn(
@@ -283,12 +282,8 @@ class Decoder:
         last = max(prompt_lengths) + self.max_new_tokens + self.block_size
         # Steps on the dummy's state, whatever slots it needs: only their compilation matters.
         for slots in sorted({self._attended_slots(n) for n in range(first, last + 1)}):
-            st = self._warm_step(st, slots)
+            st, _ = self._step(st, slots)
         jax.block_until_ready(st)
-
-    def _warm_step(self, st, num_slots_needed: int):
-        """Compile what a step needing that many cache slots runs (by running it)."""
-        return self._step(st, num_slots_needed)[0]
 
 
 class TargetDecoder(Decoder):

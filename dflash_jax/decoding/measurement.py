@@ -160,16 +160,12 @@ def evaluate(
     seed: int = 0,
     confidence_threshold: float = 0.0,
     draft_tokens: np.ndarray | None = None,
-    verify_threshold: float = 0.0,
 ) -> dict:
     """Evaluate every prompt set (specs as `chat.resolve_prompt_set` reads them, or
     `HeldoutPrompts`); {"run": settings, "sets": {name: result}}. `confidence_threshold`:
     DSpark's truncation (0 = the whole block); `draft_tokens`: the draft vocabulary
-    (decoding/draft_vocab.py; None = the whole vocabulary); `verify_threshold`: the adaptive
-    verify length (decoding/speculative.py; 0 = the whole block)."""
-    drafting = dict(
-        confidence_threshold=confidence_threshold, draft_tokens=draft_tokens, verify_threshold=verify_threshold
-    )
+    (decoding/draft_vocab.py; None = the whole vocabulary)."""
+    drafting = dict(confidence_threshold=confidence_threshold, draft_tokens=draft_tokens)
     prompt_sets = [load_prompt_set(spec, chat, limit=num_prompts) for spec in prompt_specs]
     sets = {}
     for prompt_set in prompt_sets:
@@ -192,7 +188,6 @@ def evaluate(
         "verify_size": drafter.cfg.verify_size,  # the longest acceptance
         "confidence_threshold": confidence_threshold,
         "draft_vocab": 0 if draft_tokens is None else len(draft_tokens),  # 0: the whole vocabulary
-        "verify_threshold": verify_threshold,  # 0: the whole block verified every step
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
         "temperature": sampling.temperature,

@@ -37,12 +37,9 @@ class AcceptanceEval:
         max_new_tokens: int,
         confidence_threshold: float = 0.0,
         draft_tokens: np.ndarray | None = None,
-        verify_threshold: float = 0.0,
     ):
         self.prompts, self.stop, self.max_new_tokens = prompts, stop, max_new_tokens
-        self.drafting = dict(
-            confidence_threshold=confidence_threshold, draft_tokens=draft_tokens, verify_threshold=verify_threshold
-        )
+        self.drafting = dict(confidence_threshold=confidence_threshold, draft_tokens=draft_tokens)
 
     @classmethod
     def for_setup(cls, setup: TrainSetup, draft_tokens: np.ndarray | None = None) -> AcceptanceEval:
@@ -55,7 +52,6 @@ class AcceptanceEval:
             max_new_tokens=setup.eval.max_new_tokens,
             confidence_threshold=setup.eval.confidence_threshold,
             draft_tokens=draft_tokens,
-            verify_threshold=setup.eval.verify_threshold,
         )
 
     def __call__(self, target: Transformer, drafter: DFlashDrafter) -> dict:
@@ -120,7 +116,6 @@ def final_evaluation(setup: TrainSetup) -> dict | None:
         enable_thinking=setup.data.enable_thinking,
         confidence_threshold=setup.eval.confidence_threshold,
         draft_vocab=setup.eval.draft_vocab,
-        verify_threshold=setup.eval.verify_threshold,
     )
     measurement.write_outputs(result, workdir.eval)
     return result

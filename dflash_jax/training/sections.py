@@ -226,10 +226,6 @@ class EvalSettings:
     # > 0: draft among this many of the most frequent trained-on tokens (docs/design.md §4 "Draft
     # vocabulary"; evaluate --draft_vocab); 0 = every token.
     draft_vocab: int = 0
-    # > 0: each step verifies only the drafts the drafter gives at least this probability of all
-    # being accepted (docs/design.md §4 "Adaptive verify length"; evaluate --verify_threshold);
-    # 0 = the whole block.
-    verify_threshold: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -243,8 +239,6 @@ class EvalSettings:
         out = _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1, draft_vocab=0)
         if not 0 <= self.confidence_threshold < 1:
             out.append(f"eval.confidence_threshold={self.confidence_threshold} must be in [0, 1)")
-        if not 0 <= self.verify_threshold < 1:
-            out.append(f"eval.verify_threshold={self.verify_threshold} must be in [0, 1)")
         return out
 
 

@@ -264,10 +264,6 @@ def test_evaluate_reports_per_slot_acceptance_for_every_kind(chat_target, prompt
         run_cli(evaluate, [*settings, "--draft_vocab=64"])
         result = json.loads((tmp_path / "eval" / "eval.json").read_text())
         assert result["run"]["draft_vocab"] == 64 and result["sets"]["prompts"]["identical_outputs"] == 1.0
-        # An adaptive verify length: lossless, and recorded with the run.
-        run_cli(evaluate, [*settings, "--verify_threshold=0.5"])
-        result = json.loads((tmp_path / "eval" / "eval.json").read_text())
-        assert result["run"]["verify_threshold"] == 0.5 and result["sets"]["prompts"]["identical_outputs"] == 1.0
 
 
 def test_speed_is_timed_batch_by_batch_with_the_decoders_in_turn():

@@ -14,7 +14,6 @@ from dflash_jax.decoding import generate as generate_lib
 from dflash_jax.decoding import speculative
 from dflash_jax.decoding.draft_vocab import FullVocabulary
 from dflash_jax.decoding.generate import TargetDecoder
-from dflash_jax.decoding.sampling import GREEDY, SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.block_attention import block_context_mask
 from support.decoding_models import (
@@ -175,77 +174,6 @@ def test_greedy_with_a_draft_vocabulary_is_lossless(cases, name):
             if tokens is every:
                 np.testing.assert_array_equal(d.step_lengths, s.step_lengths)
     assert np.mean([d.step_lengths.mean() for d in drafted]) < np.mean([s.step_lengths.mean() for s in spec])
-
-
-def test_verify_lengths_cover_the_confident_drafts_of_every_running_row():
-    assert speculative.verify_lengths(8) == (2, 4, 8)
-    assert speculative.verify_lengths(9) == (2, 4, 8, 9)  # DSpark: every slot of a block of 8 drafts
-    assert speculative.verify_lengths(2) == (2,)
-    lengths = (2, 4, 8)
-    done = np.array([False, False, True])
-    assert speculative.verify_length(np.array([0, 1, 7]), done, lengths) == 2  # a done row does not count
-    assert speculative.verify_length(np.array([2, 1, 0]), done, lengths) == 4
-    assert speculative.verify_length(np.array([7, 0, 0]), done, lengths) == 8
-    assert speculative.verify_length(np.array([0, 0, 0]), np.ones(3, bool), lengths) == 2
-
-
-def test_confident_drafts_count_the_leading_drafts_whose_running_product_reaches_the_threshold():
-    # q(d_i) = 0.9, 0.8, 0.9, 0.99 for the drafted tokens: running products 0.9, 0.72, 0.648, 0.64.
-    q = np.array([[0.9, 0.8, 0.9, 0.99]])
-    logits = np.log(np.stack([q, 1 - q], axis=-1))  # the draft is token 0 of a 2-token vocabulary
-    drafts = np.zeros((1, 4), np.int32)
-    counts = [int(speculative.confident_drafts(drafts, logits, GREEDY, t)[0]) for t in (0.95, 0.85, 0.7, 0.645, 0.1)]
-    assert counts == [0, 1, 2, 3, 4]
-    # Sampled: q is the warped distribution the draft was drawn from (temperature 0.5 sharpens it).
-    assert int(speculative.confident_drafts(drafts, logits, SamplingConfig(0.5), 0.7)[0]) == 4
-
-
-@pytest.mark.parametrize(
-    "name",
-    ["partial", *(pytest.param(n, marks=pytest.mark.slow) for n in ("dflash2_partial", "untrained", "dspark_partial"))],
-)
-def test_greedy_with_a_verify_threshold_is_lossless(cases, name):
-    """Verifying only the drafts the drafter is confident of decodes the same tokens; a threshold
-    every draft reaches verifies the whole block, in the same steps as without a threshold;
-    `warmup` compiles every verify length."""
-    target, drafter = cases[name]
-    prompts = random_prompts(90, PROMPT_LENGTHS)
-    ref, spec = decode_both(target, drafter, prompts, max_new_tokens=MAX_NEW, batch_size=2)
-    kw = dict(max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW, batch_size=2)
-    taus = []
-    for threshold in (1e-37, 0.5, 1 - 1e-7):
-        decoder = SpeculativeDecoder(target, drafter, verify_threshold=threshold, **kw)
-        decoder.warmup([len(p) for p in prompts])
-        compiled = decoder.draft_fn._cache_size(), decoder.verify_fn._cache_size()
-        got = decoder.generate(prompts)
-        assert (decoder.draft_fn._cache_size(), decoder.verify_fn._cache_size()) == compiled
-        for r, s, g in zip(ref, spec, got):
-            np.testing.assert_array_equal(g.tokens, r.tokens)
-            if threshold < 1e-30:
-                np.testing.assert_array_equal(g.step_lengths, s.step_lengths)
-        taus.append(np.mean([g.step_lengths.mean() for g in got]))
-    assert taus == sorted(taus, reverse=True)
-
-
-@pytest.mark.parametrize("name", ["untrained", pytest.param("dflash2_untrained", marks=pytest.mark.slow)])
-def test_a_verify_threshold_no_draft_reaches_verifies_one_draft_a_step(cases, name):
-    """A random drafter is sure of nothing: every step verifies the anchor and one draft."""
-    target, drafter = cases[name]
-    prompts = random_prompts(91, (5, 12))
-    decoder = SpeculativeDecoder(
-        target, drafter, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW, batch_size=2, verify_threshold=0.5
-    )
-    verified = []
-    verify_fn = decoder.verify_fn
-
-    def recording(*args, verify_len, **kw):
-        verified.append(verify_len)
-        return verify_fn(*args, verify_len=verify_len, **kw)
-
-    decoder.verify_fn = recording
-    got = decoder.generate(prompts)
-    assert set(verified) == {2} and len(verified) == max(len(g.step_lengths) for g in got)
-    assert max(g.step_lengths.max() for g in got) <= 2
 
 
 def test_first_token_stop_ends_without_a_step(cases):
