@@ -48,7 +48,8 @@ def timed_generate(
 def speed(batches: list[tuple[float, list]]) -> dict:
     """Throughput, and each prompt's batch time per output token averaged over prompts; then the
     same for the decoding after the first token (the batch's prefill, `Generation.first_token_s`,
-    left out: what a serving engine reports as time per output token after time to first token)."""
+    left out: what a serving engine reports as time per output token after time to first token).
+    A batch is one decoder batch, as `timed_generate` times them."""
     generations = [g for _, gens in batches for g in gens]
     tokens = sum(len(g.tokens) for g in generations)
     seconds = sum(s for s, _ in batches)

@@ -40,9 +40,10 @@ def table(results: dict[str, dict]) -> str:
             r["dflash"]["ms_per_token"],
             r["target"]["ms_per_token"],
             r["speedup"],
-            r["decode_speedup"],
+            r.get("decode_speedup"),  # absent from the results of older versions, saved in a workdir
         )
-        lines.append(_row([format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)], name_width))
+        cells = ["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)]
+        lines.append(_row(cells, name_width))
     for name, r in results.items():
         hist = np.asarray(r["histogram"], float)
         fractions = hist / max(hist.sum(), 1)

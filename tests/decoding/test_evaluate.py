@@ -16,9 +16,9 @@ from absl import flags
 from flax import nnx
 
 from dflash_jax import evaluate
+from dflash_jax.decoding import report
 from dflash_jax.decoding.draft_vocab import FREQUENCIES_FILE, write_frequencies
-from dflash_jax.decoding.generate import TargetDecoder
-from dflash_jax.decoding.generate import Generation
+from dflash_jax.decoding.generate import Generation, TargetDecoder
 from dflash_jax.decoding.measurement import evaluate_set, speed, timed_generate
 from dflash_jax.decoding.prompt_sets import BadRow, ChatTokenizer, PromptSet, load_prompts
 from dflash_jax.decoding.sampling import GREEDY
@@ -306,3 +306,19 @@ def test_speed_after_the_first_token_leaves_each_batch_prefill_out():
     assert result["decode_ms_per_token"] == pytest.approx(1000 * np.mean([1.5 / 10, 1.5 / 5, 0.8 / 4]))
     # A one-token answer has no decoding after its first token to time.
     assert speed([(1.0, [gen(1, 1.0)])])["decode_ms_per_token"] == 0.0
+
+
+def test_the_table_shows_both_speedups_and_reads_results_saved_before_the_second():
+    result = {
+        "num_prompts": 4,
+        "tau": 2.5,
+        "dflash": {"tokens_per_s": 30.0, "ms_per_token": 33.3},
+        "target": {"tokens_per_s": 20.0, "ms_per_token": 50.0},
+        "speedup": 1.5,
+        "decode_speedup": 1.62,
+        "histogram": [1, 1],
+    }
+    old = {k: v for k, v in result.items() if k != "decode_speedup"}  # an eval.json of an earlier version
+    header, _, new_row, old_row, *_ = report.table({"new": result, "old": old}).splitlines()
+    assert header.split()[-3:] == ["after", "1st", "token"]
+    assert new_row.split()[-2:] == ["1.50", "1.62"] and old_row.split()[-2:] == ["1.50", "-"]
