@@ -118,10 +118,10 @@ def evaluate_set(
     result["dflash"] = speed(spec)
     result["target"] = speed(ref)
     result["speedup"] = result["dflash"]["tokens_per_s"] / result["target"]["tokens_per_s"]
-    # The prefill is the same work for both and weighs more the shorter the answers.
-    result["decode_speedup"] = result["dflash"]["decode_tokens_per_s"] / max(
-        result["target"]["decode_tokens_per_s"], 1e-9
-    )
+    # The prefill is the same work for both and weighs more the shorter the answers. None where
+    # no answer had a token after its first (nothing decoded to time; the table prints '-').
+    dflash_rate, target_rate = result["dflash"]["decode_tokens_per_s"], result["target"]["decode_tokens_per_s"]
+    result["decode_speedup"] = dflash_rate / target_rate if target_rate else None
     if sampling.greedy:
         # Greedy DFlash is lossless in exact arithmetic; in bf16 a near-tie can still flip.
         result["identical_outputs"] = float(

@@ -40,7 +40,7 @@ def table(results: dict[str, dict]) -> str:
             r["dflash"]["ms_per_token"],
             r["target"]["ms_per_token"],
             r["speedup"],
-            r.get("decode_speedup"),  # absent from the results of older versions, saved in a workdir
+            r.get("decode_speedup"),  # None, or absent from older versions' results saved in a workdir
         )
         cells = ["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)]
         lines.append(_row(cells, name_width))
