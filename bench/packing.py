@@ -24,6 +24,7 @@ import numpy as np
 from dflash_jax.data.cache import CacheWriter, TokenizedCache
 from dflash_jax.data.packing import plan_epoch
 from dflash_jax.data.pipeline import DataPipeline
+from dflash_jax.data.settings import DataConfig
 
 
 def chat_lengths(n: int, seq_len: int, seed: int = 0) -> np.ndarray:
@@ -86,13 +87,8 @@ def main() -> None:
     print(f"planning one epoch: {plan_seconds:.2f} s")
 
     with tempfile.TemporaryDirectory() as directory:
-        data = DataPipeline(
-            synthetic_cache(directory, lengths),
-            seq_len=args.seq_len,
-            global_batch_rows=args.rows,
-            seed=0,
-            read_threads=0,
-        )
+        settings = DataConfig(seq_len=args.seq_len, global_batch_rows=args.rows, read_threads=0)
+        data = DataPipeline(synthetic_cache(directory, lengths), settings)
         it = data.iterator(process_index=0, process_count=1)
         next(it)  # plan the epoch outside the timing
         started = time.perf_counter()

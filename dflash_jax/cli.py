@@ -81,13 +81,37 @@ def define_config(default: str | None = None, flag_values: flags.FlagValues = fl
         )
 
 
-def run(main: Callable[[list[str]], int | None], renamed: Mapping[str, str] | None = None) -> None:
-    """`absl.app.run(main)`, with user errors as one line and the exit statuses above.
+def define_sampling_flags(temperature_help: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """--temperature, --top_p and --top_k, read back by `sampling_config`."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_float("temperature", 0.0, temperature_help, lower_bound=0, **fv)
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
+    flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_bound=0, **fv)
+
+
+def sampling_config(f: flags.FlagValues):
+    """The `decoding.sampling.SamplingConfig` of the sampling flags; a bad value is a user error."""
+    from dflash_jax.decoding.sampling import SamplingConfig  # only the decoding commands need jax
+
+    try:
+        return SamplingConfig(f.temperature, top_p=f.top_p, top_k=f.top_k)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def run(
+    main: Callable[[list[str]], int | None],
+    define_flags: Callable[[], None],
+    renamed: Mapping[str, str] | None = None,
+) -> None:
+    """`absl.app.run(main)` after `define_flags()`, with user errors as one line and the exit
+    statuses above.
 
     `--help` prints the command's docstring and flags and exits 0; `renamed` maps a flag's old
     name to its new one, for a one-line hint instead of "unknown flag"; with `--print_config`,
     the config is printed instead of running `main`.
     """
+    define_flags()
     doc = sys.modules[main.__module__].__doc__ or ""
 
     def guarded(argv):

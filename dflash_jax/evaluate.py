@@ -30,7 +30,6 @@ from absl import flags
 from dflash_jax import cli
 from dflash_jax.decoding import report
 from dflash_jax.decoding.measurement import write_outputs
-from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.hub import resolve_model
@@ -69,9 +68,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer(
         "batch_size", 1, "Prompts decoded together (speed-ups are usually quoted at 1).", lower_bound=1, **fv
     )
-    flags.DEFINE_float("temperature", 0.0, "0: greedy (lossless); > 0: rejection sampling.", lower_bound=0, **fv)
-    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
-    flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_bound=0, **fv)
+    cli.define_sampling_flags("0: greedy (lossless); > 0: rejection sampling.", flag_values)
     flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
     flags.DEFINE_float(
         "confidence_threshold",
@@ -103,10 +100,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
-    try:
-        sampling = SamplingConfig(f.temperature, top_p=f.top_p, top_k=f.top_k)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    sampling = cli.sampling_config(f)
     drafter = str(_model(f.drafter, "--drafter"))
     evaluation = run_evaluation(
         _target(f.target, drafter, f.step),
@@ -176,8 +170,7 @@ def _run_of(drafter: str) -> Workdir | None:
 
 def run() -> None:
     """The command: `dflash-jax evaluate`, or `python -m dflash_jax.evaluate`."""
-    define_flags()
-    cli.run(main, renamed=RENAMED_FLAGS)
+    cli.run(main, define_flags, renamed=RENAMED_FLAGS)
 
 
 if __name__ == "__main__":

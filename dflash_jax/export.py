@@ -40,8 +40,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
 
 def run() -> None:
     """The command: `dflash-jax export`, or `python -m dflash_jax.export`."""
-    define_flags()
-    cli.run(main, renamed=RENAMED_FLAGS)
+    cli.run(main, define_flags, renamed=RENAMED_FLAGS)
 
 
 if __name__ == "__main__":

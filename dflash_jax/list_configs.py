@@ -98,8 +98,7 @@ def _value(value) -> str:
 
 def run() -> None:
     """The command: `dflash-jax list-configs`."""
-    define_flags()
-    cli.run(main)
+    cli.run(main, define_flags)
 
 
 if __name__ == "__main__":

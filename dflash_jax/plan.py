@@ -139,8 +139,7 @@ def _config_argument() -> str:
 
 def run() -> None:
     """The command: `dflash-jax plan`, or `python -m dflash_jax.plan`."""
-    define_flags()
-    cli.run(main, renamed=RENAMED_FLAGS)
+    cli.run(main, define_flags, renamed=RENAMED_FLAGS)
 
 
 if __name__ == "__main__":

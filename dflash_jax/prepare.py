@@ -50,8 +50,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
 
 def run() -> None:
     """The command: `dflash-jax prepare`, or `python -m dflash_jax.prepare`."""
-    define_flags()
-    cli.run(main, renamed=RENAMED_FLAGS)
+    cli.run(main, define_flags, renamed=RENAMED_FLAGS)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Rows are written as they finish, so with --concurrency > 1 their order may diffe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from absl import flags
@@ -30,7 +31,6 @@ from absl import flags
 from dflash_jax import cli
 from dflash_jax.decoding.backends import HttpBackend, JaxBackend
 from dflash_jax.decoding.regeneration import Regeneration, failures_path
-from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.hub import resolve_model
@@ -39,20 +39,15 @@ RENAMED_FLAGS = {"model": "target"}
 
 
 def make_backend(f):
-    try:
-        sampling = SamplingConfig(f.temperature, top_p=f.top_p, top_k=f.top_k)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    sampling = cli.sampling_config(f)
     if f.backend == "http":
         return HttpBackend(
             _server(f),
             concurrency=f.concurrency,
             max_tokens=f.max_new_tokens,
-            temperature=f.temperature,
-            top_p=f.top_p,
-            top_k=f.top_k,
             enable_thinking=f.enable_thinking,
             seed=f.seed if f.temperature else None,
+            **dataclasses.asdict(sampling),  # the chat request's temperature, top_p and top_k
         )
     if not f.target:
         raise UserError("--target is required with --backend=jax: a model directory or hub id (org/name)")
@@ -138,9 +133,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response at most.", lower_bound=1, **fv)
-    flags.DEFINE_float("temperature", 0.0, "0: greedy, as the DFlash recipe.", lower_bound=0, **fv)
-    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
-    flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_bound=0, **fv)
+    cli.define_sampling_flags("0: greedy, as the DFlash recipe.", flag_values)
     flags.DEFINE_bool("enable_thinking", False, "Qwen3 thinking mode (the recipe disables it).", **fv)
     flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
     flags.DEFINE_integer("limit", 0, "At most this many rows regenerated in this run (0: all).", lower_bound=0, **fv)
@@ -162,8 +155,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
 
 def run() -> None:
     """The command: `dflash-jax regenerate`, or `python -m dflash_jax.regenerate`."""
-    define_flags()
-    cli.run(main, renamed=RENAMED_FLAGS)
+    cli.run(main, define_flags, renamed=RENAMED_FLAGS)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:  # cli.run has refused
 
 def run() -> None:
     """The command: `dflash-jax train`, or `python train.py` in a checkout."""
-    define_flags()
-    cli.run(main)
+    cli.run(main, define_flags)
 
 
 if __name__ == "__main__":

@@ -52,30 +52,18 @@ from dflash_jax.data.settings import DataConfig
 class DataPipeline:
     """Plans epochs over a tokenized cache and makes iterators over them."""
 
-    def __init__(
-        self,
-        cache: TokenizedCache,
-        *,
-        seq_len: int,
-        global_batch_rows: int,
-        seed: int,
-        pack_window: int = 64,
-        docs_per_row: int = 0,
-        read_threads: int = 1,
-        prefetch_batches: int = 2,
-        heldout_rows: int = 0,
-    ):
-        self.cache = cache
-        self.heldout_rows = heldout_rows
-        self.heldout = heldout_samples(cache, heldout_rows)
+    def __init__(self, cache: TokenizedCache, settings: DataConfig):
+        """Batches of `cache` as `settings` packs, shuffles, holds out and loads them (its
+        fields seq_len, global_batch_rows, seed, pack_window, docs_per_row, heldout_rows,
+        read_threads and prefetch_batches; the cache was built from the others)."""
+        self.cache, self.settings = cache, settings
+        self.seq_len, self.global_batch_rows = settings.seq_len, settings.global_batch_rows
+        self.heldout = heldout_samples(cache, settings.heldout_rows)
         # The samples epochs are planned over; a plan's document d is sample train_samples[d].
         self.train_samples = np.setdiff1d(np.arange(cache.num_samples), self.heldout)
-        self.seq_len = seq_len
-        self.global_batch_rows = global_batch_rows
-        self.seed = seed
-        self.pack_window = pack_window
-        self.docs_per_row = docs_per_row
-        self.read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch_batches)
+        self.read_options = grain.ReadOptions(
+            num_threads=settings.read_threads, prefetch_buffer_size=settings.prefetch_batches
+        )
         self._steps_in_epoch: dict[int, int] = {}
         # The iterator needs the current epoch's plan, and at an epoch boundary the next one.
         self.plan = functools.lru_cache(maxsize=2)(self._plan)
@@ -83,17 +71,7 @@ class DataPipeline:
     @classmethod
     def from_config(cls, data: DataConfig, target_path: str, *, rebuild: bool = False) -> DataPipeline:
         """Over the cache of `data` (built first if missing, stale, or `rebuild`)."""
-        return cls(
-            ensure_cache(data, target_path, rebuild=rebuild),
-            seq_len=data.seq_len,
-            global_batch_rows=data.global_batch_rows,
-            seed=data.seed,
-            pack_window=data.pack_window,
-            docs_per_row=data.docs_per_row,
-            read_threads=data.read_threads,
-            prefetch_batches=data.prefetch_batches,
-            heldout_rows=data.heldout_rows,
-        )
+        return cls(ensure_cache(data, target_path, rebuild=rebuild), data)
 
     def trained_token_counts(self, vocab_size: int) -> np.ndarray:
         """How often each token id is trained on [vocab_size], the held-out prompts left out."""
@@ -136,13 +114,13 @@ class DataPipeline:
             "data_sha256": self.cache.manifest["content_sha256"],
             "seq_len": self.seq_len,
             "global_batch_rows": self.global_batch_rows,
-            "seed": self.seed,
-            "pack_window": self.pack_window,
+            "seed": self.settings.seed,
+            "pack_window": self.settings.pack_window,
         }
-        if self.docs_per_row:  # absent otherwise, so runs saved before the cap still resume
-            fingerprint["docs_per_row"] = self.docs_per_row
-        if self.heldout_rows:  # absent otherwise, so runs saved before the split still resume
-            fingerprint["heldout_rows"] = self.heldout_rows
+        if self.settings.docs_per_row:  # absent otherwise, so runs saved before the cap still resume
+            fingerprint["docs_per_row"] = self.settings.docs_per_row
+        if self.settings.heldout_rows:  # absent otherwise, so runs saved before the split still resume
+            fingerprint["heldout_rows"] = self.settings.heldout_rows
             fingerprint["heldout_sha256"] = hashlib.sha256(self.heldout.astype(np.int64).tobytes()).hexdigest()
         return fingerprint
 
@@ -154,9 +132,8 @@ class DataPipeline:
 
     def _plan(self, epoch: int) -> EpochPlan:
         lengths = self.cache.lengths[self.train_samples]
-        plan = plan_epoch(
-            lengths, self.seq_len, self.global_batch_rows, self.seed, epoch, self.pack_window, self.docs_per_row
-        )
+        s = self.settings
+        plan = plan_epoch(lengths, s.seq_len, s.global_batch_rows, s.seed, epoch, s.pack_window, s.docs_per_row)
         self._steps_in_epoch[epoch] = plan.num_batches
         return dataclasses.replace(plan, doc_ids=self.train_samples[plan.doc_ids])
 

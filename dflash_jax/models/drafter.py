@@ -156,23 +156,18 @@ class DFlashDrafter(nnx.Module):
         parameters stay one module per layer either way."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
-        self.fc = linear(
-            cfg.num_context_features * cfg.hidden_size,
-            cfg.hidden_size,
-            rngs=rngs,
-            init_std=INIT_STD,
-            **kw,
-        )
-        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.fc = linear(
+            cfg.num_context_features * cfg.hidden_size, cfg.hidden_size, rngs=rngs, init_std=INIT_STD, **dtypes
+        )
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **dtypes)
         self.layers = nnx.List(
             [drafter_layer(cfg, i, attention=attention, dtypes=dtypes, rngs=rngs) for i in range(cfg.num_layers)]
         )
         # A drafter layer's module differs from another's by its attention pattern alone.
         kinds = [cfg.attention_pattern(i) for i in range(cfg.num_layers)]
         self.segments = layer_stack.segments(kinds, scan=scan_layers)
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **dtypes)
         # The kind's heads (docs/design.md "Drafter kinds"), named as the export names them.
         head_kw = dict(init_std=INIT_STD, param_dtype=param_dtype, rngs=rngs)
         if cfg.kind == "dflash2":

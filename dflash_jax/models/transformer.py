@@ -32,6 +32,16 @@ from dflash_jax.models.mixers import DecodeStep, PackedRows, SelfAttention
 from dflash_jax.models.moe import MoE
 
 
+def _attention_kw(cfg: TransformerConfig, *, attention: str, dtypes: dict, rngs) -> dict:
+    """What every attention module of a target is built with, whatever its kind."""
+    return dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, implementation=attention, rngs=rngs, **dtypes)
+
+
+def _window(cfg: TransformerConfig, layer_type: str) -> int:
+    """A layer's attention window: the config's sliding window on its sliding layers, else 0 (all)."""
+    return cfg.sliding_window if layer_type == "sliding_attention" else 0
+
+
 def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: dict, rngs) -> tuple[str, nnx.Module]:
     """The token mixer of a layer of `layer_type` -> (its checkpoint name, the module)."""
     if layer_type == "linear_attention":
@@ -39,31 +49,21 @@ def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: d
             cfg.linear_attention, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs, **dtypes
         )
         return "linear_attn", mixer
+    attention_kw = _attention_kw(cfg, attention=attention, dtypes=dtypes, rngs=rngs)
     if cfg.latent_attention is not None:
-        return "self_attn", LatentAttention(
-            cfg.latent_attention,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            rngs=rngs,
-            implementation=attention,
-            **dtypes,
-        )
+        return "self_attn", LatentAttention(cfg.latent_attention, **attention_kw)
     return "self_attn", SelfAttention(
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         qk_norm=cfg.qk_norm,
         eps=cfg.rms_norm_eps,
-        rngs=rngs,
-        implementation=attention,
         output_gate=cfg.attention_output_gate,
         zero_centered_norm=cfg.zero_centered_norm,
         use_bias=cfg.attention_bias,
-        sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else 0,
+        sliding_window=_window(cfg, layer_type),
         sinks=cfg.attention_sinks,
         qk_norm_across_heads=cfg.qk_norm_across_heads,
-        **dtypes,
+        **attention_kw,
     )
 
 
@@ -98,16 +98,12 @@ def _gemma4_layer(
 ) -> Gemma4Block:
     own = layer_attention(cfg, layer_type)
     mixer = Gemma4Attention(
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_heads,
         num_kv_heads=own.num_kv_heads,
         head_dim=own.head_dim,
         values_from_keys=own.values_from_keys,
         eps=cfg.rms_norm_eps,
-        sliding_window=cfg.sliding_window if layer_type == "sliding_attention" else 0,
-        implementation=attention,
-        rngs=rngs,
-        **dtypes,
+        sliding_window=_window(cfg, layer_type),
+        **_attention_kw(cfg, attention=attention, dtypes=dtypes, rngs=rngs),
     )
     moe = MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes) if experts else None
     mlp = _dense_mlp(cfg, dtypes=dtypes, rngs=rngs)

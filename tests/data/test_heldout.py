@@ -14,6 +14,7 @@ import pytest
 from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.heldout import heldout_prompts, heldout_samples, prompt_key
 from dflash_jax.data.pipeline import DataPipeline
+from dflash_jax.data.settings import DataConfig
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, HeldoutPrompts, load_prompt_set
 from dflash_jax.errors import DataError
 from support.chat_data import chat, data_config, write_jsonl, write_tiny_target
@@ -73,7 +74,7 @@ def test_the_smallest_prompt_keys_are_held_out_with_every_conversation_opening_w
 
 
 def test_epochs_never_hold_a_heldout_conversation_and_hold_every_other_once(cache):
-    pipeline = DataPipeline(cache, seq_len=128, global_batch_rows=4, seed=0, read_threads=0, heldout_rows=10)
+    pipeline = DataPipeline(cache, DataConfig(seq_len=128, global_batch_rows=4, read_threads=0, heldout_rows=10))
     held = set(heldout_samples(cache, 10).tolist())
     for epoch in range(2):
         used = pipeline.plan(epoch).doc_ids.tolist()
@@ -97,9 +98,8 @@ def test_the_split_ignores_row_order_files_and_formats(tmp_path, cache, target):
 
 def test_resume_refuses_another_split_and_runs_without_one_keep_their_fingerprint(cache):
     def iterator(heldout_rows):
-        pipeline = DataPipeline(
-            cache, seq_len=128, global_batch_rows=4, seed=0, read_threads=0, heldout_rows=heldout_rows
-        )
+        settings = DataConfig(seq_len=128, global_batch_rows=4, read_threads=0, heldout_rows=heldout_rows)
+        pipeline = DataPipeline(cache, settings)
         return pipeline.iterator(process_index=0, process_count=1)
 
     unsplit, split = iterator(0), iterator(8)

@@ -10,6 +10,7 @@ import pytest
 
 from dflash_jax.data.cache import CacheWriter, TokenizedCache
 from dflash_jax.data.pipeline import DataIteratorRestore, DataIteratorSave, DataPipeline
+from dflash_jax.data.settings import DataConfig
 
 SEQ_LEN, ROWS = 64, 4
 
@@ -28,7 +29,7 @@ def cache(tmp_path_factory):
 
 def pipeline(cache, **overrides):
     options = dict(seq_len=SEQ_LEN, global_batch_rows=ROWS, seed=0, read_threads=0)
-    return DataPipeline(cache, **{**options, **overrides})
+    return DataPipeline(cache, DataConfig(**{**options, **overrides}))
 
 
 def global_batches(cache, steps, **overrides):

@@ -25,9 +25,11 @@ WORKER = textwrap.dedent(
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
     from dflash_jax.data.cache import TokenizedCache
     from dflash_jax.data.pipeline import DataPipeline
+    from dflash_jax.data.settings import DataConfig
 
     def pipeline():
-        return DataPipeline(TokenizedCache(cache_dir), seq_len=32, global_batch_rows=8, seed=0, read_threads=0)
+        settings = DataConfig(seq_len=32, global_batch_rows=8, read_threads=0)
+        return DataPipeline(TokenizedCache(cache_dir), settings)
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
