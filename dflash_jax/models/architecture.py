@@ -304,6 +304,11 @@ def layer_attention(cfg: TransformerConfig, layer_type: str) -> LayerAttention:
     return LayerAttention(cfg.head_dim, cfg.num_kv_heads, cfg.rope)
 
 
+def layer_window(cfg: TransformerConfig, layer_type: str) -> int:
+    """The keys a query of a `layer_type` layer sees: the sliding window on sliding layers, else 0 (all)."""
+    return cfg.sliding_window if layer_type == "sliding_attention" else 0
+
+
 def decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The fields target and drafter configs read alike from a Hugging Face config.json."""
     heads = int(hf["num_attention_heads"])

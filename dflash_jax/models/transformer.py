@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models import layer_stack
-from dflash_jax.models.architecture import TransformerConfig, layer_attention
+from dflash_jax.models.architecture import TransformerConfig, layer_attention, layer_window
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.gemma import Gemma4Attention, Gemma4Block
 from dflash_jax.models.latent_attention import LatentAttention
@@ -35,11 +35,6 @@ from dflash_jax.models.moe import MoE
 def _attention_kw(cfg: TransformerConfig, *, attention: str, dtypes: dict, rngs) -> dict:
     """What every attention module of a target is built with, whatever its kind."""
     return dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, implementation=attention, rngs=rngs, **dtypes)
-
-
-def _window(cfg: TransformerConfig, layer_type: str) -> int:
-    """A layer's attention window: the config's sliding window on its sliding layers, else 0 (all)."""
-    return cfg.sliding_window if layer_type == "sliding_attention" else 0
 
 
 def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: dict, rngs) -> tuple[str, nnx.Module]:
@@ -60,7 +55,7 @@ def _mixer(cfg: TransformerConfig, layer_type: str, *, attention: str, dtypes: d
         output_gate=cfg.attention_output_gate,
         zero_centered_norm=cfg.zero_centered_norm,
         use_bias=cfg.attention_bias,
-        sliding_window=_window(cfg, layer_type),
+        sliding_window=layer_window(cfg, layer_type),
         sinks=cfg.attention_sinks,
         qk_norm_across_heads=cfg.qk_norm_across_heads,
         **attention_kw,
@@ -102,7 +97,7 @@ def _gemma4_layer(
         head_dim=own.head_dim,
         values_from_keys=own.values_from_keys,
         eps=cfg.rms_norm_eps,
-        sliding_window=_window(cfg, layer_type),
+        sliding_window=layer_window(cfg, layer_type),
         **_attention_kw(cfg, attention=attention, dtypes=dtypes, rngs=rngs),
     )
     moe = MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes) if experts else None

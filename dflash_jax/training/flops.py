@@ -10,7 +10,7 @@ Recomputation in the backward pass is not counted here; `remat_flops_per_step` c
 
 from __future__ import annotations
 
-from dflash_jax.models.architecture import TransformerConfig, layer_attention
+from dflash_jax.models.architecture import TransformerConfig, layer_attention, layer_window
 from dflash_jax.models.attention import packed_causal_pairs
 from dflash_jax.training.run_config import TrainSetup
 
@@ -52,7 +52,7 @@ def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: i
         q_width = cfg.num_heads * own.head_dim * (2 if cfg.attention_output_gate else 1)
         kv_width = own.num_kv_heads * own.head_dim * (1 if own.values_from_keys else 2)
         weights = h * (q_width + kv_width) + cfg.num_heads * own.head_dim * h
-        window = cfg.sliding_window if cfg.layer_types[index] == "sliding_attention" else 0
+        window = layer_window(cfg, cfg.layer_types[index])
         mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len, window) * cfg.num_heads * own.head_dim
     mlp = 3 * h * cfg.intermediate_size if index not in cfg.moe_layers or cfg.block == "gemma4" else 0
     if index in cfg.moe_layers:  # Gemma 4's experts run beside its dense MLP
