@@ -46,7 +46,7 @@ def make_backend(f):
             concurrency=f.concurrency,
             max_tokens=f.max_new_tokens,
             enable_thinking=f.enable_thinking,
-            seed=f.seed if f.temperature else None,
+            seed=None if sampling.greedy else f.seed,
             **dataclasses.asdict(sampling),  # the chat request's temperature, top_p and top_k
         )
     if not f.target:

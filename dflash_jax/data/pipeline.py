@@ -13,7 +13,7 @@ How training uses it::
     sharding = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None))
     it = data.iterator(sharding=sharding)                  # or iterator(epoch=e, step=s, sharding=...)
     batch = next(it)   # {"tokens", "segment_ids", "positions", "loss_mask"}: int32 jax.Arrays of
-                       # shape [data.global_batch_rows, data.seq_len] placed with `sharding`
+                       # shape data.batch_shape [global_batch_rows, seq_len] placed with `sharding`
     it.epoch, it.step  # position of the next batch (step within the epoch)
 
     # Orbax: the iterator state is one JSON file, written by the primary process and readable
@@ -57,7 +57,6 @@ class DataPipeline:
         fields seq_len, global_batch_rows, seed, pack_window, docs_per_row, heldout_rows,
         read_threads and prefetch_batches; the cache was built from the others)."""
         self.cache, self.settings = cache, settings
-        self.seq_len, self.global_batch_rows = settings.seq_len, settings.global_batch_rows
         self.heldout = heldout_samples(cache, settings.heldout_rows)
         # The samples epochs are planned over; a plan's document d is sample train_samples[d].
         self.train_samples = np.setdiff1d(np.arange(cache.num_samples), self.heldout)
@@ -72,6 +71,11 @@ class DataPipeline:
     def from_config(cls, data: DataConfig, target_path: str, *, rebuild: bool = False) -> DataPipeline:
         """Over the cache of `data` (built first if missing, stale, or `rebuild`)."""
         return cls(ensure_cache(data, target_path, rebuild=rebuild), data)
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        """[global_batch_rows, seq_len]: the shape of every global batch."""
+        return self.settings.global_batch_rows, self.settings.seq_len
 
     def trained_token_counts(self, vocab_size: int) -> np.ndarray:
         """How often each token id is trained on [vocab_size], the held-out prompts left out."""
@@ -98,10 +102,10 @@ class DataPipeline:
         process's rows; without, this process's rows as numpy ([global_batch_rows /
         process_count, seq_len]; process index and count default to jax's)."""
         if sharding is not None:
-            rows = sharding_rows(sharding, (self.global_batch_rows, self.seq_len))
+            rows = sharding_rows(sharding, self.batch_shape)
         else:
             rows = process_rows(
-                self.global_batch_rows,
+                self.settings.global_batch_rows,
                 jax.process_index() if process_index is None else process_index,
                 jax.process_count() if process_count is None else process_count,
             )
@@ -112,8 +116,8 @@ class DataPipeline:
         """What must be unchanged for a saved iterator state to mean the same batches."""
         fingerprint = {
             "data_sha256": self.cache.manifest["content_sha256"],
-            "seq_len": self.seq_len,
-            "global_batch_rows": self.global_batch_rows,
+            "seq_len": self.settings.seq_len,
+            "global_batch_rows": self.settings.global_batch_rows,
             "seed": self.settings.seed,
             "pack_window": self.settings.pack_window,
         }
@@ -127,7 +131,7 @@ class DataPipeline:
     def epoch_batches(self, epoch: int, rows: range) -> grain.MapDataset:
         """Batch b of the epoch → rows `rows` of global batch b, materialized from the cache."""
         plan = self.plan(epoch)
-        loader = _RowLoader(self.cache, plan, self.seq_len, rows)
+        loader = _RowLoader(self.cache, plan, self.settings.seq_len, rows)
         return grain.MapDataset.range(plan.num_batches * len(rows)).map(loader).batch(len(rows))
 
     def _plan(self, epoch: int) -> EpochPlan:
@@ -169,7 +173,7 @@ class DataIterator:
         self._step += 1
         if self._sharding is None:
             return batch
-        shape = (self._pipeline.global_batch_rows, self._pipeline.seq_len)
+        shape = self._pipeline.batch_shape
         return {k: jax.make_array_from_process_local_data(self._sharding, v, shape) for k, v in batch.items()}
 
     def get_state(self) -> dict[str, Any]:

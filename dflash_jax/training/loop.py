@@ -316,7 +316,7 @@ def epoch_statistics(data: DataPipeline, epoch: int) -> dict:
     plan = data.plan(epoch)
     manifest = data.cache.manifest
     return {
-        "packing_fill": float(data.cache.lengths.sum()) / (plan.num_rows * data.seq_len),
+        "packing_fill": float(data.cache.lengths.sum()) / (plan.num_rows * data.settings.seq_len),
         "samples": int(data.cache.num_samples),
         "skipped_samples": int(sum(manifest.get("skipped", {}).values())),
         "truncated_samples": int(manifest.get("truncated", 0)),
