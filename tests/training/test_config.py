@@ -344,8 +344,12 @@ def test_every_preset_resolves_against_its_published_config(name, size):
     config = load_config_file(config_file(name), size)
     target, source = target_for_plan(config)
     setup = resolve(config, num_devices=8, target=target, check_files=False)
-    # An id the preset sets is a row of the target's embedding (-1: looked up in the tokenizer).
-    assert config.drafter.mask_token_id in (-1, setup.drafter.mask_token_id), source
+    assert 0 <= setup.drafter.mask_token_id < target.vocab_size, source
+    if config.drafter.mask_token_id >= 0:  # an id the preset sets is kept, and must be a row of the embedding
+        assert setup.drafter.mask_token_id == config.drafter.mask_token_id, source
+        config.drafter.mask_token_id = target.vocab_size
+        with pytest.raises(ConfigError, match="outside the target vocabulary"):
+            resolve(config, num_devices=8, target=target, check_files=False)
 
 
 @pytest.mark.parametrize("name", CONFIG_FILES)

@@ -65,5 +65,6 @@ def test_wandb_run_id_is_kept_per_workdir(tmp_path):
     (tmp_path / "b" / "run").mkdir(parents=True)
     first = Workdir.at(str(tmp_path / "a" / "run"))
     same_name = Workdir.at(str(tmp_path / "b" / "run"))
-    assert first.wandb_run_id() == first.wandb_run_id()  # a resumed run continues its W&B run
+    resumed = Workdir.at(str(tmp_path / "a" / "run"))  # a resumed run opens its workdir anew
+    assert resumed.wandb_run_id() == first.wandb_run_id()  # and continues its W&B run
     assert first.wandb_run_id() != same_name.wandb_run_id()  # another run of the same name does not
