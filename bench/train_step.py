@@ -5,6 +5,16 @@
     python bench/train_step.py --attention=xla      # force an attention implementation
     python bench/train_step.py --optimizers=adamw,muon   # each config once per optimizer
     python bench/train_step.py --configs=default:dflash,default:dflash2,default:dspark --interleave --steps=8
+    python bench/train_step.py --configs=default --base=HEAD~3 --steps=30   # this checkout against a revision
+    python bench/train_step.py --roofline             # the roofline estimate against the measured step
+
+`--base=REV`: on a shared machine two runs differ by more than most changes do, so the package at
+REV is extracted with `git archive` and renamed (`dflash_jax_base`), both versions' steps are
+compiled in one process and timed in turn, one step each per round on the same batches, with a
+2048³ matmul after every step; it prints each one's fastest and median step and their ratio.
+`--roofline`: the roofline estimate of each compiled step (`dflash_jax/training/roofline.py`) for
+this CPU, its rates measured before and after the steps (the best of each), beside the fastest
+measured step; the estimate aims at the measured time within 30%.
 
 Each config runs the real jitted train step (frozen target forward, drafter forward/backward,
 AdamW) on random weights and synthetic packed batches of the config's shapes, after one
@@ -30,8 +40,13 @@ import dataclasses
 import functools
 import importlib
 import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +60,13 @@ from dflash_jax.models import attention
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.training import hlo, roofline
 from dflash_jax.training.flops import model_flops_per_step
-from dflash_jax.training.optimizer import OPTIMIZERS, make_optimizer
+from dflash_jax.training.optimizer import OPTIMIZERS
 from dflash_jax.training.run_config import TrainSetup, load_config_file, resolve
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
+BASE_PACKAGE = "dflash_jax_base"
+RATES = ("matmul_flops", "memory_bandwidth", "link_bandwidth", "cache_bandwidth")
 
 # A Qwen3-style model small enough for a CPU, big enough that matmuls dominate.
 SMALL_TARGET = TransformerConfig(
@@ -147,23 +165,20 @@ class CompiledStep:
 def compile_step(setup, num_batches: int, package: str = "dflash_jax") -> CompiledStep:
     """The real jitted train step of `package` on random weights and `num_batches` synthetic packed
     batches of the config's shapes; `setup` is resolved by that package. `package` is this
-    checkout's or another revision's renamed copy (`bench/train_step_ab.py`)."""
+    checkout's or another revision's renamed copy (`--base`)."""
 
     def module(name):
         return importlib.import_module(f"{package}.{name}")
 
     sharding, step_lib, mesh_lib = module("models.sharding"), module("training.step"), module("training.mesh")
     mesh = mesh_lib.make_mesh(*setup.mesh_shape)
-    if hasattr(step_lib, "build_train_step"):
-        new_target = functools.partial(step_lib.new_target, setup)
-        graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
-        target_params = jax.jit(
-            lambda: nnx.split(new_target())[1], out_shardings=sharding.param_shardings(mesh, abstract)
-        )()
-        program = step_lib.build_train_step(setup, mesh, graphdef, target_params, total_steps=1000)
-        step, state = program.step, program.init_state()
-    else:  # a revision from before the one step builder (`bench/train_step_ab.py --base=...`)
-        step, state, target_params = _legacy_step(module, setup, mesh)
+    new_target = functools.partial(step_lib.new_target, setup)
+    graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
+    target_params = jax.jit(
+        lambda: nnx.split(new_target())[1], out_shardings=sharding.param_shardings(mesh, abstract)
+    )()
+    program = step_lib.build_train_step(setup, mesh, graphdef, target_params, total_steps=1000)
+    step, state = program.step, program.init_state()
     rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
     rng = np.random.default_rng(0)
     batches = [
@@ -179,34 +194,6 @@ def compile_step(setup, num_batches: int, package: str = "dflash_jax") -> Compil
     compiled(batches[0])
     compiled.compile_seconds = time.perf_counter() - start
     return compiled
-
-
-def _legacy_step(module, setup, mesh):
-    """(step, state, target params) as revisions before `training.step.build_train_step` wired them."""
-    qwen3, sharding, step_lib = module("models.qwen3"), module("models.sharding"), module("training.step")
-
-    def new_target():
-        return qwen3.Transformer(
-            setup.target, param_dtype=setup.target_dtype, compute_dtype=setup.target_dtype, rngs=nnx.Rngs(0)
-        )
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
-    target_params = jax.jit(
-        lambda: nnx.split(new_target())[1], out_shardings=sharding.param_shardings(mesh, abstract)
-    )()
-    tx = make_optimizer(setup.optimizer, 1000)
-    state = step_lib.init_train_state(setup.drafter, tx, seed=0, compute_dtype=setup.compute_dtype, mesh=mesh)
-    step = step_lib.make_train_step(
-        drafter_graphdef=step_lib.drafter_graph(setup.drafter, setup.compute_dtype),
-        target_graphdef=graphdef,
-        target_params=target_params,
-        tx=tx,
-        cfg=setup.objective,
-        grad_accum_steps=setup.run.grad_accum_steps,
-        mesh=mesh,
-        state_sharding=jax.tree.map(lambda x: x.sharding, state),
-    )
-    return step, state, target_params
 
 
 def bench(
@@ -275,6 +262,61 @@ def interleaved(chosen: dict[str, TrainSetup], rounds: int) -> None:
         )
 
 
+def extract_base(revision: str, into: str) -> None:
+    """The package at `revision`, importable as BASE_PACKAGE from `into`."""
+    archive = subprocess.run(["git", "-C", REPO, "archive", revision, "dflash_jax"], capture_output=True)
+    if archive.returncode:
+        raise SystemExit(f"git archive {revision}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
+    os.rename(os.path.join(into, "dflash_jax"), os.path.join(into, BASE_PACKAGE))
+    for path in Path(into, BASE_PACKAGE).rglob("*.py"):
+        path.write_text(re.sub(r"\bdflash_jax\b", BASE_PACKAGE, path.read_text()))
+
+
+def against_base(revision: str, setup: TrainSetup, config: str, rounds: int) -> None:
+    """This checkout's step and `revision`'s (resolved by its own config code), timed in turn."""
+    flops = model_flops_per_step(setup, setup.data.global_batch_rows, setup.data.seq_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        extract_base(revision, tmp)
+        sys.path.insert(0, tmp)
+        base = importlib.import_module(f"{BASE_PACKAGE}.training.run_config")
+        base_setup = base.resolve(base.load_config_file(config), num_devices=jax.device_count())
+        runs = {revision: compile_step(base_setup, 4, BASE_PACKAGE), "checkout": compile_step(setup, 4)}
+    peak = MatmulPeak(jnp.dtype(setup.compute_dtype))
+    peak.measure(10)
+    times = time_in_turn(runs, rounds, after_each=peak.measure)
+    peak_flops = peak.flops * jax.device_count()
+    print(f"{rounds} rounds, {flops / 1e9:.1f} GFLOP/step, matmul peak {peak_flops / 1e9:.1f} GFLOP/s")
+    for name, t in times.items():
+        best, median = min(t), float(np.median(t))
+        print(
+            f"{name:>12s}  fastest {best * 1e3:7.1f} ms ({100 * flops / best / peak_flops:4.1f}% of peak)  "
+            f"median {median * 1e3:7.1f} ms ({100 * flops / median / peak_flops:4.1f}%)"
+        )
+    old, new = (np.asarray(t) for t in times.values())
+    print(f"checkout / {revision}: fastest {new.min() / old.min():.3f}, median {np.median(new) / np.median(old):.3f}")
+
+
+def best_rates(*measured: roofline.Hardware) -> roofline.Hardware:
+    return dataclasses.replace(measured[0], **{f: max(getattr(m, f) for m in measured) for f in RATES})
+
+
+def roofline_check(name: str, setup: TrainSetup, steps: int) -> None:
+    """The roofline estimate of `setup`'s compiled step on this CPU beside its fastest step."""
+    before = best_rates(*(roofline.measure_cpu() for _ in range(3)))
+    r = bench(setup, steps, hardware=before)
+    cpu = best_rates(before, *(roofline.measure_cpu() for _ in range(3)))
+    est = roofline.estimate(r["kernels"], r["collectives"], cpu)
+    measured = 1 / r["steps_per_s"]
+    print(
+        f"{name:8s} measured {measured:8.3f}s predicted {est.step_s:8.3f}s ratio {est.step_s / measured:6.2f}   "
+        f"({est.compute_bound_s:.3f} s compute-bound + {est.kernels_s - est.compute_bound_s:.3f} s memory-bound; "
+        f"{cpu.matmul_flops / 1e9:.1f} GFLOP/s, {cpu.memory_bandwidth / 1e9:.1f} GB/s, "
+        f"{cpu.cache_bandwidth / 1e9:.0f} GB/s in cache; "
+        f"{est.matmul_flops / 1e9:.1f} GFLOP and {est.memory_bytes / 1e9:.2f} GB per step)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="default,small")
@@ -282,6 +324,8 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", choices=attention.IMPLEMENTATIONS)
     parser.add_argument("--optimizers", default="", help="comma-separated (adamw, muon); default: the config's")
     parser.add_argument("--interleave", action="store_true", help="time the configs' steps in turn, side by side")
+    parser.add_argument("--base", default="", help="git revision to time against this checkout, in turn (one config)")
+    parser.add_argument("--roofline", action="store_true", help="the roofline estimate beside the measured step")
     args = parser.parse_args()
     chosen = {name: with_attention(setup, args.attention) for name, setup in setups(args.configs.split(",")).items()}
     if args.optimizers:
@@ -298,6 +342,14 @@ def main() -> None:
     print(f"devices: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}); attention: {resolved}")
     if args.interleave:
         return interleaved(chosen, args.steps)
+    if args.base:
+        if args.configs != "default":
+            parser.error("--base times configs/default.py: give --configs=default")
+        return against_base(args.base, next(iter(chosen.values())), DEFAULT_CONFIG, args.steps)
+    if args.roofline:
+        for name, setup in chosen.items():
+            roofline_check(name, setup, args.steps)
+        return
     peaks = {}
     for name, setup in chosen.items():
         dtype = jnp.dtype(setup.compute_dtype)

@@ -1,6 +1,6 @@
 """Tiny random Hugging Face checkpoints written by `transformers` itself (needs torch).
 
-Used by the parity tests and `bench/parity.py`: the reference implementation creates the
+Used by the parity tests: the reference implementation creates the
 weights, so our loader is checked against the real format rather than against itself.
 """
 
