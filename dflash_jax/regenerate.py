@@ -7,14 +7,17 @@ Qwen3 thinking disabled), not on the dataset's original answers.
     dflash-jax regenerate --input=train.jsonl --output=train_regen.jsonl \
         --target=assets/tiny-qwen3 [--batch_size=8] [--max_new_tokens=2048]
 
-    # a vLLM / SGLang server you run, e.g. `vllm serve Qwen/Qwen3-8B --port 8000`
-    dflash-jax regenerate --input=train.jsonl --output=train_regen.jsonl \
-        --backend=http --server_url=http://localhost:8000/v1 [--concurrency=64]
+    # vLLM / SGLang servers you run, e.g. `vllm serve Qwen/Qwen3-8B --port 8000`, one per GPU
+    dflash-jax regenerate --input=ultrachat --output=train_regen.jsonl \
+        --backend=http --server_url=http://localhost:8000/v1,http://localhost:8001/v1 [--concurrency=64]
 
 --target is the target model: with the jax back-end a model directory or hub id to load, with
-the http back-end the name the server serves it under (default: the server's first model). Rows
-are OpenAI `messages` or ShareGPT `conversations`; each output row is the input row with
-`messages` rewritten and `regenerated: {line, finish_reasons}` added. The output is append-only
+the http back-end the name the servers serve it under (default: each server's first model).
+--input is any source `data.train` takes: JSONL, Parquet or `.json` array files, directories,
+globs, `hf://datasets/ORG/NAME/<glob>` or a data set by name (`data.presets`). Rows are OpenAI
+`messages` or ShareGPT `conversations`; each output row is the input row with
+`messages` rewritten and `regenerated: {line, finish_reasons}` added (`line`: the row's number,
+from 1, over the input's files in turn; a JSONL file's line number). The output is append-only
 and the run resumes: rows already in --output are skipped, a line cut by a crash is dropped and
 redone. A row that fails (bad input, prompt too long, server error) is appended to
 `<output stem>.failures.jsonl` with its error and retried by the next run; the others go on.
@@ -29,9 +32,11 @@ import os
 from absl import flags
 
 from dflash_jax import cli
+from dflash_jax.data.presets import describe_presets
+from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.backends import HttpBackend, JaxBackend
 from dflash_jax.decoding.regeneration import Regeneration, failures_path
-from dflash_jax.errors import UserError
+from dflash_jax.errors import DataError, UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.hub import resolve_model
 
@@ -42,7 +47,7 @@ def make_backend(f):
     sampling = cli.sampling_config(f)
     if f.backend == "http":
         return HttpBackend(
-            _server(f),
+            [_server(url, f) for url in f.server_url],
             concurrency=f.concurrency,
             max_tokens=f.max_new_tokens,
             enable_thinking=f.enable_thinking,
@@ -77,22 +82,22 @@ def make_backend(f):
     )
 
 
-def _server(f):
-    """A client of the server at --server_url, which must answer now: without a server every row
-    would fail, each after its retries."""
+def _server(url: str, f):
+    """A client of the server at `url`, which must answer now: without a server every row would
+    fail, each after its retries."""
     from dflash_jax.decoding.http_client import ChatCompletionsClient, RequestError
 
     try:
         # Without a model name, the client asks the server for its models: it fails here at once.
         client = ChatCompletionsClient(
-            f.server_url,
+            url,
             api_key=os.environ.get("OPENAI_API_KEY", ""),
             timeout=f.request_timeout,
             retries=f.retries,
         )
     except RequestError as e:
         raise UserError(
-            f"--server_url={f.server_url}: {e}; start the server first (e.g. `vllm serve Qwen/Qwen3-8B --port 8000`)"
+            f"--server_url={url}: {e}; start the server first (e.g. `vllm serve Qwen/Qwen3-8B --port 8000`)"
         ) from None
     if f.target:
         client.model = f.target
@@ -103,7 +108,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """The CLI's flags; defined when run as a program (tests use their own FlagValues, since
     several CLIs share flag names)."""
     fv = dict(flag_values=flag_values)
-    flags.DEFINE_string("input", None, "Conversation JSONL to regenerate.", **fv)
+    flags.DEFINE_string(
+        "input",
+        None,
+        "Conversations to regenerate: any source data.train takes (files, directories, globs, "
+        f"hf://datasets/ORG/NAME/<glob>) or a data set by name: {describe_presets()}.",
+        **fv,
+    )
     flags.DEFINE_string("output", None, "Output JSONL (appended to; resumes where it stopped).", **fv)
     flags.DEFINE_enum("backend", "jax", ["jax", "http"], "jax: generate here; http: an OpenAI-compatible server.", **fv)
     flags.DEFINE_string(
@@ -113,8 +124,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "served model name (default: the server's first model).",
         **fv,
     )
-    flags.DEFINE_string("server_url", "http://localhost:8000/v1", "http back-end: base URL of the server.", **fv)
-    flags.DEFINE_integer("concurrency", 16, "http back-end: conversations in flight.", lower_bound=1, **fv)
+    flags.DEFINE_list(
+        "server_url",
+        ["http://localhost:8000/v1"],
+        "http back-end: base URLs of the servers, comma-separated (one per GPU, say); rows go to the least busy.",
+        **fv,
+    )
+    flags.DEFINE_integer("concurrency", 16, "http back-end: conversations in flight per server.", lower_bound=1, **fv)
     flags.DEFINE_float("request_timeout", 600.0, "http back-end: seconds per request.", lower_bound=0, **fv)
     flags.DEFINE_integer("retries", 3, "http back-end: retries of transient failures per request.", lower_bound=0, **fv)
     flags.DEFINE_integer("batch_size", 8, "jax back-end: conversations generated together.", lower_bound=1, **fv)
@@ -142,10 +158,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
-    if not os.path.isfile(f.input):
-        raise UserError(f"--input={f.input}: no such file")
-    if os.path.abspath(f.input) == os.path.abspath(f.output):
+    if os.path.abspath(f.output) == os.path.abspath(f.input):
         raise UserError(f"--output={f.output} must differ from --input: the output is appended to")
+    try:
+        resolve_sources(f.input)  # before the back-end loads a model or asks a server
+    except DataError as e:
+        raise UserError(f"--input={f.input}: {e}") from None
     counts = Regeneration(f.input, f.output).run(make_backend(f), limit=f.limit)
     print(
         f"{counts['regenerated']} rows regenerated into {f.output} ({counts['done_before']} were done "

@@ -1,7 +1,9 @@
 """Finding the source files and streaming their rows in chunks, never the whole file at once.
 
-Sources are local files, directories and globs, or files of a Hugging Face dataset
-(`hf://datasets/org/name[@revision]/<glob>`, found through the hub cache: `models.hub`).
+Sources are local files, directories and globs, files of a Hugging Face dataset
+(`hf://datasets/org/name[@revision]/<glob>`, found through the hub cache: `models.hub`), or a
+data set by name (`ultrachat`, `sharegpt`, ...: `presets`). A `.json` file (one JSON array of
+rows, as ShareGPT publishes it) is read whole, and only when named, never from a directory.
 
 A problem with a whole file (missing, unreadable, not JSON Lines, not UTF-8 by its byte-order
 mark, damaged Parquet) is a `DataError` naming the file; a problem with one row is the row's
@@ -22,10 +24,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_jax.data.formats import FORMATS, UTF8_BOM, decode_json_line
+from dflash_jax.data.presets import PRESETS
 from dflash_jax.errors import DataError
 from dflash_jax.models.hub import HF_DATASETS, resolve_dataset_files
 
 SOURCE_SUFFIXES = (".jsonl", ".parquet")
+JSON_ARRAY = ".json"
 _EXPECTED = " or ".join(SOURCE_SUFFIXES)
 # What the first bytes of a file that is not UTF-8 JSON Lines say it is (longest mark first).
 _MAGIC = (
@@ -58,13 +62,16 @@ class RawChunk:
 
 def resolve_sources(spec: str) -> list[str]:
     """Files named by `spec`: comma-separated files, directories (searched recursively, hidden
-    files and directories left out), globs or hub datasets (hf://datasets/...). Suffixes match in
-    any case (.JSONL too)."""
+    files and directories left out), globs, hub datasets (hf://datasets/...) or preset names (a
+    local path of that name comes first). Suffixes match in any case (.JSONL too)."""
     paths: list[str] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         part = os.path.expanduser(part)
+        if part in PRESETS and not os.path.lexists(part):
+            part = PRESETS[part].source
         if part.startswith(HF_DATASETS):
-            found = [str(p) for p in resolve_dataset_files(part) if _is_source(p.name)]
+            named_json = part.lower().endswith(JSON_ARRAY)
+            found = [str(p) for p in resolve_dataset_files(part) if _is_source(p.name, named_json)]
             if not found:
                 raise DataError(f"{part}: the dataset files it names hold no {_EXPECTED} file")
         elif os.path.isdir(part):
@@ -81,21 +88,23 @@ def resolve_sources(spec: str) -> list[str]:
             if not found:
                 raise DataError(f"{part}: the pattern matches no {_EXPECTED} file")
         elif os.path.isfile(part):
-            if not _is_source(part):
+            if not _is_source(part, named=True):
                 raise DataError(f"{part}: unsupported file type (expected {_EXPECTED})")
             found = [part]
         elif os.path.lexists(part):
             raise DataError(f"{part}: not a regular file (a broken link?)")
         else:
-            raise DataError(f"data source {part!r} does not exist")
+            raise DataError(f"data source {part!r} does not exist, nor is it a data set name ({', '.join(PRESETS)})")
         paths.extend(os.path.abspath(p) for p in found)
     if not paths:
         raise DataError("no data source given (set config.data.train)")
     return paths
 
 
-def _is_source(path: str) -> bool:
-    return path.lower().endswith(SOURCE_SUFFIXES)
+def _is_source(path: str, named: bool = False) -> bool:
+    """A file of rows; a JSON array only when named itself (a directory's .json files are
+    metadata as often as data)."""
+    return path.lower().endswith(SOURCE_SUFFIXES + ((JSON_ARRAY,) if named else ()))
 
 
 def _is_jsonl(path: str) -> bool:
@@ -137,8 +146,52 @@ def iter_chunks(paths: list[str], rows_per_chunk: int, data_format: str = "auto"
     for path in paths:
         if _is_jsonl(path):
             yield from _jsonl_chunks(path, rows_per_chunk)
+        elif _is_json_array(path):
+            yield from _json_array_chunks(path, rows_per_chunk)
         else:
             yield from _parquet_chunks(path, rows_per_chunk, data_format)
+
+
+def count_rows(path: str) -> int:
+    """The rows of one source file (JSON Lines: its non-blank lines)."""
+    if _is_jsonl(path):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if _is_json_array(path):
+        return len(_json_array(path))
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot read the Parquet file: {' '.join(str(e).split())[:300]}") from None
+
+
+def _is_json_array(path: str) -> bool:
+    return path.lower().endswith(JSON_ARRAY)
+
+
+def _json_array(path: str) -> list[Any]:
+    """A `.json` file's rows: it must hold one JSON array (read whole: such files are small
+    enough, ShareGPT's is 0.7 GB)."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().removeprefix(UTF8_BOM))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the file ({e.strerror})") from None
+    except ValueError as e:
+        jsonl = isinstance(e, json.JSONDecodeError) and e.msg == "Extra data"
+        problem = "it holds several JSON values: JSON Lines? name it .jsonl" if jsonl else f"not valid JSON ({e})"
+        raise DataError(f"{path}: {problem}") from None
+    if not isinstance(value, list):
+        raise DataError(f"{path}: a .json source holds one JSON array of rows, not {type(value).__name__}")
+    return value
+
+
+def _json_array_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
+    rows = _json_array(path)
+    bytes_per_row = os.path.getsize(path) / max(len(rows), 1)
+    for first in range(0, len(rows), rows_per_chunk):
+        chunk = rows[first : first + rows_per_chunk]
+        yield RawChunk(path, first, chunk, round(len(chunk) * bytes_per_row))
 
 
 def _jsonl_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
@@ -222,7 +275,10 @@ def read_rows(path: str, rows: list[int], data_format: str = "auto") -> list[Any
     Parquet row groups holding a row asked."""
     wanted = sorted(set(rows))
     found: dict[int, Any] = {}
-    if _is_jsonl(path):
+    if _is_json_array(path):
+        rows_held = _json_array(path)
+        found.update((r, rows_held[r]) for r in wanted if r < len(rows_held))
+    elif _is_jsonl(path):
         lines = set(wanted)
         with open(path, "rb") as f:
             for i, line in enumerate(f):

@@ -118,16 +118,18 @@ class JaxBackend:
 
 
 class HttpBackend:
-    """One request per assistant turn; up to `concurrency` conversations in flight."""
+    """One request per assistant turn, to one of several servers (one per GPU, say): each
+    conversation goes, all its turns, to the server with the fewest in flight; up to
+    `concurrency` conversations in flight per server."""
 
-    def __init__(self, client: ChatCompletionsClient, *, concurrency: int, **chat_kwargs):
-        self.client, self.concurrency, self.chat_kwargs = client, concurrency, chat_kwargs
+    def __init__(self, clients: list[ChatCompletionsClient], *, concurrency: int, **chat_kwargs):
+        self.clients, self.concurrency, self.chat_kwargs = clients, concurrency, chat_kwargs
 
-    def _rewrite(self, messages: list[dict]) -> Regenerated:
+    def _rewrite(self, messages: list[dict], client: ChatCompletionsClient) -> Regenerated:
         rewriter = rewrite_conversation(messages)
         conversation = next(rewriter)
         while True:
-            reply = self.client.chat(conversation, **self.chat_kwargs)
+            reply = client.chat(conversation, **self.chat_kwargs)
             try:
                 conversation = rewriter.send(reply)
             except StopIteration as done:
@@ -135,18 +137,23 @@ class HttpBackend:
 
     def run(self, rows: Iterable[tuple[int, list[dict]]]) -> Iterator[tuple[int, Regenerated | Exception]]:
         rows = iter(rows)
-        pool = concurrent.futures.ThreadPoolExecutor(self.concurrency)
-        in_flight: dict[concurrent.futures.Future, int] = {}
+        slots = self.concurrency * len(self.clients)
+        pool = concurrent.futures.ThreadPoolExecutor(slots)
+        in_flight: dict[concurrent.futures.Future, tuple[int, int]] = {}  # future -> (row, server)
+        load = [0] * len(self.clients)
         try:
             while True:
                 # Keep a bounded window in flight: the input can be far larger than memory.
-                for row, messages in itertools.islice(rows, 2 * self.concurrency - len(in_flight)):
-                    in_flight[pool.submit(self._rewrite, messages)] = row
+                for row, messages in itertools.islice(rows, 2 * slots - len(in_flight)):
+                    server = load.index(min(load))
+                    load[server] += 1
+                    in_flight[pool.submit(self._rewrite, messages, self.clients[server])] = row, server
                 if not in_flight:
                     return
                 finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in finished:
-                    row = in_flight.pop(future)
+                    row, server = in_flight.pop(future)
+                    load[server] -= 1
                     error = future.exception()
                     yield row, error if error is not None else future.result()
         finally:  # on interruption, drop queued requests instead of waiting for them

@@ -1,8 +1,8 @@
 """Regenerating a conversation dataset's assistant turns with the target (docs/design.md §3.5).
 
-Streams the input's pending rows to a back-end (`decoding.backends`) and appends each result as
-it finishes. The output is append-only and resumable: rows already in the output are skipped, a
-line cut by a crash is dropped and redone. A row that fails is appended to
+Streams the input's pending rows (from any source `data.train` takes: `data.sources`) to a
+back-end (`decoding.backends`) and appends each result as it finishes. The output is append-only
+and resumable: rows already in the output are skipped, a line cut by a crash is dropped and redone. A row that fails is appended to
 `<output stem>.failures.jsonl` with its error and retried by the next run; the others go on.
 """
 
@@ -16,8 +16,11 @@ from pathlib import Path
 from absl import logging
 from tqdm import tqdm
 
-from dflash_jax.decoding.prompt_sets import conversation, decode_row, jsonl_lines
+from dflash_jax.data.sources import count_rows, iter_chunks, resolve_sources
+from dflash_jax.decoding.prompt_sets import conversation, decode_row
 from dflash_jax.errors import DataError
+
+ROWS_PER_CHUNK = 1024
 
 
 def failures_path(output: str) -> str:
@@ -26,7 +29,7 @@ def failures_path(output: str) -> str:
 
 
 def completed_lines(output: str) -> set[int]:
-    """Input line numbers already in `output`. Rows are written whole with their newline, so
+    """Input row numbers already in `output`. Rows are written whole with their newline, so
     text after the last newline is a row cut by a crash: it is removed and its row redone."""
     if not os.path.exists(output):
         return set()
@@ -48,22 +51,32 @@ def completed_lines(output: str) -> set[int]:
     return done
 
 
-def count_rows(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+def numbered_rows(paths: list[str]) -> Iterator[tuple[int, object]]:
+    """(number, row) of the sources' rows: numbered from 1 over the files in turn, a JSON Lines
+    file's rows by line (blank lines count but are not rows), so that the numbers of one JSONL
+    input are its line numbers. Rows are raw lines (JSONL) or decoded records."""
+    start = 0
+    for path in paths:
+        end = start
+        for chunk in iter_chunks([path], ROWS_PER_CHUNK):
+            for i, row in enumerate(chunk.rows):
+                if not (isinstance(row, bytes) and not row.strip()):
+                    yield start + chunk.first_row + i + 1, row
+            end = start + chunk.first_row + len(chunk.rows)
+        start = end
 
 
 class Regeneration:
     """Streams the input's pending rows to a back-end and appends each result as it comes."""
 
-    def __init__(self, input_path: str, output: str):
-        self.input_path, self.output = input_path, output
+    def __init__(self, source: str, output: str):
+        self.paths, self.output = resolve_sources(source), output
         self.records: dict[int, dict] = {}  # in-flight rows, by input line
         self.counts = {"done_before": 0, "regenerated": 0, "failed": 0}
 
     def run(self, backend, *, limit: int = 0) -> dict:
         done = completed_lines(self.output)
-        total = count_rows(self.input_path)
+        total = sum(map(count_rows, self.paths))
         if limit:  # the bar (and its ETA) covers this run's rows only
             total = min(total, len(done) + limit)
         self.counts["done_before"] = len(done)
@@ -81,14 +94,14 @@ class Regeneration:
     def _pending(self, done: set[int], limit: int) -> Iterator[tuple[int, list[dict]]]:
         """(line, messages) of rows to do; rows that are not conversations fail right here."""
         taken = 0
-        for line, text in jsonl_lines(self.input_path):
+        for line, row in numbered_rows(self.paths):
             if line in done:
                 continue
             if limit and taken == limit:
                 return
             taken += 1
             try:
-                record = decode_row(text)
+                record = decode_row(row.decode("utf-8", "surrogateescape")) if isinstance(row, bytes) else row
                 messages = conversation(record)
             except ValueError as e:
                 self._record_failure(line, e)

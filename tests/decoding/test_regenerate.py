@@ -22,6 +22,8 @@ from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import DataError, UserError
 from dflash_jax.models.hf import load_target
 from support.chat_data import chat, write_jsonl
+from support.hub_cache import use_hub_cache
+from support.preset_files import add_published_datasets
 
 ROWS = [
     chat("one", "old answer"),
@@ -109,7 +111,7 @@ def read_jsonl(path) -> list[dict]:
 
 def http_backend(url, **kw):
     client = ChatCompletionsClient(url, timeout=10, retries=1, backoff=0.01)
-    return HttpBackend(client, concurrency=3, max_tokens=64, temperature=0.0, **kw)
+    return HttpBackend([client], concurrency=3, max_tokens=64, temperature=0.0, **kw)
 
 
 def test_http_backend_rewrites_every_assistant_turn_and_records_failures(server, tmp_path):
@@ -239,7 +241,7 @@ def closed_port_url() -> str:
     "args, message",
     [
         (["--input={source}", "--output={source}"], "--output={source} must differ from --input"),
-        (["--input={missing}", "--output={output}"], "--input={missing}: no such file"),
+        (["--input={missing}", "--output={output}"], "--input={missing}: data source '{missing}' does not exist"),
         (["--input={source}", "--output={output}"], "--target is required with --backend=jax"),
         (["--input={source}", "--output={output}", "--target={missing}"], "--target={missing}: no such directory"),
         (
@@ -259,3 +261,49 @@ def test_user_errors_are_one_line_before_any_row_is_read(tmp_path, args, message
         run_cli([a.format(**paths) for a in args])
     assert str(raised.value).startswith(message.format(**paths)) and "\n" not in str(raised.value)
     assert not paths["output"].exists()
+
+
+@pytest.fixture
+def servers():
+    """Three fake servers, as one per GPU: each with its own request log."""
+    started = []
+    for i in range(3):
+        handler = type(f"FakeOpenAI{i}", (FakeOpenAI,), {"requests": [], "flaky_seen": False})
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append((httpd, handler))
+    yield [(f"http://127.0.0.1:{httpd.server_address[1]}/v1", handler) for httpd, handler in started]
+    for httpd, _ in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_rows_are_spread_over_several_servers_and_resume(servers, tmp_path):
+    rows = [chat(f"question {i}", "old", f"again {i}", "old") for i in range(30)]
+    source, output = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    urls = ",".join(url for url, _ in servers)
+    run_cli([f"--input={source}", f"--output={output}", "--backend=http", f"--server_url={urls}", "--limit=12"])
+    run_cli([f"--input={source}", f"--output={output}", "--backend=http", f"--server_url={urls}", "--concurrency=2"])
+    done = read_jsonl(output)
+    assert sorted(r["regenerated"]["line"] for r in done) == list(range(1, 31))  # each row once
+    asked = [handler.requests for _, handler in servers]
+    assert sum(map(len, asked)) == 2 * 30  # two turns a row, nothing asked twice
+    assert all(len(requests) >= 6 for requests in asked), [len(r) for r in asked]  # 20 each when even
+    # Every turn of a conversation goes to one server (its prefix stays in that server's cache).
+    for requests in asked:
+        firsts = {r["messages"][0]["content"] for r in requests}
+        seconds = {r["messages"][0]["content"] for r in requests if len(r["messages"]) > 1}
+        assert seconds <= firsts
+
+
+def test_a_preset_is_regenerated_from_the_hub_cache(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    use_hub_cache(monkeypatch, tmp_path / "hub")
+    questions = add_published_datasets(tmp_path / "hub")
+    for name in ("ultrachat", "sharegpt"):
+        output = tmp_path / f"{name}.jsonl"
+        run_cli([f"--input={name}", f"--output={output}", "--backend=http", f"--server_url={server}"])
+        rows = sorted(read_jsonl(output), key=lambda r: r["regenerated"]["line"])
+        assert [r["messages"][0]["content"] for r in rows] == questions[name]
+        assert all(r["messages"][-1]["content"].startswith("reply to") for r in rows)
+        assert not (tmp_path / f"{name}.failures.jsonl").read_text()
