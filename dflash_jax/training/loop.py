@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.decoding.draft_vocab import by_frequency, write_frequencies
 from dflash_jax.errors import UserError
+from dflash_jax.models.gguf_export import llama_cpp_problems
 from dflash_jax.models.hf import load_target
 from dflash_jax.training.acceptance_eval import AcceptanceEval
 from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints, optimizer_of
@@ -108,7 +109,7 @@ class TrainingRun:
             jax.device_count(),
             jax.process_count(),
         )
-        _warn_if_engines_miss_the_last_layer(setup)
+        _warn_if_engines_cannot_serve(setup)
         self.data = DataPipeline.from_config(setup.data, setup.target_path)
         total = self.data.total_steps(setup.run.num_epochs)
         self.total_steps = min(total, setup.run.max_steps) if setup.run.max_steps else total
@@ -283,17 +284,12 @@ class TrainingRun:
         }
 
 
-def _warn_if_engines_miss_the_last_layer(setup: TrainSetup) -> None:
-    """SGLang and vLLM capture target layer i's feature at the input of layer i + 1, which the last
-    layer does not have: they cannot serve a drafter that reads it (docs/design.md §2)."""
-    last = setup.target.num_layers - 1
-    if last in setup.drafter.target_layer_ids:
-        log.warning(
-            "drafter.target_layer_ids %s reads the target's last layer (%d): the reference DFlash code "
-            "serves it, SGLang and vLLM capture features at layer inputs and cannot",
-            list(setup.drafter.target_layer_ids),
-            last,
-        )
+def _warn_if_engines_cannot_serve(setup: TrainSetup) -> None:
+    """One line per reason the engines cannot serve the drafter as configured: SGLang, vLLM and
+    llama.cpp capture target layer i's feature at the input of layer i + 1, which the last layer
+    does not have (docs/design.md §2); llama.cpp has limits of its own (models/gguf_export.py)."""
+    for problem in llama_cpp_problems(setup.drafter.to_hf(), setup.target.num_layers):
+        log.warning("the exported drafter will not be servable: %s", problem)
 
 
 def _check_same_optimizer(saved: str, setup: TrainSetup) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.models.gguf_export import llama_cpp_problems
 from dflash_jax.training import sections
 from dflash_jax.training.objective import ObjectiveConfig, ObjectiveSettings
 from dflash_jax.training.optimizer import OptimizerConfig
@@ -44,7 +45,8 @@ def tiny_config(tiny_run, tmp_path, **fields):
 def test_default_config_resolves_on_the_bundled_assets():
     setup = resolve(load_config_file(config_file("default")), num_devices=1)
     assert setup.drafter.mask_token_id == 5  # <|MASK|> of the bundled tokenizer
-    assert setup.drafter.target_layer_ids == (0, 1, 2, 3)  # every layer of the 4-layer target
+    assert setup.drafter.target_layer_ids == (0, 1, 2)  # every layer of the 4-layer target engines capture
+    assert not llama_cpp_problems(setup.drafter.to_hf(), setup.target.num_layers)  # servable as it comes out
 
 
 def test_tiny_config_resolves(tiny_run, tmp_path):
@@ -122,7 +124,7 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         (
             {"drafter.kind": "dflash2", "drafter.conv_group_size": 24},
             1,
-            "^drafter: conv_group_size=24 must divide hidden_size=32$",
+            "^drafter.conv_group_size=24 must divide hidden_size=32$",
         ),
         ({"drafter.kind": "dflash2", "drafter.selector_top_k": 0}, 1, "^drafter.selector_top_k=0 must be at least 1$"),
         (
@@ -345,6 +347,7 @@ def test_every_preset_resolves_against_its_published_config(name, size):
     target, source = target_for_plan(config)
     setup = resolve(config, num_devices=8, target=target, check_files=False)
     assert 0 <= setup.drafter.mask_token_id < target.vocab_size, source
+    assert not llama_cpp_problems(setup.drafter.to_hf(), target.num_layers), source  # the export is servable
     if config.drafter.mask_token_id >= 0:  # an id the preset sets is kept, and must be a row of the embedding
         assert setup.drafter.mask_token_id == config.drafter.mask_token_id, source
         config.drafter.mask_token_id = target.vocab_size

@@ -318,14 +318,17 @@ def test_a_failed_save_waits_for_a_writer_thread_that_has_not_run_yet():
 
 @pytest.mark.parametrize("layer_ids, warned", [((0, 3), True), ((0, 2), False)])
 def test_warns_when_engines_cannot_serve_the_last_layer(layer_ids, warned, caplog):
+    import dataclasses
     from types import SimpleNamespace
 
     from dflash_jax.training import loop
+    from support.decoding_models import make_drafter, make_target
 
-    setup = SimpleNamespace(target=SimpleNamespace(num_layers=4), drafter=SimpleNamespace(target_layer_ids=layer_ids))
+    drafter = dataclasses.replace(make_drafter(make_target()).cfg, num_target_layers=4, target_layer_ids=layer_ids)
+    setup = SimpleNamespace(target=SimpleNamespace(num_layers=4), drafter=drafter)
     with caplog.at_level("WARNING", logger=loop.__name__):
-        loop._warn_if_engines_miss_the_last_layer(setup)
-    assert ("SGLang and vLLM" in caplog.text) == warned
+        loop._warn_if_engines_cannot_serve(setup)
+    assert ("llama.cpp, SGLang and vLLM" in caplog.text) == warned
 
 
 def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, tmp_path):
