@@ -46,6 +46,7 @@ from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.cache import TokenizedCache
 from dflash_jax.data.heldout import heldout_samples
 from dflash_jax.data.packing import FIELDS, EpochPlan, plan_epoch
+from dflash_jax.data.same_cache import check_same_cache
 from dflash_jax.data.settings import DataConfig
 
 
@@ -69,8 +70,11 @@ class DataPipeline:
 
     @classmethod
     def from_config(cls, data: DataConfig, target_path: str, *, rebuild: bool = False) -> DataPipeline:
-        """Over the cache of `data` (built first if missing, stale, or `rebuild`)."""
-        return cls(ensure_cache(data, target_path, rebuild=rebuild), data)
+        """Over the cache of `data` (built first if missing, stale, or `rebuild`), the same on
+        every host."""
+        cache = ensure_cache(data, target_path, rebuild=rebuild)
+        check_same_cache(cache)
+        return cls(cache, data)
 
     @property
     def batch_shape(self) -> tuple[int, int]:
