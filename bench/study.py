@@ -1,9 +1,11 @@
-"""Which training recipe trains the better drafter? Held-out acceptance length decides, not the loss.
+"""Which training recipe or drafter kind trains the better drafter? Held-out τ decides, not the loss.
 
-    python bench/anchor_study.py --study=anchors          # the anchor schemes, seeds 0 and 1
-    python bench/anchor_study.py --study=objective        # 'dflash' against 'dpace' (two alphas)
-    python bench/anchor_study.py --study=recipe --seeds=0 --max_new_tokens=64   # §3.6, then Muon
-    python bench/anchor_study.py --variants=anchor_scheme=document,anchor_scheme=row --seeds=0 --num_epochs=1
+    python bench/study.py --study=kinds            # DFlash, DFlash2 and DSpark on the default job
+    python bench/study.py --study=anchors          # the anchor schemes, seeds 0 and 1
+    python bench/study.py --study=objective        # 'dflash' against 'dpace' (two alphas)
+    python bench/study.py --study=recipe --seeds=0 --max_new_tokens=64   # §3.6, then Muon
+    python bench/study.py --variants=anchor_scheme=document,anchor_scheme=row --seeds=0 --num_epochs=1
+    python bench/study.py --study=kinds --seeds=0 --max_steps=20 --num_prompts=4 --max_new_tokens=16,32
 
 A variant is a set of overrides of `configs/default.py` (or of `--config`), `key=value` joined by `+`
 (`loss=dpace+dpace_alpha=0.8`; a bare key is a `train.` field, others name their section:
@@ -13,15 +15,23 @@ a study measures the same thing after the default changes); `--variants` alone a
 default as it is. Trains once per (variant, seed), for the default's steps unless the variant
 changes the batching (the seed sets the drafter init, the anchors and the data order), then
 measures τ by real greedy speculative decoding on the bundled held-out prompts for every
-`--max_new_tokens`, and prints one row per run and the mean per variant, side by side. Runs live
-in `--root/<variant>_s<seed>`; a finished run is evaluated again without retraining, so an
-interrupted study resumes.
+`--max_new_tokens`, and prints one row per run and the mean per variant, side by side, with the
+train step time (the median of the logged intervals after the first, which holds the
+compilation) and the decode step time (one drafter pass, the walk and one target verification:
+decoding seconds per speculative step, after compiling). Runs live in `--root/<variant>_s<seed>`;
+a finished run is evaluated again without retraining, so an interrupted study resumes.
+
+The kinds study (docs/design.md §12): every kind drafts 7 tokens a step, so the target verifies 8
+tokens for each: DFlash and DFlash2 on the default's blocks of 8, DSpark on blocks of 7 (every
+slot of its block drafts). DSpark trains with its own loss (DeepSpec's; `loss=dflash` selects its
+slot weights), the others with the default's.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import re
 import time
@@ -30,8 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding.acceptance import measure_acceptance
+from dflash_jax.decoding.acceptance import acceptance_stats
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
+from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.loop import train
@@ -39,7 +50,16 @@ from dflash_jax.training.run_config import load_config_file, resolve
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 
+# The variant of each drafter kind, on the default config as it is.
+KINDS = {
+    "dflash": "drafter.kind=dflash",
+    "dflash2": "drafter.kind=dflash2",
+    "dspark": "drafter.kind=dspark+drafter.block_size=7+loss=dflash",
+}
+
 STUDIES = {
+    # docs/design.md §12: the drafter kinds.
+    "kinds": tuple(KINDS.values()),
     # docs/design.md §3.1: how anchors are drawn.
     "anchors": (
         "anchor_scheme=document",
@@ -133,6 +153,27 @@ def train_one(variant: str, seed: int, args) -> tuple[str, float, int]:
     return setup.workdir.export, time.perf_counter() - start, outcome.step
 
 
+def train_step_seconds(workdir: str) -> float:
+    """The median logged seconds per train step, the first interval (compilation) left out."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    rates = [r["steps_per_sec"] for r in rows if r["kind"] == "train"][1:]
+    return float(np.median([1 / r for r in rates])) if rates else float("nan")
+
+
+def decode(target, drafter, prompts, stop_tokens, max_new_tokens: int) -> tuple[float, float]:
+    """(τ, seconds per speculative step) of greedy decoding, compiled first."""
+    decoder = SpeculativeDecoder(
+        target, drafter, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens, stop_tokens=stop_tokens
+    )
+    decoder.warmup([len(p) for p in prompts])
+    start = time.perf_counter()
+    generations = decoder.generate(prompts)
+    seconds = time.perf_counter() - start
+    steps = sum(len(g.step_lengths) for g in generations)
+    return acceptance_stats(generations, drafter.cfg.verify_size)["tau"], seconds / max(steps, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", choices=sorted(STUDIES), default="", help="a prepared list, on its base")
@@ -154,31 +195,40 @@ def main() -> None:
     lengths = [int(n) for n in args.max_new_tokens.split(",")]
     args.root = args.root or os.path.join("runs", f"{args.study or 'variants'}_study")
 
-    config, target, chat, prompts = study_target(args)
+    _, target, chat, prompts = study_target(args)
 
     rows = []
     for seed in seeds:  # a seed of every variant first: a study cut short still compares them
         for variant in variants:
             export, seconds, steps = train_one(variant, seed, args)
             drafter = load_drafter(export, param_dtype=jnp.float32, compute_dtype=jnp.float32)
-            taus = [
-                measure_acceptance(target, drafter, prompts, max_new_tokens=n, stop_tokens=chat.stop_tokens)["tau"]
-                for n in lengths
-            ]
-            rows.append((variant, seed, steps, seconds, taus))
+            measured = [decode(target, drafter, prompts, chat.stop_tokens, n) for n in lengths]
+            taus, step_seconds = [t for t, _ in measured], train_step_seconds(os.path.dirname(export))
+            rows.append((variant, seed, steps, seconds, step_seconds, measured[-1][1], taus))
             print(f"{variant} seed {seed}: {steps} steps in {seconds:.0f} s, tau {taus}", flush=True)
 
     width = max(len("variant"), *map(len, variants))
     taus_header = "".join(f"  tau@{n:<4d}" for n in lengths)
     base = f"; every variant on {args.base}" if args.base else ""
-    print(f"\n{len(prompts)} held-out prompts (heldout_prompts), greedy; {config.drafter.block_size=}{base}")
-    print(f"{'variant':{width}s} {'seed':>4s} {'steps':>6s} {'train_s':>8s}{taus_header}")
-    for variant, seed, steps, seconds, taus in rows:
-        print(f"{variant:{width}s} {seed:4d} {steps:6d} {seconds:8.0f}" + "".join(f"  {t:8.3f}" for t in taus))
-    print("mean per variant:")
+    print(f"\n{len(prompts)} held-out prompts (heldout_prompts), greedy; {jax.devices()[0].device_kind}{base}")
+    print(
+        f"{'variant':{width}s} {'seed':>4s} {'steps':>6s} {'train_s':>8s} {'step ms':>8s} {'decode ms':>9s}{taus_header}"
+    )
+    for variant, seed, steps, seconds, step_seconds, decode_seconds, taus in rows:
+        print(
+            f"{variant:{width}s} {seed:4d} {steps:6d} {seconds:8.0f} {step_seconds * 1e3:8.1f} {decode_seconds * 1e3:9.2f}"
+            + "".join(f"  {t:8.3f}" for t in taus)
+        )
+    print("mean per variant (and against the first's tau):")
+    means = {v: np.mean([r[-1] for r in rows if r[0] == v], axis=0) for v in variants}
+    first = means[variants[0]]
     for variant in variants:
-        mean = np.mean([taus for v, _, _, _, taus in rows if v == variant], axis=0)
-        print(f"{variant:{width}s} {'':4s} {'':6s} {'':8s}" + "".join(f"  {t:8.3f}" for t in mean))
+        ratios = "".join(f"  x{m / f:.3f}" for m, f in zip(means[variant], first))
+        print(
+            f"{variant:{width}s} {'':4s} {'':6s} {'':8s} {'':8s} {'':9s}"
+            + "".join(f"  {t:8.3f}" for t in means[variant])
+            + ratios
+        )
 
 
 if __name__ == "__main__":

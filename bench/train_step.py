@@ -51,9 +51,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from anchor_study import apply_variant  # bench/anchor_study.py
 from flax import nnx
-from kinds_study import KINDS  # bench/kinds_study.py
+from study import KINDS, apply_variant  # bench/study.py
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention

