@@ -34,9 +34,11 @@ from absl import flags
 from dflash_jax import cli
 from dflash_jax.errors import UserError
 from dflash_jax.simulated_devices import plan_xla_flags
+from dflash_jax.training import compilers
 from dflash_jax.training.roofline import HARDWARE_NAMES
 
 RENAMED_FLAGS = {"hlo_out": "hlo_output"}
+DEFAULT_HBM_GB = 80.0  # --hardware=cpu: plan for an 80 GB GPU
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -47,7 +49,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer(
         "num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).", lower_bound=1, **fv
     )
-    flags.DEFINE_float("hbm_gb", 80.0, "Memory per device, GiB (H100 80, H200 141).", **fv)
+    flags.DEFINE_float(
+        "hbm_gb", 0.0, "Memory per device, GiB; 0 = the --hardware's (H100 80, H200 141, v5e 16; cpu 80).", **fv
+    )
     flags.DEFINE_integer(
         "devices_per_host",
         8,
@@ -62,7 +66,24 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_enum(
-        "hardware", "h100", HARDWARE_NAMES, "The devices the speed is estimated for (cpu: this host, measured).", **fv
+        "hardware",
+        "h100",
+        HARDWARE_NAMES,
+        "The devices compiled for, by their own compiler without them (GPUs: XLA:GPU; TPUs: libtpu), and the speed "
+        "is estimated for (cpu: XLA:CPU on simulated devices, this host's speed).",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "topology",
+        "",
+        "Of one slice: GPUs 'slices x hosts x GPUs' (1x1x8), TPUs the chips' (2x2x1); '' = by size.",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "num_slices", 1, "TPU slices (multi-slice); --num_devices counts them all.", lower_bound=1, **fv
+    )
+    flags.DEFINE_bool(
+        "simulate", False, "Compile with XLA:CPU on simulated devices even where --hardware's compiler is here.", **fv
     )
     flags.DEFINE_float("epoch_tokens", 1e9, "Token slots (packed rows x seq_len) of an epoch.", lower_bound=1, **fv)
     flags.DEFINE_string("hlo_output", "", "Also write the compiled program's HLO text to this file.", **fv)
@@ -84,24 +105,45 @@ def _rerun_on_simulated_devices(n: int) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "dflash_jax.plan", *sys.argv[1:]], env)
 
 
+def _rerun_on_the_cpu_backend() -> None:
+    """Execute this command again with JAX's backend the CPU, as a deviceless compile needs,
+    and XLA_FLAGS as the user set them (none of the simulation's XLA:CPU flags)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "dflash_jax.plan", *sys.argv[1:]], env)
+
+
 def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
     del argv
+    if f.hbm_gb < 0:
+        raise UserError(f"--hbm_gb={f.hbm_gb} must be > 0 (0: the hardware's)")
+    acc = compilers.ACCELERATORS.get(f.hardware)
+    real = acc is not None and not f.simulate and compilers.installed(acc)
+    if (f.topology or f.num_slices > 1) and not real:
+        raise UserError("--topology and --num_slices are for a compile by --hardware's own compiler (not --simulate)")
     n = f.num_devices
-    if f.hbm_gb <= 0:
-        raise UserError(f"--hbm_gb={f.hbm_gb} must be > 0")
+    if f.topology:
+        n = compilers.topology_size(f.topology) * f.num_slices
+        if f["num_devices"].present and f.num_devices != n:
+            raise UserError(
+                f"--topology={f.topology} x --num_slices={f.num_slices} is {n} devices, not {f.num_devices}"
+            )
+    if real and os.environ.get("JAX_PLATFORMS") != "cpu":
+        _rerun_on_the_cpu_backend()
 
     import jax
 
-    on_cpu = jax.default_backend() == "cpu"
-    if jax.device_count() < n or (on_cpu and not os.environ.get(_SIMULATED)):
+    on_cpu = not real
+    if not real and (jax.device_count() < n or (jax.default_backend() == "cpu" and not os.environ.get(_SIMULATED))):
         _rerun_on_simulated_devices(n)
+    if acc is not None and not real and not f.simulate:
+        print(f"{compilers.missing(acc)}; compiling with XLA:CPU on simulated devices instead", flush=True)
 
     from dflash_jax.training.planning import (
         GIB,
-        format_mesh_choice,
         format_plan,
         plan_train_step,
-        smallest_fitting_mesh,
     )
     from dflash_jax.training.roofline import format_speed, hardware
     from dflash_jax.training.run_config import resolve, target_for_plan
@@ -112,19 +154,70 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
         config.drafter.mask_token_id = target.vocab_size - 1  # no tokenizer to look it up in; any id will do
     setup = resolve(config, num_devices=n, target=target, check_files=False)
     name = _config_argument()
-    print(f"compiling the train step of {name} for {source} on {n} devices ...", flush=True)
-    plan = plan_train_step(setup, devices=jax.devices()[:n], hlo_path=f.hlo_output)
+    if real:
+        devices = compilers.devices(acc, n, topology=f.topology, num_slices=f.num_slices)
+        where = compilers.describe(acc, devices, num_slices=f.num_slices)
+    else:
+        devices, where = jax.devices()[:n], f"{n} simulated CPU devices (XLA:CPU)"
+    print(f"compiling the train step of {name} for {source} on {where} ...", flush=True)
+    plan = plan_train_step(setup, devices=devices, hlo_path=f.hlo_output)
     _, fsdp, tensor = setup.mesh_shape
-    hbm = f.hbm_gb * GIB
+    hbm = f.hbm_gb * GIB or (acc.hbm_bytes if acc else DEFAULT_HBM_GB * GIB)
     remat = dict(remat=setup.objective.remat, remat_policy=setup.objective.remat_policy)
     print(format_plan(plan, hbm, title=name, fsdp=fsdp, tensor=tensor, **remat))
-    hw = hardware(f.hardware, devices=n if on_cpu else 1)
-    print(format_speed(plan, hw, epoch_tokens=f.epoch_tokens))
+    if plan.out_of_memory:
+        print("  speed: none (the compiler refused the step)")
+    else:
+        hw = hardware(f.hardware, devices=n if on_cpu else 1)
+        print(format_speed(plan, hw, epoch_tokens=f.epoch_tokens))
     if plan.fits(hbm):
         return 0
-    choice = smallest_fitting_mesh(setup, plan, hbm, devices_per_host=f.devices_per_host)
-    print(format_mesh_choice(choice, hbm))
+    per_host = f.devices_per_host if f["devices_per_host"].present or acc is None else acc.chips_per_host
+    _search_fitting_mesh(config, target, setup, plan, hbm, per_host, acc if real else None)
     return cli.EXIT_ERROR
+
+
+# Candidates the search compiles with the hardware's compiler before it gives the estimate alone.
+MAX_CONFIRMING_COMPILES = 3
+
+
+def _search_fitting_mesh(config, target, setup, plan, hbm: float, per_host: int, acc) -> None:
+    """Print the fewest hosts the step fits on: the estimate's candidate (`smallest_fitting_mesh`),
+    then, with `acc` (its compiler installed), that candidate compiled by it; a candidate it
+    finds too big moves the search on to more hosts."""
+    from dflash_jax.training.planning import GIB, format_mesh_choice, plan_train_step, smallest_fitting_mesh
+    from dflash_jax.training.run_config import resolve
+
+    sizes = (lambda d: True) if acc is None or acc.platform != "tpu" else _tpu_slice_size(acc)
+    hosts = 1
+    for _ in range(MAX_CONFIRMING_COMPILES):
+        choice = smallest_fitting_mesh(setup, plan, hbm, devices_per_host=per_host, min_hosts=hosts, sizes=sizes)
+        print(format_mesh_choice(choice, hbm), flush=True)
+        if choice is None or acc is None:
+            return
+        devices = choice.hosts * choice.devices_per_host
+        config.mesh.data, config.mesh.fsdp = 1, -1
+        candidate = plan_train_step(
+            resolve(config, num_devices=devices, target=target, check_files=False), compilers.devices(acc, devices)
+        )
+        verdict = "fits" if candidate.fits(hbm) else "DOES NOT FIT"
+        print(
+            f"  compiled by {acc.compiler} on {devices} devices: {candidate.peak / GIB:.1f} GiB per device, {verdict}"
+        )
+        if candidate.fits(hbm):
+            return
+        hosts = choice.hosts + 1
+
+
+def _tpu_slice_size(acc):
+    def fits_a_slice(devices: int) -> bool:
+        try:
+            compilers.default_topology(acc, devices)
+        except UserError:
+            return False
+        return True
+
+    return fits_a_slice
 
 
 def _config_argument() -> str:

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models import sharding
-from dflash_jax.models.kernels import MASKED
+from dflash_jax.models.kernels import MASKED, target_backend
 
 IMPLEMENTATIONS = ("auto", "xla", "fused")
 
@@ -52,7 +52,7 @@ def resolve_implementation(name: str, backend: str | None = None) -> str:
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     if name == "auto":
-        return "fused" if (backend or jax.default_backend()) == "gpu" else "xla"
+        return "fused" if (backend or target_backend()) == "gpu" else "xla"
     return name
 
 
@@ -110,7 +110,7 @@ def packed_causal_tiles(seq_len: int) -> tuple[tuple[int, int], ...]:
     than 128 queries; tile [lo, hi) attends to keys [0, hi) (from `window_start(lo, W)` under a
     sliding window W). On CPU, 64-query tiles made the batched score matmuls too small to run at
     speed: at S = 512, 4 tiles compute 11 % more pairs than 8 and the train step is 2-7 % faster
-    (`bench/train_step_ab.py`)."""
+    (`bench/train_step.py --base`)."""
     n = max(1, min(8, seq_len // 128))
     bounds = [round(i * seq_len / n) for i in range(n + 1)]
     return tuple(zip(bounds[:-1], bounds[1:]))

@@ -12,10 +12,13 @@ with their bytes per step. No weights, no data, no device memory: only the targe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import re
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax.data.packing import FIELDS
-from dflash_jax.models import sharding
-from dflash_jax.training import hlo
+from dflash_jax.models import kernels, sharding
+from dflash_jax.training import compilers, hlo
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.hlo import Collective, Kernel, collectives
@@ -62,6 +65,10 @@ class Plan:
     kernels: tuple[Kernel, ...] = ()  # of one device's program, for the roofline (training/roofline.py)
     lower_seconds: float = 0.0  # tracing and lowering the step, before compiling it
     compile_cpu_seconds: float = 0.0  # CPU time of the compile, every thread of it (wall time: compile_seconds)
+    device_kind: str = ""  # "NVIDIA H200", "TPU v5": the devices compiled for
+    generated_code: int = 0  # per device, bytes of the compiled program
+    compiler_costs: dict[str, float] = dataclasses.field(default_factory=dict)  # compilers.cost_analysis
+    out_of_memory: str = ""  # the compiler's refusal (TPU); then the memory figures come from its message
 
     def fits(self, hbm_bytes: float) -> bool:
         return self.peak <= USABLE_FRACTION * hbm_bytes
@@ -100,54 +107,103 @@ def lower_train_step(setup: TrainSetup, mesh: Mesh):
 
 def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> Plan:
     """Compile the step of `setup` on `devices` (default: all) and read back its plan; with
-    `hlo_path`, also write the compiled program's HLO text there."""
+    `hlo_path`, also write the compiled program's HLO text there. On the devices of a GPU
+    topology (`training/compilers.py`) the fused attention kernels are traced and compiled for
+    the GPU, as a run there would; a TPU compiler's out-of-memory refusal is a plan that does
+    not fit, its memory figures read from the refusal."""
+    devices = jax.devices() if devices is None else devices
     mesh = make_mesh(*setup.mesh_shape, devices=devices)
+    platform = devices[0].platform
     start = time.perf_counter()
-    lowered, state, target, batch = lower_train_step(setup, mesh)
+    with kernels.compiled_for_gpu() if platform == "gpu" else contextlib.nullcontext():
+        lowered, state, target, batch = lower_train_step(setup, mesh)
     lower_seconds = time.perf_counter() - start
+    placed = {
+        "target": bytes_per_device(target),
+        "drafter": bytes_per_device(state.params),
+        "optimizer": bytes_per_device(state.opt_state),
+        "batch": bytes_per_device(batch),
+    }
     start, start_cpu = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) or platform != "tpu":
+            raise
+        compiled, refusal = None, str(e)
     compile_seconds, compile_cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+    rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
+    common = dict(
+        mesh=mesh_axes_description(mesh),
+        layout=sharding.layout_of(mesh),
+        platform=platform,
+        num_devices=mesh.devices.size,
+        rows=rows,
+        seq_len=seq_len,
+        grad_accum_steps=setup.run.grad_accum_steps,
+        bytes_per_device=placed,
+        model_flops=model_flops_per_step(setup, rows, seq_len),
+        remat_flops=remat_flops_per_step(setup, rows, seq_len),
+        tokens=rows * seq_len,
+        block_tokens=rows * setup.objective.num_anchors * setup.objective.block_size,
+        drafter_kind=setup.drafter.kind,
+        compile_seconds=compile_seconds,
+        lower_seconds=lower_seconds,
+        compile_cpu_seconds=compile_cpu_seconds,
+        device_kind=devices[0].device_kind,
+    )
+    if compiled is None:
+        return _refused_plan(refusal, common)
     memory = compiled.memory_analysis()
     text = compiled.as_text()
     if hlo_path:
         with open(hlo_path, "w", encoding="utf-8") as f:
             f.write(text)
     program = hlo.Module(text)
-    num_devices = mesh.devices.size
     peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
     derived = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
     derived += memory.temp_size_in_bytes
-    rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
     return Plan(
-        mesh=mesh_axes_description(mesh),
-        layout=sharding.layout_of(mesh),
-        platform=jax.devices()[0].platform if devices is None else devices[0].platform,
-        num_devices=num_devices,
-        rows=rows,
-        seq_len=seq_len,
-        grad_accum_steps=setup.run.grad_accum_steps,
-        bytes_per_device={
-            "target": bytes_per_device(target),
-            "drafter": bytes_per_device(state.params),
-            "optimizer": bytes_per_device(state.opt_state),
-            "batch": bytes_per_device(batch),
-        },
+        **common,
         arguments=memory.argument_size_in_bytes,
         outputs=memory.output_size_in_bytes,
         aliased=memory.alias_size_in_bytes,
         temporaries=memory.temp_size_in_bytes,
         peak=max(peak, derived),
-        model_flops=model_flops_per_step(setup, rows, seq_len),
-        remat_flops=remat_flops_per_step(setup, rows, seq_len),
-        tokens=rows * seq_len,
-        block_tokens=rows * setup.objective.num_anchors * setup.objective.block_size,
-        drafter_kind=setup.drafter.kind,
         collectives=tuple(collectives(program)),
-        compile_seconds=compile_seconds,
         kernels=tuple(hlo.kernels(program)),
-        lower_seconds=lower_seconds,
-        compile_cpu_seconds=compile_cpu_seconds,
+        generated_code=memory.generated_code_size_in_bytes,
+        compiler_costs=compilers.cost_analysis(compiled) if platform != "cpu" else {},
+    )
+
+
+_SIZE = r"([0-9.]+)([KMGT]?)"
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _refused_plan(refusal: str, common: dict) -> Plan:
+    """The plan of a step the TPU compiler refused for HBM: "Used 20.5G of 15.75G hbm", else
+    "memory required for HLO temporaries (32.00G) exceeds available HBM" on top of the arguments."""
+    arguments = sum(common["bytes_per_device"].values())
+
+    def size(match, at):
+        return int(float(match.group(at)) * _UNITS[match.group(at + 1)])
+
+    used = re.search(rf"Used {_SIZE} of {_SIZE} hbm", refusal)
+    temporaries = re.search(rf"HLO temporaries \({_SIZE}\)", refusal)
+    temps = size(temporaries, 1) if temporaries else 0
+    peak = size(used, 1) if used else arguments + temps
+    line = next((t.strip() for t in refusal.splitlines() if "memory" in t.lower()), refusal.splitlines()[0])
+    return Plan(
+        **common,
+        arguments=arguments,
+        outputs=0,
+        aliased=0,
+        temporaries=temps or max(0, peak - arguments),
+        peak=peak,
+        collectives=(),
+        kernels=(),
+        out_of_memory=line.removeprefix("RESOURCE_EXHAUSTED: "),
     )
 
 
@@ -165,7 +221,14 @@ class MeshChoice:
 
 
 def smallest_fitting_mesh(
-    setup: TrainSetup, plan: Plan, hbm_bytes: float, *, devices_per_host: int, max_hosts: int = 512
+    setup: TrainSetup,
+    plan: Plan,
+    hbm_bytes: float,
+    *,
+    devices_per_host: int,
+    max_hosts: int = 512,
+    min_hosts: int = 1,
+    sizes: Callable[[int], bool] = lambda devices: True,
 ) -> MeshChoice | None:
     """The fewest hosts of `devices_per_host` devices on which the step of `plan` fits, by estimate.
 
@@ -176,7 +239,8 @@ def smallest_fitting_mesh(
     the drafter and optimizer state (split over every device) by the ratio of devices, everything
     else (activations and temporaries, which follow the rows a device holds) by the ratio of row
     groups (data x fsdp). Compile the candidate (`--num_devices`) to confirm. None when no
-    candidate of up to `max_hosts` hosts fits.
+    candidate of `min_hosts` to `max_hosts` hosts, of a device count `sizes` accepts (a TPU
+    slice's), fits.
     """
     data, fsdp, tensor = setup.mesh_shape
     b = plan.bytes_per_device
@@ -185,9 +249,9 @@ def smallest_fitting_mesh(
     params = nnx.split(nnx.eval_shape(lambda: step_lib.new_target(setup)))[1]
     leaves = [(path, leaf.shape, leaf.dtype) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
     rows = setup.data.global_batch_rows // setup.run.grad_accum_steps
-    for hosts in range(1, max_hosts + 1):
+    for hosts in range(min_hosts, max_hosts + 1):
         devices = hosts * devices_per_host
-        if devices % tensor or rows % (devices // tensor):
+        if devices % tensor or rows % (devices // tensor) or not sizes(devices):
             continue
         mesh = {sharding.DATA_AXIS: 1, sharding.FSDP_AXIS: devices // tensor, sharding.TENSOR_AXIS: tensor}
         target = sum(_shard_bytes(mesh, path, shape, dtype) for path, shape, dtype in leaves)
@@ -253,7 +317,7 @@ def verdict(plan: Plan, hbm_bytes: float, *, fsdp: int, tensor: int, remat: bool
     usable = USABLE_FRACTION * hbm_bytes
     if plan.fits(hbm_bytes):
         return f"fits: {plan.peak / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable per device"
-    tips = []
+    tips = [] if not plan.out_of_memory else [f"(the compiler: {plan.out_of_memory})"]
     if fsdp == 1:
         tips.append("split the target over devices (variant :fsdp, or --config.mesh.fsdp=4)")
     if tensor == 1 and plan.bytes_per_device["target"] > 0.4 * usable:
@@ -264,7 +328,15 @@ def verdict(plan: Plan, hbm_bytes: float, *, fsdp: int, tensor: int, remat: bool
     elif remat_policy != "full":
         tips.append("--config.train.remat_policy=full")
     tips.append("smaller train.lm_head_chunk_blocks / train.attention_chunk_blocks")
-    return f"DOES NOT FIT: {plan.peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable per device; try " + "; ".join(tips)
+    over = f"{plan.peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable per device (by {(plan.peak - usable) / GIB:.1f} GiB)"
+    return f"DOES NOT FIT: {over}; try " + "; ".join(tips)
+
+
+def _devices(plan: Plan) -> str:
+    """'2 cpu devices' or 'NVIDIA H200 devices, compiled by XLA:GPU'."""
+    if plan.platform == "cpu":
+        return "cpu devices"
+    return f"{plan.device_kind} devices, compiled by {'XLA:GPU' if plan.platform == 'gpu' else 'XLA:TPU'}"
 
 
 def format_plan(
@@ -274,7 +346,7 @@ def format_plan(
     usable = USABLE_FRACTION * hbm_bytes
     lines = [
         f"plan: {title}",
-        f"  mesh {plan.mesh} ({plan.num_devices} {plan.platform} devices), layout '{plan.layout}';"
+        f"  mesh {plan.mesh} ({plan.num_devices} {_devices(plan)}), layout '{plan.layout}';"
         f" {plan.rows} rows x {plan.seq_len}, grad_accum_steps={plan.grad_accum_steps};"
         f" lowered in {plan.lower_seconds:.0f} s, compiled in {plan.compile_seconds:.0f} s",
         "  per device:",
@@ -283,15 +355,23 @@ def format_plan(
         f"    optimizer state          {_gib(b['optimizer'])}",
         f"    batch                    {_gib(b['batch'])}",
         f"    arguments in all         {_gib(plan.arguments)}",
+        f"    outputs (not in place)   {_gib(plan.outputs - plan.aliased)}",
         f"    temporaries              {_gib(plan.temporaries)}",
+        *([f"    generated code           {_gib(plan.generated_code)}"] if plan.generated_code else []),
         f"    total                    {_gib(plan.peak)}  of {usable / GIB:.1f} GiB usable"
-        f" ({USABLE_FRACTION:.0%} of --hbm_gb={hbm_bytes / GIB:g})",
+        f" ({USABLE_FRACTION:.0%} of {hbm_bytes / GIB:g} GiB)",
         f"  {verdict(plan, hbm_bytes, fsdp=fsdp, tensor=tensor, remat=remat, remat_policy=remat_policy)}",
         f"  model FLOPs per step {plan.model_flops / 1e12:,.1f} TFLOP"
         f" (+ {plan.remat_flops / 1e12:,.1f} TFLOP recomputed in the backward pass)",
         f"  tokens per step {plan.tokens:,} ({plan.rows} x {plan.seq_len}); drafter block tokens {plan.block_tokens:,}"
         f" ({plan.drafter_kind})",
     ]
+    if plan.platform != "cpu" and not plan.out_of_memory:
+        costs = plan.compiler_costs
+        lines.append(
+            f"  the compiler's cost analysis (loop bodies once), per device: {costs.get('flops', 0) / 1e12:,.2f} TFLOP,"
+            f" {costs.get('bytes', 0) / 1e9:,.2f} GB accessed"
+        )
     if not plan.collectives:
         lines.append("  collectives: none")
         return "\n".join(lines)

@@ -149,5 +149,5 @@ def test_named_hardware():
     assert b200.matmul_flops > 2 * h100.matmul_flops and roofline.hardware("h200").memory_bandwidth == 4.8e12
     assert roofline.for_device_kind("NVIDIA H100 80GB HBM3") == h100
     assert roofline.for_device_kind("NVIDIA H100 PCIe") is None  # not the SXM part's figures
-    with pytest.raises(ValueError, match="not one of h100, h200, b200, cpu"):
+    with pytest.raises(ValueError, match="not one of h100, h200, b200, tpu-v5e, tpu-v5p, tpu-v6e, cpu"):
         roofline.hardware("tpu")

@@ -36,15 +36,21 @@ LOG2_E = 1.4426950408889634
 _COMPILED = contextvars.ContextVar("dflash_kernels_compiled", default=False)
 
 
+def target_backend() -> str:
+    """The backend programs are traced for: JAX's, or "gpu" under `compiled_for_gpu`."""
+    return "gpu" if _COMPILED.get() else jax.default_backend()
+
+
 def interpret_mode() -> bool:
     """Pallas kernels compile for GPUs only; elsewhere they run in interpret mode (tests)."""
-    return jax.default_backend() != "gpu" and not _COMPILED.get()
+    return target_backend() != "gpu"
 
 
 @contextlib.contextmanager
 def compiled_for_gpu() -> Iterator[None]:
-    """Trace the kernels for the GPU even on another backend: lets a CPU-only test lower them
-    to Triton (`.lower(lowering_platforms=("cuda",))`) to check they compile there."""
+    """Trace the kernels for the GPU even on another backend, and resolve attention 'auto' as on
+    one: lets a CPU-only process lower them to Triton (`.lower(lowering_platforms=("cuda",))`,
+    or a step over the devices of a GPU topology, `training/compilers.py`) and compile them."""
     token = _COMPILED.set(True)
     try:
         yield
