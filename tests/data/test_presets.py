@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.formats import Conversation, normalize_record
 from dflash_jax.data.presets import PRESETS
 from dflash_jax.data.sources import count_rows, iter_chunks, resolve_sources
 from dflash_jax.errors import DataError
+from support.chat_data import TOOL_REFUSING_TEMPLATE, data_config, write_tiny_target
 from support.hub_cache import use_hub_cache
 from support.preset_files import add_published_datasets, published_files
 
@@ -68,3 +70,11 @@ def test_an_unknown_name_lists_the_presets(tmp_path, monkeypatch):
         DataError, match="data source 'ultrachat2' does not exist, nor is it a data set name .*ultrachat, sharegpt"
     ):
         resolve_sources("ultrachat2")
+
+
+def test_the_tokenized_cache_is_built_from_presets_by_name(hub, monkeypatch, tmp_path):
+    """What `prepare` and training do with `data.train=sharegpt,nemotron-v2-chat`."""
+    monkeypatch.chdir(tmp_path)
+    target = str(write_tiny_target(tmp_path / "target", TOOL_REFUSING_TEMPLATE))
+    cache = ensure_cache(data_config("sharegpt,nemotron-v2-chat", tmp_path / "cache", seq_len=128), target)
+    assert cache.manifest["num_samples"] == len(hub["sharegpt"]) + len(hub["nemotron-v2-chat"])
