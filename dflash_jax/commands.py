@@ -20,7 +20,8 @@ COMMANDS = {
     "plan": ("dflash_jax.plan", "will a run fit? the memory, FLOPs and collectives of its step"),
     "prepare": ("dflash_jax.prepare", "build a config's tokenized data cache ahead of training"),
     "regenerate": ("dflash_jax.regenerate", "rewrite a dataset's answers with the target's own"),
-    "export": ("dflash_jax.export", "write a checkpoint's drafter for SGLang / vLLM"),
+    "export": ("dflash_jax.export", "write a checkpoint's drafter for SGLang / vLLM (--format=gguf: llama.cpp)"),
+    "install-llama-cpp": ("dflash_jax.install_llama_cpp", "find or build llama.cpp's llama-server (pinned b11434)"),
     "list-configs": ("dflash_jax.list_configs", "the bundled config files, their variants and what each sets"),
 }
 PROGRAM = "dflash-jax"

@@ -19,19 +19,31 @@ output token and the speed ratio: a table on the terminal, `eval.json` and `eval
 --output. --draft_vocab=N drafts among the N tokens the drafter's training used most (its
 token_frequencies.json): on a CPU with a large vocabulary the drafter's LM head is most of its
 step; the target still verifies over every token, so decoding stays lossless.
+
+--engine=llama.cpp also serves the same prompts (each row's first turn) with llama.cpp's
+`llama-server` (decoding/llama_cpp.py finds it; `dflash-jax install-llama-cpp` builds it) on the
+GGUF --target, alone and with the drafter converted to GGUF (`<output>/drafter.gguf`), greedy,
+and prints the engine's τ, drafted and accepted tokens, speed with and without the drafter and
+whether its texts equal the target alone's, beside ours (eval.json: "engine").
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.decoding import report
+from dflash_jax.decoding.llama_cpp import require_server
+from dflash_jax.decoding.llama_server import Drafting, evaluate_engine
 from dflash_jax.decoding.measurement import write_outputs
+from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
+from dflash_jax.decoding.report import engine_table
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
+from dflash_jax.models.gguf import weights_file
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.checkpoint import RunCheckpoints
@@ -95,6 +107,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
+    flags.DEFINE_enum("engine", None, ["llama.cpp"], "Also serve the prompts with this engine (a GGUF --target).", **fv)
+    flags.DEFINE_integer("engine_threads", 0, "The engine's CPU threads (0: its default).", lower_bound=0, **fv)
     flags.mark_flags_as_required(["drafter"], **fv)
 
 
@@ -117,9 +131,35 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         confidence_threshold=f.confidence_threshold,
         draft_vocab=f.draft_vocab,
     )
+    if f.engine:
+        evaluation["engine"] = _engine_evaluation(f, evaluation["run"]["target"], drafter)
     write_outputs(evaluation, f.output)
     print(report.table(evaluation["sets"]))
+    if f.engine:
+        print(engine_table(evaluation["sets"], evaluation["engine"]))
     print(f"wrote {f.output}/eval.json and {f.output}/eval.png")
+
+
+def _engine_evaluation(f: flags.FlagValues, target: str, drafter: str) -> dict:
+    """llama.cpp's figures on the prompts of every set (the first turn of each row)."""
+    target_gguf = weights_file(target)
+    if target_gguf is None:
+        raise UserError(f"--engine=llama.cpp serves a GGUF target; --target={target} is not one")
+    export = drafter if is_export_dir(drafter) else Workdir.at(drafter).export
+    if not is_export_dir(export):
+        raise UserError(f"--engine=llama.cpp needs the drafter's export; {drafter} has none (run dflash-jax export)")
+    binary = require_server()
+    os.makedirs(f.output, exist_ok=True)
+    drafting = Drafting.convert(Path(export), target_gguf, Path(f.output) / "drafter.gguf")
+    chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
+    prompts = {}
+    for spec in f.prompts:
+        prompt_set = load_prompt_set(spec, chat, limit=f.limit)
+        prompts[prompt_set.name] = [chat.prompt_ids(row[0]) for row in prompt_set.rows]
+    print(f"llama.cpp ({binary}): {drafting.spec_type}, {drafting.num_drafts} drafts a step")
+    return evaluate_engine(
+        binary, target_gguf, drafting, prompts, max_new_tokens=f.max_new_tokens, threads=f.engine_threads
+    )
 
 
 def _model(spec: str, flag: str):

@@ -20,6 +20,7 @@ from dflash_jax import (
     commands,
     evaluate,
     export,
+    install_llama_cpp,
     list_configs,
     plan,
     prepare,
@@ -38,6 +39,7 @@ COMMAND_MODULES = {
     "prepare": prepare,
     "regenerate": regenerate,
     "export": export,
+    "install-llama-cpp": install_llama_cpp,
     "list-configs": list_configs,
 }
 

@@ -51,6 +51,51 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+# The engine's figures beside ours (`llama_server.engine_figures`): τ, drafts, speed, identity.
+ENGINE_COLUMNS = (
+    ("set", 18, "s"),
+    ("our tau", 7, ".2f"),
+    ("engine tau", 10, ".2f"),
+    ("drafted", 8, "d"),
+    ("accepted", 8, "d"),
+    ("+drafter tok/s", 14, ".1f"),
+    ("alone tok/s", 11, ".1f"),
+    ("+drafter ms/tok", 15, ".2f"),
+    ("alone ms/tok", 12, ".2f"),
+    ("speedup", 7, ".2f"),
+    ("identical", 9, ".2f"),
+)
+
+
+def engine_table(ours: dict[str, dict], engine: dict[str, dict]) -> str:
+    """One row per prompt set: our decoder's τ, then llama.cpp's counters and speeds (decoding
+    after the prompt, as the engine times it) and the fraction of texts equal to the target alone."""
+    name_width = max([ENGINE_COLUMNS[0][1], *map(len, engine)])
+    widths = [name_width] + [w for _, w, _ in ENGINE_COLUMNS[1:]]
+
+    def row(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    header = row([title for title, _, _ in ENGINE_COLUMNS])
+    lines = ["llama.cpp, greedy, the first turn of every prompt:", header, "-" * len(header)]
+    for name, e in engine.items():
+        values = (
+            name,
+            ours.get(name, {}).get("tau"),
+            e["tau"],
+            e["drafted"],
+            e["accepted"],
+            e["drafter"]["tokens_per_s"],
+            e["target"]["tokens_per_s"],
+            e["drafter"]["ms_per_token"],
+            e["target"]["ms_per_token"],
+            e["speedup"],
+            e["identical_outputs"],
+        )
+        lines.append(row(["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, ENGINE_COLUMNS)]))
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, dict], block_size: int, path: str) -> None:
     import matplotlib
 

@@ -1,0 +1,212 @@
+"""llama.cpp in the loop: `llama-server` on a GGUF target, alone or with a drafter GGUF, greedy.
+
+`LlamaServer` starts the server on 127.0.0.1 (a free port, loopback only) and stops it; its
+`complete` sends one prompt as token ids to `/completion` (no template, no BOS added: the ids
+our decoder gets) and returns the tokens and the engine's own counters (`timings`: tokens
+predicted, their milliseconds, drafted and accepted tokens). `engine_figures` sums them over a
+prompt set. Every wait is bounded: start-up by `start_timeout`, each request by `request_timeout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from dflash_jax.errors import UserError
+from dflash_jax.models.gguf_export import gguf_kind, write_drafter_gguf
+
+HOST = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """The drafter a server loads: its GGUF, llama.cpp's speculative type and the drafts per step."""
+
+    gguf: Path
+    spec_type: str  # draft-dflash | draft-dspark
+    num_drafts: int
+
+    @classmethod
+    def convert(cls, export_dir: Path, target_gguf: Path, out_file: Path) -> Drafting:
+        """The drafter exported at `export_dir`, written as GGUF to `out_file` for `target_gguf`."""
+        hf = json.loads((Path(export_dir) / "config.json").read_text())
+        write_drafter_gguf(export_dir, target_gguf, out_file)
+        kind = gguf_kind(hf)
+        return cls(Path(out_file), kind.spec_type, kind.num_drafts(hf))
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    tokens: list[int]
+    predicted_n: int
+    predicted_ms: float
+    draft_n: int
+    draft_accepted: int
+
+    @property
+    def steps(self) -> int:
+        """Target verification steps after the prefill's token: each adds its accepted drafts + 1."""
+        return self.predicted_n - 1 - self.draft_accepted
+
+
+class LlamaServer:
+    def __init__(
+        self,
+        binary: Path,
+        target: Path,
+        drafting: Drafting | None = None,
+        *,
+        threads: int = 0,
+        context: int = 4096,
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 300.0,
+        request_timeout: float = 600.0,
+    ):
+        self.request_timeout = request_timeout
+        self.port = _free_port()
+        cmd = [str(binary), "-m", str(target), "--host", HOST, "--port", str(self.port), "-c", str(context)]
+        cmd += ["-np", "1", "--no-webui", "--temp", "0", "--top-k", "1"]
+        if threads:
+            cmd += ["-t", str(threads)]
+        if drafting:
+            # p-min 0: every draft proposed, as our decoder proposes them (llama.cpp may cut at a probability).
+            cmd += ["--spec-type", drafting.spec_type, "--spec-draft-model", str(drafting.gguf)]
+            cmd += ["--spec-draft-n-max", str(drafting.num_drafts), "--spec-draft-p-min", "0"]
+        cmd += list(extra_args)
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115
+        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_healthy(start_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.close()
+                raise UserError(f"llama-server exited with code {self.process.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise UserError(f"llama-server did not become healthy within {timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 1) -> str:
+        text = Path(self.log.name).read_text(errors="replace").strip().splitlines()
+        errors = [line for line in text if "error" in line.lower() or "failed" in line.lower()]
+        return " | ".join((errors or text)[-lines:]) or "(no output)"
+
+    def complete(self, prompt: Sequence[int], max_new_tokens: int) -> Completion:
+        body = {
+            "prompt": [int(t) for t in prompt],
+            "n_predict": max_new_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+        }
+        request = urllib.request.Request(
+            f"http://{HOST}:{self.port}/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
+                reply = json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise UserError(f"llama-server request failed ({e}): {self.log_tail()}") from None
+        t = reply["timings"]
+        return Completion(
+            tokens=list(reply["tokens"]),
+            predicted_n=int(t["predicted_n"]),
+            predicted_ms=float(t["predicted_ms"]),
+            draft_n=int(t.get("draft_n", 0)),
+            draft_accepted=int(t.get("draft_n_accepted", 0)),
+        )
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def run_prompts(server: LlamaServer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Completion]:
+    """One completion per prompt, in order (the loop is bounded by len(prompts), each request by
+    the server's request_timeout); the first prompt is sent twice, the first time untimed
+    (warm-up, as our decoder compiles first)."""
+    if prompts:
+        server.complete(prompts[0], max_new_tokens)
+    return [server.complete(p, max_new_tokens) for p in prompts]
+
+
+def engine_figures(alone: Sequence[Completion], drafted: Sequence[Completion]) -> dict:
+    """A prompt set's figures in the engine, as `measurement.evaluate_set` reports ours: τ (mean
+    over prompts of the tokens per verification step), drafted and accepted tokens, decode speed
+    (the engine's `predicted` timings: after the prompt) with and without the drafter, and the
+    fraction of outputs identical to the target alone."""
+    taus = [(c.predicted_n - 1) / c.steps for c in drafted if c.steps > 0]
+
+    def speed(completions):
+        tokens = sum(c.predicted_n for c in completions)
+        ms = sum(c.predicted_ms for c in completions)
+        return {
+            "tokens": tokens,
+            "tokens_per_s": 1000 * tokens / ms if ms else 0.0,
+            "ms_per_token": ms / tokens if tokens else 0.0,
+        }
+
+    with_drafter, target = speed(drafted), speed(alone)
+    return {
+        "tau": sum(taus) / len(taus) if taus else float("nan"),
+        "drafted": sum(c.draft_n for c in drafted),
+        "accepted": sum(c.draft_accepted for c in drafted),
+        "drafter": with_drafter,
+        "target": target,
+        "speedup": with_drafter["tokens_per_s"] / target["tokens_per_s"] if target["tokens_per_s"] else None,
+        "identical_outputs": sum(a.tokens == d.tokens for a, d in zip(alone, drafted)) / max(len(alone), 1),
+    }
+
+
+def evaluate_engine(
+    binary: Path,
+    target_gguf: Path,
+    drafting: Drafting,
+    prompt_sets: dict[str, list[Sequence[int]]],
+    *,
+    max_new_tokens: int,
+    threads: int = 0,
+) -> dict[str, dict]:
+    """`engine_figures` of every prompt set: one server of the target alone, then one with the drafter."""
+    runs = []
+    for with_drafter in (None, drafting):
+        with LlamaServer(binary, target_gguf, with_drafter, threads=threads) as server:
+            runs.append({name: run_prompts(server, prompts, max_new_tokens) for name, prompts in prompt_sets.items()})
+    return {name: engine_figures(runs[0][name], runs[1][name]) for name in prompt_sets}

@@ -1,0 +1,99 @@
+"""llama.cpp serves our drafters: `llama-server` (found, or built at the pinned b11434: about half
+an hour on 2 cores the first time) loads each kind's GGUF beside a tiny GGUF target this test
+writes, its greedy text equals the target alone's, and on the prompts where its target agrees
+with ours token for token it accepts exactly as many drafts as our decoder does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_jax.decoding.llama_cpp import build_server, find_server
+from dflash_jax.decoding.llama_server import Drafting, LlamaServer, engine_figures, run_prompts
+from dflash_jax.decoding.prompt_sets import ChatTokenizer
+from dflash_jax.decoding.speculative import SpeculativeDecoder
+from dflash_jax.errors import UserError
+from dflash_jax.models.hf import export_drafter, load_drafter, load_target
+from dflash_jax.models.hub import resolve_model
+from support.decoding_models import make_drafter, perturbed
+from support.gguf_checkpoint import CORPUS, write_tiny_gguf
+
+pytestmark = pytest.mark.slow
+
+HEADS = {"dflash": {}, "dflash2": {"selector_top_k": 7, "selector_rank": 32}, "dspark": {"markov_rank": 32}}
+MAX_NEW_TOKENS = 16
+# float32 caches (llama.cpp keeps float16 ones by default) and weights: the engine's greedy tokens
+# then agree with ours on most prompts, where a near-tie could otherwise flip one.
+EXACT = ("-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32")
+
+
+@pytest.fixture(scope="module")
+def server_binary():
+    return find_server() or build_server()
+
+
+@pytest.fixture(scope="module")
+def target_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target") / "target.gguf"
+    return write_tiny_gguf(path, layers=4, weight_type="F32", embedding_type="F32")
+
+
+@pytest.fixture(scope="module")
+def target(target_gguf):
+    return load_target(resolve_model(str(target_gguf)))
+
+
+@pytest.fixture(scope="module")
+def prompts(target_gguf):
+    chat = ChatTokenizer(str(resolve_model(str(target_gguf))))
+    return [chat.prompt_ids([{"role": "user", "content": text}]) for text in CORPUS]
+
+
+@pytest.fixture(scope="module")
+def alone(server_binary, target_gguf, prompts):
+    with LlamaServer(server_binary, target_gguf, threads=2, extra_args=EXACT) as server:
+        return run_prompts(server, prompts, MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_llama_cpp_serves_the_export_as_our_decoder_decodes_it(
+    kind, server_binary, target, target_gguf, prompts, alone, tmp_path
+):
+    drafter = perturbed(make_drafter(target, kind=kind, block_size=4, mask_id=3, **HEADS[kind]))
+    export = export_drafter(drafter, tmp_path / "export")
+    drafting = Drafting.convert(export, target_gguf, tmp_path / "drafter.gguf")
+    with LlamaServer(server_binary, target_gguf, drafting, threads=2, extra_args=EXACT) as server:
+        served = run_prompts(server, prompts, MAX_NEW_TOKENS)
+
+    figures = engine_figures(alone, served)
+    assert figures["identical_outputs"] == 1.0  # lossless in the engine
+    assert figures["drafted"] > 0  # the drafter ran
+
+    ours = SpeculativeDecoder(
+        target,
+        load_drafter(export),  # the exported (bfloat16) weights the GGUF holds, as our decoder reads them
+        max_prompt_len=max(map(len, prompts)),
+        max_new_tokens=MAX_NEW_TOKENS,
+        stop_tokens=(2,),
+    ).generate([np.asarray(p) for p in prompts])
+    same_target = [i for i, (o, a) in enumerate(zip(ours, alone)) if list(o.tokens) == a.tokens]
+    assert len(same_target) >= len(prompts) // 2, "the engine's target and ours disagree on most prompts"
+    accepted_ours = [int((ours[i].step_lengths - 1).sum()) for i in same_target]
+    assert accepted_ours == [served[i].draft_accepted for i in same_target]
+    if kind == "dspark":  # random Markov heads still accept some drafts: the counts compared are not all 0
+        assert sum(accepted_ours) > 0
+
+
+def test_a_drafter_the_engine_cannot_load_is_one_line(server_binary, target_gguf, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF not really")
+    with pytest.raises(UserError, match="llama-server exited"):
+        LlamaServer(server_binary, target_gguf, Drafting(broken, "draft-dflash", 3), start_timeout=120)
+
+
+def test_a_missing_engine_is_one_line(monkeypatch, tmp_path):
+    from dflash_jax.decoding import llama_cpp
+
+    monkeypatch.setenv(llama_cpp.ENV_SERVER, str(tmp_path / "no-such-llama-server"))
+    with pytest.raises(UserError, match="not an executable llama-server"):
+        llama_cpp.require_server()
