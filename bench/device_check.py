@@ -26,7 +26,10 @@ What it measures, in this order:
   fused path's Pallas kernels) count by their operands only, not their FLOPs; their runs are
   reported, and the fused path's prediction is low by their compute.
 * peak device memory (bytes in use at the high-water mark, as the runtime reports it) after the
-  fused step, and again after the XLA step.
+  fused step, and again after the XLA step; beside it and the step time, what `plan --hardware`
+  predicts for the same step compiled for this part by its own compiler without it
+  (`compiled_peak_memory_gb`, `compiled_step_s`; --compile_for names another part, e.g. h200
+  from a CPU; None where the part is not listed or its compiler not installed).
 * decode: one target-alone step vs one DFlash step (draft a block of 16 + verify it) after a
   2048-token prompt, bench/decoding_step.py's measurement: DFlash speeds decoding up by about
   τ / cost_ratio.
@@ -59,7 +62,7 @@ from dflash_jax.models import attention, block_attention
 from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import roofline
+from dflash_jax.training import compilers, planning, roofline
 from dflash_jax.training.run_config import base_config, resolve
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
@@ -225,11 +228,26 @@ def step_setup(target: TransformerConfig, *, rows, seq_len, num_anchors, block_s
     return resolve(c, num_devices=1, target=target, check_files=False)
 
 
-def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline.Hardware | None) -> dict:
+def compiled_prediction(setup, acc: compilers.Accelerator | None) -> dict:
+    """What `plan --hardware` says of this step on one device of `acc`, compiled by that hardware's
+    own compiler without it (training/compilers.py): peak memory and the roofline step time."""
+    if acc is None or not compilers.installed(acc):
+        return {"compiled_for": None}
+    plan = planning.plan_train_step(setup, compilers.devices(acc, 1))
+    step_s = roofline.estimate(plan.kernels, plan.collectives, acc.hardware).step_s
+    return {
+        "compiled_for": acc.name,
+        "compiled_peak_memory_gb": round(plan.peak / 2**30, 2),
+        "compiled_step_s": round(step_s, 4),
+    }
+
+
+def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline.Hardware | None, acc=None) -> dict:
     out = {}
     for impl in ("fused", "xla"):
         log(f"train step ({impl} attention): compiling and timing {steps} steps")
-        r = train_step.bench(train_step.with_attention(setup, impl), steps, hardware=hardware)
+        chosen = train_step.with_attention(setup, impl)
+        r = train_step.bench(chosen, steps, hardware=hardware)
         flops = r["flops_per_step"]
         predicted = r.get("predicted")
         out[impl] = {
@@ -244,6 +262,8 @@ def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline
             "predicted_step_s": None if predicted is None else round(predicted.step_s, 4),
             "predicted_over_measured": None if predicted is None else round(predicted.step_s * r["steps_per_s"], 3),
             "predicted_uncounted_kernel_runs": None if predicted is None else predicted.opaque_runs,
+            # the same step compiled for this part by its own compiler, without it (plan --hardware)
+            **compiled_prediction(chosen, acc),
         }
         log(f"train step ({impl}): {out[impl]}")
     return out
@@ -276,6 +296,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, tests)")
     parser.add_argument("--steps", type=int, default=0, help="timed train steps per attention path (default 5, tiny 2)")
     parser.add_argument("--parts", default="parity,step,decode", help="comma-separated subset to run")
+    parser.add_argument(
+        "--compile_for",
+        default="",
+        choices=["", *compilers.ACCELERATORS],
+        help="the part whose compiler predicts the step's memory and time beside the measured ones "
+        "('': this device's, when listed and its compiler is installed)",
+    )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     start = time.perf_counter()
@@ -301,6 +328,7 @@ def main() -> None:
     )
     result["peak_tflops"] = peak
     target = TINY if tiny else QWEN3_8B
+    acc = compilers.ACCELERATORS[args.compile_for] if args.compile_for else compilers.for_device_kind(kind)
     setup = step_setup(
         target,
         rows=2,
@@ -318,7 +346,7 @@ def main() -> None:
             "block_size": setup.objective.block_size,
             "drafter_layers": setup.drafter.num_layers,
             "dtype": dtype,
-            **train_steps(setup, steps, peak, roofline_hardware(kind)),
+            **train_steps(setup, steps, peak, roofline_hardware(kind), acc),
         }
     if "decode" in parts:
         result["decode"] = decode_cost(

@@ -129,8 +129,12 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
             raise UserError(
                 f"--topology={f.topology} x --num_slices={f.num_slices} is {n} devices, not {f.num_devices}"
             )
-    if real and os.environ.get("JAX_PLATFORMS") != "cpu":
-        _rerun_on_the_cpu_backend()
+    if real:
+        compilers.checked_topology(acc, n, f.topology, f.num_slices)  # bad input fails before the rerun
+        if os.environ.get("JAX_PLATFORMS") != "cpu":
+            _rerun_on_the_cpu_backend()
+    elif (f.simulate or acc is None) and not os.environ.get(_SIMULATED):
+        _rerun_on_simulated_devices(n)  # without probing this machine's accelerators first
 
     import jax
 
@@ -140,11 +144,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
     if acc is not None and not real and not f.simulate:
         print(f"{compilers.missing(acc)}; compiling with XLA:CPU on simulated devices instead", flush=True)
 
-    from dflash_jax.training.planning import (
-        GIB,
-        format_plan,
-        plan_train_step,
-    )
+    from dflash_jax.training.planning import GIB, format_plan, plan_train_step
     from dflash_jax.training.roofline import format_speed, hardware
     from dflash_jax.training.run_config import resolve, target_for_plan
 

@@ -91,6 +91,8 @@ def test_a_wheel_installed_elsewhere_trains_two_steps_from_any_directory(tmp_pat
     shipped = set(zipfile.ZipFile(wheel).namelist())
     for name in tracked_files("configs", "assets/data", "assets/tiny-qwen3"):
         assert f"dflash_jax/{name}" in shipped, name
+    for name in tracked_files("dflash_jax/training/gpu_targets"):  # plan --hardware=h200 compiles with them
+        assert name in shipped, name
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

@@ -74,6 +74,15 @@ ACCELERATORS = {
 }
 
 
+def for_device_kind(kind: str) -> Accelerator | None:
+    """The part a JAX device kind names ('NVIDIA H200', 'TPU v5 lite'); None for one not listed."""
+    gpu = roofline.for_device_kind(kind)
+    if gpu is not None:
+        return ACCELERATORS[gpu.name]
+    tpus = {"TPU v5 lite": "tpu-v5e", "TPU v5": "tpu-v5p", "TPU v6 lite": "tpu-v6e"}
+    return ACCELERATORS.get(tpus.get(kind, ""))
+
+
 def installed(acc: Accelerator) -> bool:
     """Whether this environment has `acc`'s compiler (the extra `acc.extra`)."""
     if acc.platform == "tpu":
@@ -111,27 +120,36 @@ def topology_size(topology: str) -> int:
         raise UserError(f"topology {topology!r} is not sizes joined by 'x' (e.g. 2x2x1)") from None
 
 
-def devices(acc: Accelerator, num_devices: int, *, topology: str = "", num_slices: int = 1) -> list:
-    """The devices of `num_devices` (in all) of `acc` for its compiler: a `topology` of one
-    slice ('' = `default_topology`), `num_slices` of them (TPUs)."""
-    if not installed(acc):
-        raise UserError(missing(acc))
+def checked_topology(acc: Accelerator, num_devices: int, topology: str = "", num_slices: int = 1) -> tuple[str, int]:
+    """(the topology of one slice, devices a slice) for `num_devices` in all, or a UserError."""
+    if acc.platform == "cuda" and num_slices != 1:
+        raise UserError("--num_slices is for TPUs; a GPU topology is 'slices x hosts x GPUs' (--topology)")
     if num_slices < 1 or num_devices % num_slices:
         raise UserError(f"--num_slices={num_slices} does not divide {num_devices} devices")
     per_slice = num_devices // num_slices
     topology = topology or default_topology(acc, per_slice)
     if topology_size(topology) != per_slice:
         raise UserError(f"topology {topology} has {topology_size(topology)} devices, not {per_slice} a slice")
+    return topology, per_slice
+
+
+def devices(acc: Accelerator, num_devices: int, *, topology: str = "", num_slices: int = 1) -> list:
+    """The devices of `num_devices` (in all) of `acc` for its compiler: a `topology` of one
+    slice ('' = `default_topology`), `num_slices` of them (TPUs)."""
+    if not installed(acc):
+        raise UserError(missing(acc))
+    topology, per_slice = checked_topology(acc, num_devices, topology, num_slices)
     from jax.experimental import topologies
 
     if acc.platform == "cuda":
-        if num_slices != 1:
-            raise UserError("--num_slices is for TPUs; a GPU topology is 'slices x hosts x GPUs' (--topology)")
         desc = topologies.get_topology_desc(platform="cuda", target_config=target_config(acc.name), topology=topology)
     else:
         # Without these libtpu looks for a TPU VM's metadata server at start-up and logs errors.
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", acc.slice_name(per_slice))
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # libtpu locks /tmp/libtpu_lockfile for the one process that may own the chips; a compile
+        # owns none, and any JAX process of this environment may hold the lock (probing for TPUs).
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         name = f"{acc.generation}:{topology}"
         try:
             desc = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=num_slices)

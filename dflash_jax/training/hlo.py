@@ -2,7 +2,8 @@
 one device's program), with the trip counts of the loops around each op multiplied in.
 
 `collectives` lists the collectives with their bytes; `kernels` lists every kernel the device
-runs (a top-level op or fusion) with its matmul FLOPs and the memory it reads and writes.
+runs (a top-level op or fusion) with its matmul FLOPs and the memory it reads and writes;
+`buffer_band` bounds the temporaries a compiler may plan for it.
 XLA's own cost analysis counts a loop's body once, and a train step is mostly loops
 (micro-batches, attention and LM-head chunks), hence this walk. The plan prints both
 (`training/planning.py`) and the roofline estimate reads them (`training/roofline.py`).
@@ -286,6 +287,30 @@ def kernels(text: str | Module) -> list[Kernel]:
             if flops or traffic:
                 merged[(ins.opcode, flops, traffic)] += runs
     return [Kernel(op, f, b, c) for (op, f, b), c in merged.items()]
+
+
+# Ops whose result is no buffer of its own: aliases of another's, or a tuple of them.
+_ALIASES = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional", "opt-barrier"}
+
+
+def buffer_band(text: str | Module) -> tuple[int, int]:
+    """(lowest, highest) bytes of temporaries a compiler can plan for this program, per device.
+
+    Lowest: its largest buffer made inside a loop body or called program (never an argument or
+    an output, so a temporary). Highest: every buffer the program makes, each once, live at once
+    (no reuse at all). A plan outside the band misreports the program or is not its plan.
+    """
+    module = text if isinstance(text, Module) else Module(text)
+    inner, total = 0, 0
+    for name in module.runs:
+        for ins in module.computations[name]:
+            if ins.opcode in _ALIASES:
+                continue
+            size = type_bytes(ins.type)
+            total += size
+            if name != module.entry:
+                inner = max(inner, size)
+    return inner, total
 
 
 def _flops(module: Module, computation: str, ins: Instruction) -> float:

@@ -182,6 +182,7 @@ def test_plan_command_on_the_tiny_config(tmp_path):
             "--num_devices=2",
             "--config.mesh.fsdp=2",
             "--config.train.optimizer=adamw",  # the analytic FLOP count below has no Muon iterations
+            "--simulate",  # XLA:CPU's plan even where XLA:GPU is installed (test_compilers.py compiles with it)
             f"--hlo_output={hlo}",
         ],
         env=env,

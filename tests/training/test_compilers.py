@@ -1,0 +1,98 @@
+"""The hardware's own compilers, without the hardware (training/compilers.py): topologies by
+size, the GPU target configs shipped, one-line errors; the slow tier compiles the tiny default
+step with XLA:TPU (libtpu) for 4 TPU v5e chips and with XLA:GPU for 4 H200s, fused kernels
+included, and checks the compiler's temporaries against the band the program itself allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_jax.errors import UserError
+from dflash_jax.training import compilers, hlo, planning
+from dflash_jax.training.run_config import load_config_file, resolve
+from support import training_runs as testing
+
+
+def test_topologies_by_size_as_the_clouds_offer_them():
+    v5e, v5p, h200 = (compilers.ACCELERATORS[n] for n in ("tpu-v5e", "tpu-v5p", "h200"))
+    assert [compilers.default_topology(v5e, n) for n in (1, 4, 8, 16, 32)] == ["1x1", "2x2", "2x4", "4x4", "4x8"]
+    assert [compilers.default_topology(v5p, n) for n in (4, 8, 16, 64)] == ["2x2x1", "2x2x2", "2x2x4", "4x4x4"]
+    assert [compilers.default_topology(h200, n) for n in (4, 8, 32)] == ["1x1x4", "1x1x8", "1x4x8"]
+    assert (v5p.slice_name(4), v5e.slice_name(16), compilers.ACCELERATORS["tpu-v6e"].slice_name(8)) == (
+        "v5p-8",
+        "v5litepod-16",
+        "v6e-8",
+    )
+    with pytest.raises(UserError, match="power of two of chips, not 12"):
+        compilers.default_topology(v5e, 12)
+    with pytest.raises(UserError, match="not whole hosts of 8"):
+        compilers.default_topology(h200, 12)
+    with pytest.raises(UserError, match="is not sizes joined by 'x'"):
+        compilers.topology_size("2by2")
+
+
+def test_every_gpu_has_its_target_config_with_its_memory():
+    """The GpuTargetConfigProto files ship with the package and give the HBM the plan compares with."""
+    for name, acc in compilers.ACCELERATORS.items():
+        if acc.platform == "cuda":
+            assert 'platform_name: "CUDA"' in compilers.target_config(name)
+    gib = {n: compilers.ACCELERATORS[n].hbm_bytes / compilers.GIB for n in ("h100", "h200", "b200", "tpu-v5e")}
+    assert gib == {"h100": 80, "h200": 141, "b200": 180, "tpu-v5e": 16}
+
+
+def test_a_missing_compiler_names_its_extra(monkeypatch):
+    monkeypatch.setattr(compilers, "installed", lambda acc: False)
+    with pytest.raises(UserError, match=r"XLA:GPU compiler is not installed: pip install 'dflash_jax\[gpu-compile\]'"):
+        compilers.devices(compilers.ACCELERATORS["h200"], 8)
+    with pytest.raises(UserError, match=r"pip install 'dflash_jax\[tpu-compile\]'"):
+        compilers.devices(compilers.ACCELERATORS["tpu-v5p"], 4)
+
+
+def _compile_tiny_step(name: str, num_devices: int) -> tuple[planning.Plan, str]:
+    acc = compilers.ACCELERATORS[name]
+    if not compilers.installed(acc):
+        pytest.fail(compilers.missing(acc))  # .ci/run installs both compilers: missing is a failure
+    setup = resolve(load_config_file(str(testing.REPO / "configs" / "default.py")), num_devices=num_devices)
+    path = testing.REPO / f".plan-{name}.hlo"
+    try:
+        plan = planning.plan_train_step(setup, compilers.devices(acc, num_devices), hlo_path=str(path))
+        return plan, path.read_text()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tpu-v5e", "h200"])
+def test_the_tiny_step_compiles_for_the_hardware(name):
+    """Lowering or compiling errors fail; the plan is that compiler's, its temporaries within the
+    program's band (`hlo.buffer_band`), and on the GPU the fused attention kernels are in it."""
+    plan, text = _compile_tiny_step(name, 4)
+    assert plan.platform == compilers.ACCELERATORS[name].platform.replace("cuda", "gpu")
+    assert plan.num_devices == 4 and plan.fits(compilers.ACCELERATORS[name].hbm_bytes)
+    lowest, highest = hlo.buffer_band(text)
+    assert lowest <= plan.temporaries <= highest, (lowest, plan.temporaries, highest)
+    assert plan.compiler_costs["flops"] > 0 and plan.kernels and plan.collectives
+    if name == "h200":
+        # the target's packed causal kernel and the drafter's block kernel, forward and backward
+        assert text.count('custom_call_target="__gpu$xla.gpu.triton"') >= 3, "the Pallas kernels were not compiled"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hardware=tpu-v5e", "--topology=2x2", "--num_devices=8"], "is 4 devices, not 8"),
+        (["--hardware=h200", "--num_slices=2"], "--num_slices=2 does not divide|--num_slices is for TPUs"),
+        (["--hardware=cpu", "--topology=2x2"], "are for a compile by --hardware's own compiler"),
+    ],
+)
+def test_bad_hardware_input_is_one_line(monkeypatch, args, message):
+    from absl import flags
+
+    from dflash_jax import plan
+
+    monkeypatch.setattr(compilers, "installed", lambda acc: True)
+    fv = flags.FlagValues()
+    plan.define_flags(fv)
+    fv(["plan", f"--config={testing.REPO / 'configs' / 'default.py'}", *args])
+    with pytest.raises(UserError, match=message):
+        plan.main([], fv)
