@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_jax.data.formats import FORMATS, UTF8_BOM, decode_json_line
+from dflash_jax.data.formats import FORMATS, UTF8_BOM, a_json_type, decode_json_line
 from dflash_jax.data.presets import PRESETS
 from dflash_jax.errors import DataError
 from dflash_jax.models.hub import HF_DATASETS, resolve_dataset_files
@@ -182,7 +182,7 @@ def _json_array(path: str) -> list[Any]:
         problem = "it holds several JSON values: JSON Lines? name it .jsonl" if jsonl else f"not valid JSON ({e})"
         raise DataError(f"{path}: {problem}") from None
     if not isinstance(value, list):
-        raise DataError(f"{path}: a .json source holds one JSON array of rows, not {type(value).__name__}")
+        raise DataError(f"{path}: a .json source holds one JSON array of rows, not {a_json_type(value)}")
     return value
 
 

@@ -2,8 +2,9 @@
 
 Streams the input's pending rows (from any source `data.train` takes: `data.sources`) to a
 back-end (`decoding.backends`) and appends each result as it finishes. The output is append-only
-and resumable: rows already in the output are skipped, a line cut by a crash is dropped and redone. A row that fails is appended to
-`<output stem>.failures.jsonl` with its error and retried by the next run; the others go on.
+and resumable: rows already in the output are skipped, a line cut by a crash is dropped and redone.
+A row that fails is appended to `<output stem>.failures.jsonl` with its error and retried by the
+next run; the others go on.
 """
 
 from __future__ import annotations

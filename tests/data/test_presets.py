@@ -60,7 +60,7 @@ def test_json_array_files_are_read_only_when_named(tmp_path):
     with pytest.raises(DataError, match=r"lines.json: it holds several JSON values: JSON Lines\? name it .jsonl"):
         list(iter_chunks([str(tmp_path / "lines.json")], 8))
     (tmp_path / "object.json").write_text('{"text": "a"}')
-    with pytest.raises(DataError, match="object.json: a .json source holds one JSON array of rows, not dict"):
+    with pytest.raises(DataError, match="object.json: a .json source holds one JSON array of rows, not an object"):
         list(iter_chunks([str(tmp_path / "object.json")], 8))
 
 
