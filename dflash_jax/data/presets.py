@@ -20,7 +20,7 @@ class Preset:
     repo_id: str
     files: str  # a glob inside the repository: one split's files
     data_format: str  # the field holding each row's conversation: `messages` or `conversations`
-    rows: int  # the split's rows, as the dataset card lists them
+    rows: int  # the split's rows as its publisher counts them (ShareGPT's and PerfectBlend's: about)
 
     @property
     def source(self) -> str:
