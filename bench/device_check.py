@@ -237,8 +237,8 @@ def compiled_prediction(setup, acc: compilers.Accelerator | None) -> dict:
     step_s = roofline.estimate(plan.kernels, plan.collectives, acc.hardware).step_s
     return {
         "compiled_for": acc.name,
-        "compiled_peak_memory_gb": round(plan.peak / 2**30, 2),
-        "compiled_step_s": round(step_s, 4),
+        "compiled_peak_memory_gb": _significant(plan.peak / 2**30),
+        "compiled_step_s": _significant(step_s),
     }
 
 

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_device_check_tiny_prints_one_json_line():
     result = subprocess.run(
-        ["bash", str(ROOT / "bench" / "device_check.sh"), "--tiny"],
+        ["bash", str(ROOT / "bench" / "device_check.sh"), "--tiny", "--compile_for=h200"],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -38,5 +38,8 @@ def test_device_check_tiny_prints_one_json_line():
         assert step[impl]["mfu"] is None  # no known peak for a CPU
         # the roofline estimate for this CPU (measured) beside the measured step
         assert step[impl]["predicted_step_s"] > 0 and step[impl]["predicted_over_measured"] > 0
+        # what XLA:GPU, compiling the same step for an H200 without one, predicts beside it
+        assert step[impl]["compiled_for"] == "h200"
+        assert step[impl]["compiled_peak_memory_gb"] > 0 and step[impl]["compiled_step_s"] > 0
     assert report["matmul_peak_tflops"] > 0
     assert report["decode"]["cost_ratio"] > 0
