@@ -5,14 +5,19 @@ with ours token for token it accepts exactly as many drafts as our decoder does.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
+from dflash_jax.bundled import ASSETS
+from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.llama_cpp import build_server, find_server
 from dflash_jax.decoding.llama_server import Drafting, LlamaServer, engine_figures, run_prompts
-from dflash_jax.decoding.prompt_sets import ChatTokenizer
+from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.errors import UserError
+from dflash_jax.models.gguf_target import write_target_gguf
 from dflash_jax.models.hf import export_drafter, load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
 from support.decoding_models import make_drafter, perturbed
@@ -82,6 +87,24 @@ def test_llama_cpp_serves_the_export_as_our_decoder_decodes_it(
     assert accepted_ours == [served[i].draft_accepted for i in same_target]
     if kind == "dspark":  # random Markov heads still accept some drafts: the counts compared are not all 0
         assert sum(accepted_ours) > 0
+
+
+def test_the_bundled_qwen3_target_written_as_gguf_decodes_as_ours(server_binary, tmp_path):
+    """models/gguf_target.py: the default run's tiny-qwen3, which llama.cpp's converter refuses
+    (its tokenizer is not a published one), served with our tokenizer's ids and greedy tokens."""
+    model_dir = os.path.join(ASSETS, "tiny-qwen3")
+    chat = ChatTokenizer(model_dir)
+    prompts = [chat.prompt_ids(row[0]) for row in load_prompt_set("heldout_prompts", chat, limit=4).rows]
+    target_gguf = write_target_gguf(model_dir, tmp_path / "tiny-qwen3.gguf")
+    with LlamaServer(server_binary, target_gguf, threads=2, extra_args=EXACT) as server:
+        served = run_prompts(server, prompts, 2 * MAX_NEW_TOKENS)
+    ours = TargetDecoder(
+        load_target(model_dir),
+        max_prompt_len=max(map(len, prompts)),
+        max_new_tokens=2 * MAX_NEW_TOKENS,
+        stop_tokens=chat.stop_tokens,
+    ).generate([np.asarray(p) for p in prompts])
+    assert [list(o.tokens) for o in ours] == [c.tokens for c in served]
 
 
 def test_a_drafter_the_engine_cannot_load_is_one_line(server_binary, target_gguf, tmp_path):

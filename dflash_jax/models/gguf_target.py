@@ -1,0 +1,127 @@
+"""A Hugging Face Qwen3 target as the GGUF file llama.cpp serves, for targets llama.cpp's own
+converter refuses: it hashes the tokenizer's pre-tokenizer against a list of published ones,
+so a tokenizer trained here (the bundled tiny-qwen3's) is 'not recognized'.
+
+    write_target_gguf(model_dir, out_file)
+
+writes what `convert_hf_to_gguf.py` (Qwen3Model, build b11434) writes for a dense Qwen3 with a
+byte-level BPE tokenizer: architecture `qwen3`, its hyper-parameters, the tensors in float32
+under llama.cpp's names (no q/k reordering: Qwen3 is a NeoX-RoPE model), and the vocabulary as
+`tokenizer.ggml.*` (`gpt2` model; `pre` named from the tokenizer's split: GPT-2's own regex, or
+Qwen2's / Llama 3's, models/gguf_tokenizer.py), with the chat template and special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from dflash_jax.errors import UserError
+from dflash_jax.models.gguf_tokenizer import CONTROL, PRE_TOKENIZER_SPLITS, USER_DEFINED
+
+NORMAL = 1  # gguf.constants.TokenType
+LAYER_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
+    import gguf
+    from safetensors.numpy import load_file
+
+    model_dir, out_file = Path(model_dir), Path(out_file)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("architectures") != ["Qwen3ForCausalLM"]:
+        raise UserError(f"{model_dir}: only Qwen3ForCausalLM targets are written to GGUF here (convert_hf_to_gguf.py)")
+    writer = gguf.GGUFWriter(str(out_file), "qwen3")
+    writer.add_name(model_dir.resolve().name)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocabulary(writer, model_dir, cfg)
+
+    weights = {}
+    for part in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(part)))
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not cfg.get("tie_word_embeddings"):
+        names["lm_head.weight"] = "output.weight"
+    for i in range(cfg["num_hidden_layers"]):
+        names |= {
+            f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in LAYER_TENSORS.items()
+        }
+    for name, gguf_name in names.items():
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weights[name], dtype=np.float32))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_file
+
+
+def _add_vocabulary(writer, model_dir: Path, cfg: dict) -> None:
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    model = tokenizer["model"]
+    if model["type"] != "BPE" or not _is_byte_level(tokenizer):
+        raise UserError(f"{model_dir}: only byte-level BPE tokenizers are written to GGUF here")
+    added = {t["id"]: t for t in tokenizer.get("added_tokens", [])}
+    size = max(cfg["vocab_size"], *(i + 1 for i in model["vocab"].values()), *(i + 1 for i in added))
+    tokens = [f"[PAD{i}]" for i in range(size)]  # rows no token uses, as the converter pads them
+    types = [USER_DEFINED] * size
+    for text, i in model["vocab"].items():
+        tokens[i], types[i] = text, NORMAL
+    for i, t in added.items():
+        tokens[i], types[i] = t["content"], CONTROL if t.get("special") else USER_DEFINED
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre(tokenizer))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    ids = {t["content"]: i for i, t in added.items()}
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id)):
+        if settings.get(key) in ids:
+            add(ids[settings[key]])
+    if settings.get("pad_token") in ids:
+        writer.add_pad_token_id(ids[settings["pad_token"]])
+    writer.add_add_bos_token(False)  # the chat template writes every special token itself
+    if template := settings.get("chat_template"):
+        writer.add_chat_template(template)
+
+
+def _is_byte_level(tokenizer: dict) -> bool:
+    return "ByteLevel" in json.dumps(tokenizer.get("pre_tokenizer"))
+
+
+def _pre(tokenizer: dict) -> str:
+    """llama.cpp's name for the tokenizer's split (`tokenizer.ggml.pre`)."""
+    pre = tokenizer["pre_tokenizer"]
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    text = json.dumps(pre)
+    for name in ("qwen2", "llama-bpe"):
+        if json.dumps(PRE_TOKENIZER_SPLITS[name])[1:-1] in text:
+            return name
+    raise UserError("the tokenizer's pre-tokenizer split is not one llama.cpp names (gpt-2, qwen2, llama-bpe)")
