@@ -27,6 +27,8 @@ it to every call, like maxtext's `AttentionOp` holds its kernel:
   see: the target's queries the key tiles of their document up to the diagonal, the drafter's
   blocks the context tiles of their span and their own block. GPUs only (interpret mode, for
   tests, elsewhere).
+  On TPUs "fused" is jax's splash attention for the target (`kernels/tpu_packed_causal.py`)
+  and the XLA code for the drafter's blocks.
 * "auto" (the config's default) resolves to "fused" on GPU, "xla" otherwise.
 
 Decoding (`attend` with a cache mask, `block_attention.block_attention_cached`) always uses XLA.
@@ -147,9 +149,13 @@ def packed_causal_attention(
     `sliding_window` (0: none) and `sinks` [K*G] fp32 (None: none): the module docstring.
     """
     if implementation == "fused" and fused_supported(q) and v.shape[-1] == q.shape[-1]:
-        from dflash_jax.models.kernels import packed_causal
+        from dflash_jax.models.kernels import packed_causal, tpu_packed_causal
 
-        kernel = functools.partial(packed_causal.packed_causal_attention, sliding_window=sliding_window)
+        on_tpu = target_backend() == "tpu"
+        if on_tpu and not tpu_packed_causal.supported(q.shape[1]):
+            return _packed_causal_xla(q, k, v, segment_ids, sliding_window, sinks)
+        fused = tpu_packed_causal if on_tpu else packed_causal
+        kernel = functools.partial(fused.packed_causal_attention, sliding_window=sliding_window)
         if sinks is None:
             return per_shard(kernel, (q, k, v, segment_ids), (HEADS_SPEC, KV_SPEC, KV_SPEC, ROWS_SPEC), HEADS_SPEC)
         # Sinks laid out like q's rows and heads, so each shard gets its own heads' sinks.

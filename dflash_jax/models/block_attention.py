@@ -21,7 +21,7 @@ import numpy as np
 
 from dflash_jax.models import attention
 from dflash_jax.models.chunking import map_block_chunks
-from dflash_jax.models.kernels import MASKED
+from dflash_jax.models.kernels import MASKED, target_backend
 
 
 def block_context_mask(
@@ -81,7 +81,9 @@ def block_attention(
     `block_context_mask` gives for contiguous documents) and visits only those keys; it has no
     window or causal pattern, so such layers run the XLA path.
     """
-    if implementation == "fused" and attention.fused_supported(q) and not window and not causal:
+    # No TPU kernel for the blocks (kernels/tpu_packed_causal.py says why): XLA's code there.
+    on_tpu = target_backend() == "tpu"
+    if implementation == "fused" and attention.fused_supported(q) and not window and not causal and not on_tpu:
         from dflash_jax.models.kernels import block as fused_block
 
         start, end = fused_block.context_spans(ctx_mask)

@@ -107,15 +107,15 @@ def lower_train_step(setup: TrainSetup, mesh: Mesh):
 
 def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> Plan:
     """Compile the step of `setup` on `devices` (default: all) and read back its plan; with
-    `hlo_path`, also write the compiled program's HLO text there. On the devices of a GPU
-    topology (`training/compilers.py`) the fused attention kernels are traced and compiled for
-    the GPU, as a run there would; a TPU compiler's out-of-memory refusal is a plan that does
+    `hlo_path`, also write the compiled program's HLO text there. On the devices of a GPU or
+    TPU topology (`training/compilers.py`) the attention kernels are traced and compiled for
+    that hardware, as a run there would; a TPU compiler's out-of-memory refusal is a plan that does
     not fit, its memory figures read from the refusal."""
     devices = jax.devices() if devices is None else devices
     mesh = make_mesh(*setup.mesh_shape, devices=devices)
     platform = devices[0].platform
     start = time.perf_counter()
-    with kernels.compiled_for_gpu() if platform == "gpu" else contextlib.nullcontext():
+    with kernels.compiled_for(platform) if platform != "cpu" else contextlib.nullcontext():
         lowered, state, target, batch = lower_train_step(setup, mesh)
     lower_seconds = time.perf_counter() - start
     placed = {

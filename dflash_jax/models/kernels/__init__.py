@@ -1,4 +1,5 @@
-"""Fused attention kernels for GPUs (Pallas on Triton), one per attention pattern of training.
+"""Fused attention kernels for GPUs (Pallas on Triton), one per attention pattern of training,
+and on TPUs the target's (`tpu_packed_causal`: jax's splash attention).
 
 * `packed_causal.packed_causal_attention`: the target's causal attention over packed rows,
   forward only (the target is frozen). Each tile of queries walks the key tiles from the start
@@ -33,29 +34,33 @@ MASKED = -1e30
 LOG2_E = 1.4426950408889634
 
 
-_COMPILED = contextvars.ContextVar("dflash_kernels_compiled", default=False)
+_COMPILED_FOR = contextvars.ContextVar("dflash_kernels_compiled_for", default="")
 
 
 def target_backend() -> str:
-    """The backend programs are traced for: JAX's, or "gpu" under `compiled_for_gpu`."""
-    return "gpu" if _COMPILED.get() else jax.default_backend()
+    """The backend programs are traced for: JAX's, or the one `compiled_for` names."""
+    return _COMPILED_FOR.get() or jax.default_backend()
 
 
 def interpret_mode() -> bool:
-    """Pallas kernels compile for GPUs only; elsewhere they run in interpret mode (tests)."""
+    """The Triton kernels compile for GPUs only; elsewhere they run in interpret mode (tests)."""
     return target_backend() != "gpu"
 
 
 @contextlib.contextmanager
-def compiled_for_gpu() -> Iterator[None]:
-    """Trace the kernels for the GPU even on another backend, and resolve attention 'auto' as on
-    one: lets a CPU-only process lower them to Triton (`.lower(lowering_platforms=("cuda",))`,
-    or a step over the devices of a GPU topology, `training/compilers.py`) and compile them."""
-    token = _COMPILED.set(True)
+def compiled_for(backend: str) -> Iterator[None]:
+    """Trace the kernels for `backend` ("gpu", "tpu") even on another one, and resolve attention
+    'auto' as there: lets a CPU-only process lower them (`.lower(lowering_platforms=("cuda",))`,
+    or a step over the devices of a GPU or TPU topology, `training/compilers.py`) and compile them."""
+    token = _COMPILED_FOR.set(backend)
     try:
         yield
     finally:
-        _COMPILED.reset(token)
+        _COMPILED_FOR.reset(token)
+
+
+def compiled_for_gpu():
+    return compiled_for("gpu")
 
 
 def next_power_of_2(n: int) -> int:
