@@ -22,8 +22,8 @@ from flax import nnx
 
 from dflash_jax.decoding.generate import TargetDecoder, pad_batch
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 
 

@@ -59,8 +59,9 @@ from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models import attention, block_attention
-from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import compilers, planning, roofline
 from dflash_jax.training.run_config import base_config, resolve

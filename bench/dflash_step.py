@@ -51,8 +51,9 @@ from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary, dra
 from dflash_jax.decoding.generate import SLOT_BUCKET, TargetDecoder, pad_batch, run_loop, slots_needed
 from dflash_jax.decoding.sampling import GREEDY, verify_block
 from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
-from dflash_jax.models.architecture import DRAFTER_KINDS, DrafterConfig
+from dflash_jax.models import kinds
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
 
@@ -210,7 +211,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter_layers", type=int, default=2)
     p.add_argument("--context_layers", type=int, default=5)
     p.add_argument("--block_sizes", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--kinds", nargs="+", default=["dflash"], choices=DRAFTER_KINDS, help="random drafters' kinds")
+    p.add_argument("--kinds", nargs="+", default=["dflash"], choices=tuple(kinds.KINDS), help="random drafters' kinds")
     p.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 

@@ -44,9 +44,7 @@ from dflash_jax.data.formats import (
     split_think_block,
 )
 from dflash_jax.errors import ConfigError, DataError
-
-# The drafter's mask token, looked up by name in the target tokenizer (drafter.mask_token_id=-1).
-MASK_TOKEN = "<|MASK|>"
+from dflash_jax.models.drafter_config import MASK_TOKEN
 
 # Files that define a Hugging Face tokenizer and its chat template; the cache depends on them.
 TOKENIZER_FILES = (

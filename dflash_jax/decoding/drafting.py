@@ -1,9 +1,11 @@
-"""From one drafter pass to a block of drafts, for the drafter kinds that draft in sequence
-(docs/design.md "Drafter kinds"; DFlash drafts every slot on its own: `speculative.draft_block`).
+"""From one drafter pass to a block of drafts: each drafter kind's walk (`Kind.walk`,
+docs/design.md "Drafter kinds"). Every walk returns what verification needs: the drafts, per
+slot the logits whose `sampling.warp_probs` is the distribution the draft was chosen from (the
+proposal q of rejection sampling), and how many drafts each row proposes.
 
-Both walk the block slot by slot, each choice conditioning the next, and return what
-verification needs: the drafts and, per slot, the logits whose `sampling.warp_probs` is the
-distribution the draft was chosen from (the proposal q of rejection sampling).
+* DFlash drafts every slot after the anchor on its own, from its logits (`independent_walk`).
+
+DFlash2 and DSpark walk the block slot by slot, each choice conditioning the next:
 
 * DFlash2 (z-lab's `CandidateSelector.select`): slot t chooses among the top-k of its unary
   logits, scoring candidate b after the previous choice a by U_t(b) + ⟨A[a] ⊙ P(h_t), B[b]⟩; q is
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.decoding.sampling import SamplingConfig, choose
-from dflash_jax.models.heads.dflash2 import top_k, unary_logits
+from dflash_jax.models.kinds.dflash2 import top_k, unary_logits
 
 
 def _walk(step, first, xs, key: jax.Array):
@@ -30,9 +32,22 @@ def _walk(step, first, xs, key: jax.Array):
     return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1), out)
 
 
-def selector_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array):
-    """DFlash2: hidden [B, Bk, D] of the block -> (drafts [B, Bk-1], draft logits [B, Bk-1, V]);
-    `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
+def _all_proposed(drafts: jax.Array) -> jax.Array:
+    """[B]: every draft of drafts [B, K] proposed."""
+    return jnp.full(drafts.shape[:1], drafts.shape[1], jnp.int32)
+
+
+def independent_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key, threshold):
+    """DFlash: hidden [B, Bk, D] -> (drafts [B, Bk-1], draft logits [B, Bk-1, V], drafts proposed
+    [B]); `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
+    logits = vocab.logits(hidden[:, 1:])
+    drafts = vocab.tokens(choose(logits, sampling, key))
+    return drafts, vocab.scatter(logits), _all_proposed(drafts)
+
+
+def selector_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key, threshold):
+    """DFlash2: hidden [B, Bk, D] of the block -> (drafts [B, Bk-1], draft logits [B, Bk-1, V],
+    drafts proposed [B]); `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
     d, selector = drafter.cfg, drafter.candidate_selector
     h = hidden[:, 1:]
     unary = unary_logits(vocab.logits(h).astype(jnp.float32), d.output_multiplier, d.final_logit_softcapping)
@@ -52,7 +67,7 @@ def selector_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling
         .at[rows[..., None], slots[..., None], candidates]
         .set(scores)
     )
-    return drafts, logits
+    return drafts, logits, _all_proposed(drafts)
 
 
 def markov_walk(
@@ -72,8 +87,7 @@ def markov_walk(
 
     drafts, logits, confidence = _walk(step, anchor, (unary, hidden), key)
     logits = vocab.scatter(logits)
-    if threshold > 0:  # the drafts before the first slot whose confidence is below the threshold
-        proposed = jnp.sum(jnp.cumprod(confidence >= threshold, axis=1), axis=1)
-    else:
-        proposed = jnp.full(drafts.shape[:1], drafts.shape[1])
-    return drafts, logits, proposed.astype(jnp.int32)
+    if not threshold > 0:
+        return drafts, logits, _all_proposed(drafts)
+    # The drafts before the first slot whose confidence is below the threshold.
+    return drafts, logits, jnp.sum(jnp.cumprod(confidence >= threshold, axis=1), axis=1).astype(jnp.int32)

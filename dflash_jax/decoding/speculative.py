@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.decoding import drafting
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary
 from dflash_jax.decoding.generate import Decoder, prefill
-from dflash_jax.decoding.sampling import SamplingConfig, choose, verify_block
+from dflash_jax.decoding.sampling import SamplingConfig, verify_block
+from dflash_jax.errors import ModelError
+from dflash_jax.models import kinds
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
 from dflash_jax.models.transformer import Transformer
@@ -56,20 +57,14 @@ def draft_block(
 ):
     """Step 1: one drafter pass over the block at `positions` [B, Bk] -> (drafts [B, K], the
     logits they were chosen from [B, K, V], the number of drafts proposed [B]), K = the kind's
-    drafts per block. DFlash drafts every slot after the anchor on its own; DFlash2 and DSpark
-    walk the block (`drafting.py`), and DSpark may propose fewer than K. `vocab`: the tokens
-    drafted among (`draft_vocab.py`). `num_slots`: the context slots the drafter's attention
-    reads (static; None: all)."""
+    drafts per block, by the kind's walk (`drafting.py`; DSpark may propose fewer than K).
+    `vocab`: the tokens drafted among (`draft_vocab.py`). `num_slots`: the context slots the
+    drafter's attention reads (static; None: all)."""
     cfg = drafter.cfg
     block = jnp.full(positions.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
     hidden = drafter.decode(target.embed(block), positions, context, num_slots=num_slots)
-    proposed = jnp.full(anchor.shape, cfg.num_drafts, jnp.int32)
-    if cfg.kind == "dspark":
-        return drafting.markov_walk(vocab, drafter, hidden, anchor, sampling, key, confidence_threshold)
-    if cfg.kind == "dflash2":
-        return (*drafting.selector_walk(vocab, drafter, hidden, anchor, sampling, key), proposed)
-    logits = vocab.logits(hidden[:, 1:])
-    return vocab.tokens(choose(logits, sampling, key)), vocab.scatter(logits), proposed
+    walk = cfg.kind_spec.part("walk")
+    return walk(vocab, drafter, hidden, anchor, sampling, key, confidence_threshold)
 
 
 @functools.cache
@@ -173,8 +168,8 @@ class SpeculativeDecoder(Decoder):
                 f"drafter was built for a {drafter.cfg.num_target_layers}-layer target, "
                 f"this target has {target.cfg.num_layers} layers"
             )
-        if confidence_threshold and drafter.cfg.kind != "dspark":
-            raise ValueError(f"a confidence threshold needs a DSpark drafter, not a {drafter.cfg.kind!r} one")
+        if confidence_threshold and (problem := kinds.confidence_problem(drafter.cfg.kind)):
+            raise ModelError(f"a confidence threshold {problem}")
         if draft_tokens is not None and not 0 < len(draft_tokens) <= target.cfg.vocab_size:
             raise ValueError(
                 f"a draft vocabulary of {len(draft_tokens)} tokens (the target has {target.cfg.vocab_size})"

@@ -10,9 +10,10 @@ sliding layers see only a window of the context and their block causally
 (`DrafterConfig.attention_pattern`, `block_attention`).
 Training runs many blocks per packed row (`__call__`); decoding runs one block against a cache
 of context keys/values (`extend_context` + `decode`). The drafter kinds (docs/design.md "Drafter
-kinds") share this backbone: DFlash2 convolves around every sublayer (`heads/dflash2.py`) and adds
-a candidate selector, DSpark adds a Markov and a confidence head (`heads/dspark.py`); what the
-heads do with the backbone's hidden states is the objective's and the decoder's. Shapes: B rows, N blocks, L block length,
+kinds") share this backbone; a kind's module (models/kinds/) may replace its layers (DFlash2
+convolves around every sublayer) and add heads (DFlash2's candidate selector, DSpark's Markov and
+confidence heads); what the heads do with the backbone's hidden states is the objective's and
+the decoder's. Shapes: B rows, N blocks, L block length,
 S context positions, D model dim, F = k·D target features.
 """
 
@@ -24,10 +25,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models import block_attention, layer_stack
-from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.cache import KVCache, LayerCache, leading_slots
 from dflash_jax.models.chunking import BLOCKS_PER_CHUNK
-from dflash_jax.models.heads import dflash2, dspark
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
 from dflash_jax.models.mixers import AttentionProjections
 
@@ -126,16 +126,8 @@ def drafter_layer(cfg: DrafterConfig, index: int, *, attention: str, dtypes: dic
     )
     mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, init_std=INIT_STD, **dtypes)
     block_kw = dict(hidden_size=cfg.hidden_size, norm_kw=dict(eps=cfg.rms_norm_eps, **dtypes))
-    if cfg.kind == "dflash2":
-        return dflash2.ConvolvedDecoderBlock(
-            "self_attn",
-            mixer,
-            mlp,
-            kernel_size=cfg.conv_kernel_size,
-            group_size=cfg.conv_group_size,
-            rngs=rngs,
-            **block_kw,
-        )
+    if cfg.kind_spec.layer is not None:
+        return cfg.kind_spec.layer(cfg, mixer, mlp, rngs=rngs, **block_kw)
     return DecoderBlock("self_attn", mixer, mlp, **block_kw)
 
 
@@ -169,21 +161,11 @@ class DFlashDrafter(nnx.Module):
         self.segments = layer_stack.segments(kinds, scan=scan_layers)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **dtypes)
         # The kind's heads (docs/design.md "Drafter kinds"), named as the export names them.
-        head_kw = dict(init_std=INIT_STD, param_dtype=param_dtype, rngs=rngs)
-        if cfg.kind == "dflash2":
-            self.candidate_selector = dflash2.CandidateSelector(
-                cfg.hidden_size,
-                cfg.vocab_size,
-                cfg.selector_rank,
-                cfg.selector_top_k,
-                compute_dtype=compute_dtype,
-                **head_kw,
-            )
-        if cfg.kind == "dspark":
-            self.markov_head = dspark.MarkovHead(
-                cfg.vocab_size, cfg.markov_rank, compute_dtype=compute_dtype, **head_kw
-            )
-            self.confidence_head = dspark.ConfidenceHead(cfg.hidden_size, cfg.markov_rank, **head_kw)
+        heads = cfg.kind_spec.heads(
+            cfg, compute_dtype=compute_dtype, init_std=INIT_STD, param_dtype=param_dtype, rngs=rngs
+        )
+        for name, head in heads.items():
+            setattr(self, name, head)
 
     def _rotary(self, positions: jax.Array, num_positions: int | None = None) -> Rotary:
         return rotary(positions, self.cfg.rope, self.cfg.head_dim, num_positions=num_positions)

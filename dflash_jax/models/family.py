@@ -1,9 +1,10 @@
 """What a target family module declares (`Family`), and the config.json readings families share.
 
 A family is one module of models/families/: it reads its config.json into a `TransformerConfig`
-(sizes, the mixer and MLP of every layer, its attention and norm style) and lists where its
-weights live on the hub (a weight-map table, models/weight_maps.py). models/families/__init__.py
-finds every such module; nothing else names a family.
+(sizes, the mixer and MLP of every layer, its attention and norm style), lists where its
+weights live on the hub (a weight-map table, models/weight_maps.py), and declares what only it
+has: partition rules for its own parameters, the GGUF architectures that convert to it.
+models/families/__init__.py finds every such module; nothing else names a family.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from dflash_jax.models.weight_maps import Tensor, WeightMap
 
 
 @dataclasses.dataclass(frozen=True)
+class GgufArchitecture:
+    """A GGUF `general.architecture` as the Hugging Face model it is converted from (models/gguf.py)."""
+
+    hf_architecture: str
+    model_type: str
+    interleaved_qk: bool  # llama.cpp permuted the rows of each q/k head (`gguf._uninterleave`)
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A target family as the hub publishes it."""
 
@@ -29,6 +39,11 @@ class Family:
     config: Callable[[dict[str, Any]], TransformerConfig]
     # Weight-map rows, tried before the generic ones (models/weight_maps.py).
     tensors: tuple[Tensor, ...] = ()
+    # (regex on a parameter path, logical axes) of the parameters only this family's layers have
+    # (models/sharding.py, after its own table).
+    partition_rules: tuple[tuple[str, tuple], ...] = ()
+    # GGUF `general.architecture` -> how a file of it reads as this family (models/gguf.py).
+    gguf: Mapping[str, GgufArchitecture] = dataclasses.field(default_factory=dict)
 
     def weight_map(self, architecture: str) -> WeightMap:
         prefix = self.architectures[architecture]

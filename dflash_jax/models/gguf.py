@@ -18,7 +18,6 @@ Hugging Face order, as transformers does when it loads the same file.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dflash_jax.errors import ModelError, UserError
+from dflash_jax.models import families
 from dflash_jax.models.gguf_tokenizer import tokenizer_files
 
 # Where `model_dir` writes (DFLASH_JAX_GGUF_CACHE overrides it).
@@ -39,16 +39,8 @@ SUFFIX = ".gguf"
 FORMAT_VERSION = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class GgufArchitecture:
-    """A GGUF `general.architecture` and the Hugging Face model it is converted from."""
-
-    hf_architecture: str
-    model_type: str
-    interleaved_qk: bool  # llama.cpp permuted the rows of each q/k head (see `_uninterleave`)
-
-
-ARCHITECTURES = {"llama": GgufArchitecture("LlamaForCausalLM", "llama", interleaved_qk=True)}
+# GGUF `general.architecture` -> how it reads (`Family.gguf`, declared by each family module).
+ARCHITECTURES = families.GGUF_ARCHITECTURES
 
 # GGUF tensor names (gguf.constants.TENSOR_NAMES) -> the hub's; per layer `blk.{i}.<name>`.
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

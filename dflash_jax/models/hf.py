@@ -31,8 +31,8 @@ from safetensors.numpy import save_file
 
 from dflash_jax.errors import ModelError
 from dflash_jax.models import families
-from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.gguf import GgufTensors, gguf_source, model_dir, weights_file
 from dflash_jax.models.sharding import is_stacked, param_sharding
 from dflash_jax.models.transformer import Transformer

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -56,7 +57,8 @@ EXPERTS = "experts"  # the experts of a mixture-of-experts MLP
 NORM = "norm"  # RMSNorm scales: never split (tiny, and used everywhere)
 LAYERS = "layers"  # the leading axis of a scanned segment's stacked weights (models/layer_stack.py): never split
 
-# Every parameter of the target and the drafter, by the end of its path (`layers.3.mlp.up_proj.kernel`).
+# Every parameter of the target and the drafter, by the end of its path (`layers.3.mlp.up_proj.kernel`),
+# but those only one target family or drafter kind has: their modules' `partition_rules`.
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Mixture of experts (models/moe.py): stacked expert weights, router, shared expert's gate.
     (r"experts\.(gate|up)_proj", (EXPERTS, EMBED, MLP)),
@@ -66,7 +68,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(mlp|moe)\.router\.kernel", (EMBED, None)),  # moe: Gemma 4's experts beside its mlp
     (r"mlp\.router\.bias", (None,)),
     (r"shared_expert_gate\.kernel", (EMBED, None)),
-    (r"mlp\.e_score_correction_bias", (None,)),
+    (r"mlp\.e_score_correction_bias", (None,)),  # 'sigmoid_grouped' routing (DeepSeek-V3, MiniMax-M2)
     # Latent attention (models/latent_attention.py): the low-rank inputs whole, their expansions by head.
     (r"(q_a_proj|kv_a_proj_with_mqa)\.kernel", (EMBED, None)),
     (r"(q_b_proj|kv_b_proj)\.kernel", (None, HEADS)),
@@ -76,11 +78,10 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"linear_attn\.out_proj\.kernel", (None, EMBED)),
     (r"linear_attn\.conv1d\.weight", (None, None, None)),
     (r"linear_attn\.(dt_bias|A_log)", (NORM,)),
-    # Attention biases and sinks (gpt-oss): per head like their projections' outputs.
+    # Attention biases: per head like their projections' outputs.
     (r"q_proj\.bias", (HEADS,)),
     (r"[kv]_proj\.bias", (KV_HEADS,)),
     (r"o_proj\.bias", (NORM,)),
-    (r"self_attn\.sinks", (HEADS,)),
     (r"embed_tokens\.embedding", (VOCAB, EMBED)),
     (r"lm_head\.kernel", (EMBED, VOCAB)),
     (r"q_proj\.kernel", (EMBED, HEADS)),
@@ -89,18 +90,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(gate|up)_proj\.kernel", (EMBED, MLP)),
     (r"down_proj\.kernel", (MLP, EMBED)),
     (r"fc\.kernel", (FEATURES, EMBED)),
-    # Drafter heads (models/heads/): DFlash2's convolutions and candidate selector, DSpark's
-    # Markov and confidence heads.
-    (r"\w+_conv\.base_kernel", (None, None, EMBED)),
-    (r"\w+_conv\.kernel_projection\.kernel", (EMBED, None)),
-    (r"(predecessor|successor)_codebook", (VOCAB, None)),
-    (r"hidden_projection\.kernel", (EMBED, None)),
-    (r"markov_w1\.embedding", (VOCAB, None)),
-    (r"markov_w2\.kernel", (None, VOCAB)),
-    (r"confidence_head\.proj\.kernel", (EMBED, None)),
-    (r"confidence_head\.proj\.bias", (NORM,)),
     (r"\w*norm(_\d)?\.weight", (NORM,)),  # norm, hidden_norm, q_norm, k_norm, *_layernorm(_1, _2: Gemma)
-    (r"layer_scalar", (NORM,)),  # Gemma 4's output scale of a layer
 )
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -175,10 +165,23 @@ def param_axes(path: str | Sequence) -> tuple[str, ...]:
     """The logical axes of the parameter at `path` ('layers.0.self_attn.q_proj.kernel' or keys);
     a stacked one's ('layers.2.stacked.0.self_attn.q_proj.kernel') start with LAYERS."""
     name = path if isinstance(path, str) else _dotted(path)
-    for pattern, axes in PARAM_AXES:
+    for pattern, axes in _param_rules():
         if re.search(rf"(^|\.){pattern}$", name):
             return (LAYERS, *axes) if is_stacked(name) else axes
-    raise KeyError(f"parameter {name!r} has no logical axes: add its name to PARAM_AXES in {__name__}")
+    raise KeyError(
+        f"parameter {name!r} has no logical axes: add its name to PARAM_AXES in {__name__}, or to the "
+        "partition_rules of the family or drafter kind whose parameter it is"
+    )
+
+
+@functools.cache
+def _param_rules() -> Rules:
+    """PARAM_AXES, then every target family's and drafter kind's own rules."""
+    # Imported at first use: the family and kind modules import this one for its axis names.
+    from dflash_jax.models import families, kinds
+
+    owners = (*families.FAMILIES.values(), *kinds.KINDS.values())
+    return (*PARAM_AXES, *(rule for owner in owners for rule in owner.partition_rules))
 
 
 def is_stacked(path: str | Sequence) -> bool:

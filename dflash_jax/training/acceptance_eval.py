@@ -18,7 +18,6 @@ from dflash_jax.decoding import measurement
 from dflash_jax.decoding.acceptance import measure_acceptance
 from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
-from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.transformer import Transformer
@@ -82,10 +81,6 @@ def run_evaluation(
     chat = ChatTokenizer(target_path, enable_thinking=enable_thinking)
     target = load_target(target_path, param_dtype=dtype, compute_dtype=dtype)
     drafter = load_any_drafter(drafter_path, step=drafter_step, param_dtype=dtype, compute_dtype=dtype)
-    if kwargs.get("confidence_threshold") and drafter.cfg.kind != "dspark":
-        raise UserError(
-            f"a confidence threshold applies to DSpark drafters; {drafter_path} is a {drafter.cfg.kind!r} one"
-        )
     if draft_vocab:
         kwargs["draft_tokens"] = draft_token_ids(drafter_path, draft_vocab)
     result = measurement.evaluate(target, drafter, chat, prompt_specs, **kwargs)

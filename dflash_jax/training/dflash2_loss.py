@@ -11,14 +11,16 @@ would draft the label after a correct prefix: the label is among the true top-k 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.heads.dflash2 import successor_scores, unary_logits
+from dflash_jax.models.kinds.dflash2 import successor_scores, unary_logits
 from dflash_jax.training.head_terms import chunked_terms, vocab_parallel_logits, vocab_parallel_top_k
+from dflash_jax.training.objective import slot_weights
 
 
 def training_candidates(logits: jax.Array, labels: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -38,11 +40,10 @@ def dflash2_terms(
     hidden: jax.Array,
     blocks,
     cfg,
-    weights_of: Callable[[jax.Array, jax.Array], jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """hidden [R, N, Bk, D] -> (Σ w·(unary loss + α·candidate CE), weights w, hits), the last two
-    [R, N, Bk-1]. `weights_of(label CE, scored)` gives the slot weights (a constant to the
-    gradient)."""
+    [R, N, Bk-1]; the slot weights from each slot's label CE (a constant to the gradient)."""
+    weights_of = functools.partial(slot_weights, cfg=cfg)
     d = drafter.cfg
     selector = drafter.candidate_selector
     h = hidden[:, :, 1:]

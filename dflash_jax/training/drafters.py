@@ -15,8 +15,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from dflash_jax.errors import UserError
-from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import export_drafter, load_drafter
 from dflash_jax.training.checkpoint import RunCheckpoints, ema_decay_of, optimizer_of
 from dflash_jax.training.ema import served_params

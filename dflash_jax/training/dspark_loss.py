@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH, VOCAB, constrain
 from dflash_jax.training.head_terms import chunked_terms, vocab_parallel_logits
+from dflash_jax.training.objective import slot_weights
 
 # DeepSpec's weights of the three terms.
 CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
@@ -32,10 +33,11 @@ def dspark_terms(
     unembed: Callable[[jax.Array], jax.Array],
     hidden: jax.Array,
     blocks,
-    weights: jax.Array,
     cfg,
-) -> tuple[jax.Array, jax.Array]:
-    """hidden [R, N, γ, D], slot weights [R, N, γ] -> (Σ w·loss, hits [R, N, γ])."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """hidden [R, N, γ, D] -> (Σ w·loss, slot weights [R, N, γ], hits [R, N, γ]); the weights are
+    the 'dflash' decay, which needs no CE."""
+    weights = slot_weights(None, blocks.label_mask, cfg)
     markov = drafter.markov_head
     embedding = markov.embed(jnp.concatenate([blocks.tokens[..., :1], blocks.labels[..., :-1]], axis=-1))
 
@@ -62,4 +64,4 @@ def dspark_terms(
     )
     confidence = drafter.confidence_head(hidden, embedding)
     bce = jax.nn.softplus(confidence) - accept * confidence  # BCE with logits, target `accept`
-    return total + CONFIDENCE_WEIGHT * jnp.sum(weights * bce), hits
+    return total + CONFIDENCE_WEIGHT * jnp.sum(weights * bce), weights, hits

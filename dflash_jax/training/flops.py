@@ -10,7 +10,7 @@ Recomputation in the backward pass is not counted here; `remat_flops_per_step` c
 
 from __future__ import annotations
 
-from dflash_jax.models.architecture import TransformerConfig, layer_attention, layer_window
+from dflash_jax.models.architecture import TransformerConfig, has_dense_mlp, layer_attention, layer_window
 from dflash_jax.models.attention import packed_causal_pairs
 from dflash_jax.training.run_config import TrainSetup
 
@@ -54,8 +54,8 @@ def target_layer_flops(cfg: TransformerConfig, index: int, rows: int, seq_len: i
         weights = h * (q_width + kv_width) + cfg.num_heads * own.head_dim * h
         window = layer_window(cfg, cfg.layer_types[index])
         mixer = tokens * weights + 2 * rows * packed_causal_pairs(seq_len, window) * cfg.num_heads * own.head_dim
-    mlp = 3 * h * cfg.intermediate_size if index not in cfg.moe_layers or cfg.block == "gemma4" else 0
-    if index in cfg.moe_layers:  # Gemma 4's experts run beside its dense MLP
+    mlp = 3 * h * cfg.intermediate_size if has_dense_mlp(cfg, index) else 0
+    if index in cfg.moe_layers:
         moe = cfg.moe
         mlp += h * moe.num_experts + 3 * h * moe.expert_intermediate_size * moe.num_experts_per_token
         shared = moe.shared_expert_intermediate_size
@@ -85,13 +85,12 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     """(target forward, drafter forward + backward, drafter layers' forward, drafter attention
     forward)."""
     t, d, obj = setup.target, setup.drafter, setup.objective
+    kind = d.kind_spec
     h, hd = t.hidden_size, d.head_dim
 
     def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
         weights = hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden + 3 * hidden * inter
-        if d.kind == "dflash2":  # the kernel projections of the two convolutions (H -> 2·K·G each)
-            weights += 2 * hidden * 2 * d.conv_kernel_size * (hidden // d.conv_group_size)
-        return weights
+        return weights + kind.layer_macs(d)  # the kind's own per layer (DFlash2's convolutions)
 
     # Target: forward through the last feature layer (the last layer, and the LM head on the
     # slots, to distill).
@@ -108,15 +107,8 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     slots = rows * obj.num_anchors * obj.num_drafts
     lm_head = 2 * slots * h * t.vocab_size
     target += lm_head if obj.needs_target_distribution else 0
-    # The kind's heads on every scored slot, forward: DFlash2's selector (projection H -> r and
-    # every token's successor score, r -> V, of which training takes the k candidates'), DSpark's
-    # Markov bias (r -> V) and confidence head (H + r -> 1).
-    if d.kind == "dflash2":
-        heads = 2 * slots * d.selector_rank * (h + t.vocab_size)
-    elif d.kind == "dspark":
-        heads = 2 * slots * (d.markov_rank * t.vocab_size + h + d.markov_rank)
-    else:
-        heads = 0
+    # The kind's heads on every scored slot, forward (`Kind.head_flops`).
+    heads = slots * kind.head_flops(d, t.vocab_size)
     # Backward: dX and dW for trained matmuls (fc needs no dX: its input is frozen), dX only
     # through the frozen LM head (computed in its forward pass, objective.lm_head_cross_entropy).
     drafter_total = 3 * drafter_forward - fc + 2 * lm_head + 3 * heads

@@ -8,9 +8,10 @@ run the drafter over all blocks at once, and score slot k ≥ 1 against the data
 a weighted cross-entropy: the paper's position decay ('dflash') or D-PACE's confidence weights
 ('dpace').
 
-The drafter kinds (docs/design.md "Drafter kinds") add their terms to the same blocks: DFlash2
-the candidate selector's cross-entropy (`dflash2_loss.py`), DSpark its own loss on every slot,
-which drafts the token after it (`dspark_loss.py`).
+The drafter kinds (docs/design.md "Drafter kinds") score the same blocks with their own terms
+(`Kind.loss_terms`): DFlash's here (`dflash_terms`), DFlash2's adding the candidate selector's
+cross-entropy (`dflash2_loss.py`), DSpark's its own loss on every slot, which drafts the token
+after it (`dspark_loss.py`).
 
 The frozen target side (features, block embeddings) is `frozen_inputs`; the differentiable
 drafter side is `drafter_loss`. The LM head is applied in chunks of blocks, each computing its
@@ -21,7 +22,6 @@ once and are never recomputed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import flax.struct
@@ -29,20 +29,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.models import kinds
 from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.chunking import BLOCKS_PER_CHUNK, map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training.dflash2_loss import dflash2_terms
-from dflash_jax.training.dspark_loss import dspark_terms
 from dflash_jax.training.head_terms import vocab_parallel_logits
 
 Batch = dict[str, jax.Array]
 
-# docs/design.md §3.3: the paper's loss decay γ per block size; other sizes need an explicit γ.
+# docs/design.md §3.3: the paper's loss decay γ per block size; other sizes need an explicit γ
+# (unless the drafter's kind has its own, `Kind.loss_decay_gamma`).
 PAPER_LOSS_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# DeepSpec's γ for DSpark, whatever the block size.
-DSPARK_LOSS_DECAY_GAMMA = 4.0
 
 # docs/design.md §3.1: how anchors are drawn. 'document': response-token anchors shared out per
 # document; 'response': response-token anchors uniform over the row; 'row': the original scheme
@@ -71,8 +69,8 @@ class ObjectiveSettings:
     loss: str = "dflash"
     # 'dpace': smoothing of the target token's probability, in [0, 1].
     dpace_alpha: float = 0.5
-    # 'dflash': γ of the position decay; 0 = the paper's value for the block size (4 for
-    # drafter.kind='dspark', as DeepSpec trains it).
+    # 'dflash': γ of the position decay; 0 = the paper's value for the block size, or the
+    # drafter kind's own (`Kind.loss_decay_gamma`: 4 for 'dspark', as DeepSpec trains it).
     loss_decay_gamma: float = 0.0
     # docs/design.md §3.3: score each slot against the target's whole next-token distribution
     # (KL divergence) instead of the data token alone.
@@ -99,19 +97,19 @@ class ObjectiveConfig(ObjectiveSettings):
     mask_token_id: int = dataclasses.field(kw_only=True)
     target_layer_ids: tuple[int, ...] = dataclasses.field(kw_only=True)
     loss_decay_gamma: float = dataclasses.field(kw_only=True)  # resolved: never 0
-    kind: str = "dflash"  # the drafter's kind (models.architecture.DRAFTER_KINDS): which terms score it
+    kind: str = kinds.DEFAULT  # the drafter's kind (models/kinds/): which terms score it
 
     @property
     def num_drafts(self) -> int:
-        """Scored slots per block: B - 1 after the anchor, or B for 'dspark' (every slot drafts
-        the token after it)."""
-        return self.block_size if self.kind == "dspark" else self.block_size - 1
+        """Scored slots per block: those from the kind's first draft slot on (B - 1 after the
+        anchor, or B for 'dspark', whose every slot drafts the token after it)."""
+        return self.block_size - kinds.get(self.kind).first_draft_slot
 
     @property
     def needs_target_distribution(self) -> bool:
-        """Whether the target's next-token distribution at each label is computed ('dspark'
-        always scores against it)."""
-        return self.distill or self.kind == "dspark"
+        """Whether the target's next-token distribution at each label is computed (to distill,
+        or for a kind whose loss always reads it)."""
+        return self.distill or kinds.get(self.kind).reads_target_distribution
 
 
 @flax.struct.dataclass
@@ -217,7 +215,7 @@ def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, 
         & (segment_at == segment_at[:, :, :1])
         & (_gather_rows(batch["loss_mask"], index) == 1)
     )[:, :, 1:]
-    if cfg.kind == "dspark":  # DeepSpec scores the prefix of scored slots only
+    if kinds.get(cfg.kind).scores_prefix:  # DSpark: DeepSpec scores the prefix of scored slots only
         scored = jnp.cumprod(scored, axis=-1).astype(bool)
     anchor_position = _gather_rows(batch["positions"], anchor_index)
     offsets = jnp.arange(cfg.block_size)
@@ -397,23 +395,29 @@ def drafter_loss(
         blocks_per_chunk=cfg.attention_chunk_blocks,
         remat_policy=cfg.remat_policy if cfg.remat else None,
     )
-    if cfg.kind == "dflash2":
-        weights_of = functools.partial(slot_weights, cfg=cfg)
-        weighted_ce, weights, correct = dflash2_terms(drafter, unembed, hidden, blocks, cfg, weights_of)
-    elif cfg.kind == "dspark":
-        weights = slot_weights(None, blocks.label_mask, cfg)  # 'dflash' decay: no CE needed
-        weighted_ce, correct = dspark_terms(drafter, unembed, hidden, blocks, weights, cfg)
-    else:
-        loss, label_ce, correct = lm_head_cross_entropy(
-            unembed,
-            hidden[:, :, 1:],
-            blocks.labels,
-            chunk_blocks=cfg.lm_head_chunk_blocks,
-            target_hidden=blocks.target_hidden,
-        )
-        weights = slot_weights(label_ce, blocks.label_mask, cfg)
-        weighted_ce = (weights * loss).sum()
+    terms = kinds.get(cfg.kind).part("loss_terms")
+    weighted_ce, weights, correct = terms(drafter, unembed, hidden, blocks, cfg)
     return weighted_ce, metric_sums(weighted_ce, loss_denominator(weights, blocks, cfg), correct, blocks)
+
+
+def dflash_terms(
+    drafter: DFlashDrafter,
+    unembed: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    blocks: Blocks,
+    cfg: ObjectiveConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """DFlash's loss terms (the backbone's, `Kind.loss_terms`): hidden [R, N, Bk, D] -> (Σ w·CE,
+    slot weights, hits), the last two [R, N, Bk-1]."""
+    loss, label_ce, correct = lm_head_cross_entropy(
+        unembed,
+        hidden[:, :, 1:],
+        blocks.labels,
+        chunk_blocks=cfg.lm_head_chunk_blocks,
+        target_hidden=blocks.target_hidden,
+    )
+    weights = slot_weights(label_ce, blocks.label_mask, cfg)
+    return (weights * loss).sum(), weights, correct
 
 
 def metric_sums(

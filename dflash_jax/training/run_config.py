@@ -29,23 +29,18 @@ from typing import Any
 
 import ml_collections
 
-from dflash_jax.data.sample_encoder import MASK_TOKEN
 from dflash_jax.data.settings import DataConfig
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.decoding.prompt_sets import HeldoutPrompts, resolve_prompt_set
-from dflash_jax.errors import ConfigError, UserError
-from dflash_jax.models import families
-from dflash_jax.models.architecture import DTYPES, KIND_FIELDS, DrafterConfig, TransformerConfig
+from dflash_jax.errors import ConfigError, ModelError, UserError
+from dflash_jax.models import families, kinds
+from dflash_jax.models.architecture import DTYPES, TransformerConfig
+from dflash_jax.models.drafter_config import MASK_TOKEN, DrafterConfig, DrafterHeads
 from dflash_jax.models.gguf import gguf_source
 from dflash_jax.models.hf import read_config
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.mesh import mesh_shape
-from dflash_jax.training.objective import (
-    DSPARK_LOSS_DECAY_GAMMA,
-    PAPER_LOSS_DECAY_GAMMA,
-    ObjectiveConfig,
-    ObjectiveSettings,
-)
+from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig, ObjectiveSettings
 from dflash_jax.training.optimizer import OptimizerConfig
 from dflash_jax.training.sections import (
     SECTIONS,
@@ -66,7 +61,7 @@ FIELDS_DOCUMENTED = (
     "every field, its default and its meaning are documented in the section dataclasses of "
     "dflash_jax/training/sections.py (train: also ObjectiveSettings in dflash_jax/training/objective.py "
     "and OptimizerConfig in dflash_jax/training/optimizer.py; drafter: also DrafterHeads in "
-    "dflash_jax/models/architecture.py; data: DataConfig in dflash_jax/data/settings.py)"
+    "dflash_jax/models/drafter_config.py and each kind's sizes in dflash_jax/models/kinds/; data: DataConfig in dflash_jax/data/settings.py)"
 )
 
 
@@ -258,10 +253,10 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     data = _data(config, check_files)
     _check_blocks(drafter_section, train, target, data.seq_len)
     mask_token_id = _mask_token(drafter_section.mask_token_id, target, target_path, check_files)
-    _check_drafter_kind(drafter_section, train)
-    shape = _mesh(_section(config, "mesh"), num_devices, target, data.global_batch_rows, train.grad_accum_steps)
-    evaluation = _evaluation(_section(config, "eval"), drafter_section.kind, data, target_path, check_files)
     drafter = _drafter(drafter_section, target, mask_token_id)
+    _check_drafter_kind(drafter, train)
+    shape = _mesh(_section(config, "mesh"), num_devices, target, data.global_batch_rows, train.grad_accum_steps)
+    evaluation = _evaluation(_section(config, "eval"), drafter.kind, data, target_path, check_files)
     return TrainSetup(
         workdir=Workdir.at(top.workdir) if top.workdir else None,
         target_path=target_path,
@@ -298,15 +293,9 @@ def _target(path: str, target: TransformerConfig | None, check_files: bool) -> t
 
 
 def _check_blocks(drafter: DrafterSettings, train: TrainSettings, target: TransformerConfig, seq_len: int) -> None:
-    """Blocks fit the rows, and the target layers read exist."""
+    """Blocks fit the rows, and the target layer a warm start copies exists."""
     _require(
         drafter.block_size < seq_len, f"drafter.block_size={drafter.block_size} must be below data.seq_len={seq_len}"
-    )
-    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
-    _require(
-        not bad,
-        f"drafter.target_layer_ids {list(drafter.target_layer_ids)}: {bad} out of range, the target has "
-        f"{target.num_layers} layers (valid ids 0..{target.num_layers - 1})",
     )
     _require(
         train.init_from_target_layer < target.num_layers,
@@ -319,35 +308,29 @@ def _check_blocks(drafter: DrafterSettings, train: TrainSettings, target: Transf
 
 
 def _mask_token(configured: int, target: TransformerConfig, target_path: str, check_files: bool) -> int:
-    """The mask token's id: configured, or looked up in the tokenizer; a row of the embedding."""
+    """The mask token's id: configured, or looked up in the tokenizer (DrafterConfig checks it
+    is a row of the embedding)."""
     if check_files or configured >= 0:
-        mask_token_id = _mask_token_id(configured, target_path)
-    else:  # a plan without a tokenizer: which row is the mask changes nothing planned
-        mask_token_id = target.vocab_size - 1
-    _require(
-        0 <= mask_token_id < target.vocab_size,
-        f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary "
-        f"(vocab_size={target.vocab_size}); use an existing reserved token such as {MASK_TOKEN}",
-    )
-    return mask_token_id
+        return _mask_token_id(configured, target_path)
+    return target.vocab_size - 1  # a plan without a tokenizer: which row is the mask changes nothing planned
 
 
-def _check_drafter_kind(drafter: DrafterSettings, train: TrainSettings) -> None:
+def _check_drafter_kind(drafter: DrafterConfig, train: TrainSettings) -> None:
     """The loss settings the drafter's kind can take."""
-    kind = drafter.kind
+    kind = drafter.kind_spec
     _require(
-        bool(train.loss_decay_gamma) or kind == "dspark" or drafter.block_size in PAPER_LOSS_DECAY_GAMMA,
+        bool(train.loss_decay_gamma or kind.loss_decay_gamma) or drafter.block_size in PAPER_LOSS_DECAY_GAMMA,
         f"drafter.block_size={drafter.block_size} has no paper loss decay gamma (known for "
         f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma",
     )
     _require(
-        kind != "dspark" or train.loss == "dflash",
-        f"train.loss={train.loss!r} does not apply to drafter.kind='dspark', whose slots have DeepSpec's "
-        "weights exp(-k/4): use train.loss='dflash'",
+        not kind.losses or train.loss in kind.losses,
+        f"train.loss={train.loss!r} does not apply to drafter.kind={kind.name!r}: use train.loss="
+        + " or ".join(map(repr, kind.losses)),
     )
     _require(
-        kind != "dspark" or not train.distill,
-        "train.distill does not apply to drafter.kind='dspark': its loss always reads the target's distribution",
+        not (kind.reads_target_distribution and train.distill),
+        f"train.distill does not apply to drafter.kind={kind.name!r}: its loss always reads the target's distribution",
     )
 
 
@@ -383,10 +366,8 @@ def _evaluation(
     evaluation: EvalSettings, kind: str, data: DataConfig, target_path: str, check_files: bool
 ) -> EvalSettings:
     """The eval section with its prompt set resolved (a file, a benchmark or the held-out rows)."""
-    _require(
-        kind == "dspark" or not evaluation.confidence_threshold,
-        f"eval.confidence_threshold applies to drafter.kind='dspark' only (this drafter is {kind!r})",
-    )
+    if evaluation.confidence_threshold and (problem := kinds.confidence_problem(kind)):
+        raise ConfigError(f"eval.confidence_threshold {problem}")
     if evaluation.prompts and check_files:
         try:
             return dataclasses.replace(evaluation, prompts=resolve_prompt_set(evaluation.prompts)[1])
@@ -400,12 +381,18 @@ def _evaluation(
 
 
 def _drafter(drafter: DrafterSettings, target: TransformerConfig, mask_token_id: int) -> DrafterConfig:
+    """The drafter the section describes, checked by DrafterConfig (its messages name the field)."""
+    own = kinds.KINDS.get(drafter.kind)
+    heads = {  # the kind, the block size and the kind's own sizes
+        name: value
+        for name, value in _fields_of(drafter, DrafterHeads).items()
+        if name not in kinds.SIZE_FIELDS or (own and name in own.fields)
+    }
     try:
         return DrafterConfig.for_target(
             target,
             num_layers=drafter.num_layers,
             mask_token_id=mask_token_id,
-            block_size=drafter.block_size,
             target_layer_ids=drafter.target_layer_ids or None,
             intermediate_size=drafter.intermediate_size or None,
             num_heads=drafter.num_heads or None,
@@ -414,18 +401,15 @@ def _drafter(drafter: DrafterSettings, target: TransformerConfig, mask_token_id:
             num_context_layers=drafter.num_context_layers or None,
             layer_types=drafter.layer_types,
             sliding_window=drafter.sliding_window,
-            kind=drafter.kind,
-            **{name: getattr(drafter, name) for name in KIND_FIELDS[drafter.kind]},
+            **heads,
         )
-    except ValueError as e:  # the drafter's shape checks (heads, layer_types, ...)
-        raise ConfigError(f"drafter: {e}") from None
+    except ModelError as e:
+        raise ConfigError(f"drafter.{e}") from None
 
 
 def _objective(train: TrainSettings, drafter: DrafterConfig) -> ObjectiveConfig:
     """The train section's objective fields, with γ resolved for the drafter's block size and kind."""
-    default_gamma = (
-        DSPARK_LOSS_DECAY_GAMMA if drafter.kind == "dspark" else PAPER_LOSS_DECAY_GAMMA.get(drafter.block_size)
-    )
+    default_gamma = drafter.kind_spec.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA.get(drafter.block_size)
     return ObjectiveConfig(
         **{**_fields_of(train, ObjectiveSettings), "loss_decay_gamma": float(train.loss_decay_gamma or default_gamma)},
         block_size=drafter.block_size,

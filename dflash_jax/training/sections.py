@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_jax.data.settings import DataConfig
-from dflash_jax.models.architecture import DRAFTER_KINDS, DTYPES, DrafterHeads
+from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from dflash_jax.models.drafter_config import DrafterHeads
 from dflash_jax.models.layer_stack import REMAT_POLICIES
 from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES, ObjectiveSettings
 from dflash_jax.training.optimizer import OPTIMIZERS, OptimizerConfig
@@ -56,12 +57,11 @@ class TargetSettings:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterSettings(DrafterHeads):
-    """The drafter's kind and shape (its heads' fields: models/architecture.py's DrafterHeads);
-    everything else about it follows the target (docs/design.md §2)."""
+    """The drafter's kind, block size and head sizes (models/drafter_config.py's DrafterHeads,
+    the sizes documented in each kind's module, models/kinds/) and shape; everything else about
+    it follows the target (docs/design.md §2). DrafterConfig checks what these fields make."""
 
     num_layers: int = 5
-    # Tokens per block: the anchor and the positions drafted after it.
-    block_size: int = 16
     # Target layers whose hidden states the drafter reads; () = the docs/design.md §2 spread.
     target_layer_ids: tuple[int, ...] = ()
     # -1 = the id of <|MASK|> in the target tokenizer.
@@ -82,23 +82,17 @@ class DrafterSettings(DrafterHeads):
     sliding_window: int = 0
 
     def problems(self) -> list[str]:
-        return _one_of("drafter", self, kind=DRAFTER_KINDS) + _at_least(
+        # Each sentinel's range (-1 / 0: see above); models/drafter_config.py checks the rest.
+        return _at_least(
             "drafter",
             self,
             num_layers=1,
-            block_size=2,
             mask_token_id=-1,
             intermediate_size=0,
             num_heads=0,
             num_kv_heads=0,
             head_dim=0,
             num_context_layers=0,
-            sliding_window=0,
-            conv_kernel_size=1,
-            conv_group_size=1,
-            selector_rank=1,
-            selector_top_k=1,
-            markov_rank=1,
         )
 
 

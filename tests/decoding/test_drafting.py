@@ -55,7 +55,7 @@ def test_selector_walk_drafts_as_z_labs(models, draft_tokens):
     vocab, reference_logits = _vocabulary(target, draft_tokens)
     hidden, anchor = _inputs(0)
     with jax.default_matmul_precision("highest"):
-        drafts, logits = drafting.selector_walk(vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0))
+        drafts, logits, _ = drafting.selector_walk(vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0), 0.0)
         unary = reference_logits(hidden[:, 1:])
     selector = drafter.candidate_selector
     codebooks = (_t(selector.predecessor_codebook[...]), _t(selector.successor_codebook[...]))
@@ -73,8 +73,8 @@ def test_selector_walk_drafts_as_z_labs(models, draft_tokens):
     assert np.all(np.isfinite(logits).sum(-1) == 8)
     np.testing.assert_array_equal(np.argmax(logits, -1), drafts)
     # Sampled: every draft is one of its slot's candidates, drawn from softmax(S / T) over them.
-    sampled, sampled_logits = drafting.selector_walk(
-        vocab, drafter, hidden, anchor, SamplingConfig(1.0), jax.random.key(1)
+    sampled, sampled_logits, _ = drafting.selector_walk(
+        vocab, drafter, hidden, anchor, SamplingConfig(1.0), jax.random.key(1), 0.0
     )
     q = np.asarray(warp_probs(sampled_logits, SamplingConfig(1.0)))
     assert np.all(np.take_along_axis(q, np.asarray(sampled)[..., None], -1) > 0)

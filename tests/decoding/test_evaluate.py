@@ -23,7 +23,7 @@ from dflash_jax.decoding.measurement import evaluate_set, speed, timed_generate
 from dflash_jax.decoding.prompt_sets import BadRow, ChatTokenizer, PromptSet, load_prompts
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import UserError
-from dflash_jax.models.architecture import DrafterConfig
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.families import target_config
 from dflash_jax.models.hf import export_drafter, load_drafter, load_target, read_config
 from dflash_jax.training.checkpoint import RunCheckpoints
@@ -254,7 +254,7 @@ def test_evaluate_reports_per_slot_acceptance_for_every_kind(chat_target, prompt
     assert len(stats["slot_acceptance"]) == drafts and len(stats["histogram"]) == drafts + 1
     assert stats["identical_outputs"] == 1.0  # greedy is lossless for every kind
     if kind != "dspark":  # the threshold truncates DSpark's blocks only: anything else is a user error
-        with pytest.raises(UserError, match="a confidence threshold applies to DSpark drafters"):
+        with pytest.raises(UserError, match="a confidence threshold applies to drafter.kind='dspark' only"):
             run_cli(evaluate, [*settings, "--confidence_threshold=0.5"])
         # A draft vocabulary needs the drafter's token frequencies (training writes them).
         with pytest.raises(UserError, match="token_frequencies.json"):

@@ -13,9 +13,9 @@ import torch
 from flax import nnx
 from safetensors.numpy import load_file
 
-from dflash_jax.models.architecture import DrafterConfig, default_target_layer_ids
 from dflash_jax.models.block_attention import block_attention, block_context_mask
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig, default_target_layer_ids
 from dflash_jax.models.hf import export_drafter, load_drafter, load_target
 from support.reference_attention import block_attention_dense
 

@@ -18,10 +18,11 @@ from safetensors.numpy import load_file
 
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.architecture import KIND_FIELDS, DrafterConfig
+from dflash_jax.models import kinds
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.heads.dflash2 import grouped_dynamic_conv
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import export_drafter, load_drafter
+from dflash_jax.models.kinds.dflash2 import grouped_dynamic_conv
 from support import kind_references as ref
 from support.decoding_models import MASK_ID, VOCAB, make_target, random_prompts
 
@@ -29,7 +30,7 @@ HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8)
 
 
 def head_fields(kind):
-    return {name: HEAD_FIELDS[name] for name in KIND_FIELDS[kind] if name in HEAD_FIELDS}
+    return {name: HEAD_FIELDS[name] for name in kinds.KINDS[kind].fields if name in HEAD_FIELDS}
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ from transformers import Qwen3Config
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.errors import ConfigError
-from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.block_attention import block_attention, block_context_mask
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import load_drafter
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
@@ -248,7 +249,7 @@ def test_export_writes_what_transformers_and_specforge_read():
         ({"layer_types": (S, F)}, "layer_types has 2 entries for num_layers=5"),
         ({"layer_types": (S, S, S, S, "linear_attention")}, r"\['linear_attention'\] are not supported"),
         ({"sliding_window": 0}, "sliding_attention layers need a sliding_window > 0"),
-        ({"sliding_window": -1}, "sliding_window must be >= 0"),
+        ({"sliding_window": -1}, "sliding_window=-1 must be at least 0"),
     ],
 )
 def test_layout_errors(fields, message):
@@ -265,7 +266,7 @@ def test_training_config_fields_reach_the_drafter():
     setup = resolve(config, num_devices=1, check_files=False)
     assert (setup.drafter.layer_types, setup.drafter.sliding_window) == ((S, S, F), 8)
     config.drafter.layer_types = (S, F)
-    with pytest.raises(ConfigError, match=r"^drafter: layer_types has 2 entries for num_layers=3$"):
+    with pytest.raises(ConfigError, match=r"^drafter.layer_types has 2 entries for num_layers=3$"):
         resolve(config, num_devices=1, check_files=False)
 
 

@@ -17,9 +17,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from dflash_jax.models import sharding
-from dflash_jax.models.architecture import DrafterConfig, RopeConfig
+from dflash_jax.models.architecture import RopeConfig
 from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.layer_stack import REMAT_POLICIES, LayerStack, Segment, segments
 from dflash_jax.training import warm_start

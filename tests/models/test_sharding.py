@@ -18,8 +18,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax.models import sharding
-from dflash_jax.models.architecture import DrafterConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.families import target_config
 from dflash_jax.models.transformer import Transformer
 

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 
 VOCAB = 64

@@ -14,8 +14,10 @@ import torch
 from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models.architecture import KIND_FIELDS, DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models import kinds
+from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
 from support import kind_references as ref
@@ -36,7 +38,7 @@ HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8)
 
 
 def head_fields(kind):
-    return {name: HEAD_FIELDS[name] for name in KIND_FIELDS[kind] if name in HEAD_FIELDS}
+    return {name: HEAD_FIELDS[name] for name in kinds.KINDS[kind].fields if name in HEAD_FIELDS}
 
 
 def _cfg(kind, **overrides):
@@ -95,13 +97,7 @@ def _jax_terms(kind, drafter, hidden, head, blocks, cfg):
     def total(hidden, params):
         d = nnx.merge(graphdef, params)
         unembed = lambda h: h @ head  # noqa: E731
-        if kind == "dflash2":
-            value, weights, hits = objective.dflash2_terms(
-                d, unembed, hidden, blocks, cfg, functools.partial(objective.slot_weights, cfg=cfg)
-            )
-            return value, (weights, hits)
-        weights = objective.slot_weights(None, blocks.label_mask, cfg)
-        value, hits = objective.dspark_terms(d, unembed, hidden, blocks, weights, cfg)
+        value, weights, hits = kinds.KINDS[kind].part("loss_terms")(d, unembed, hidden, blocks, cfg)
         return value, (weights, hits)
 
     with jax.default_matmul_precision("highest"):

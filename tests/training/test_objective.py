@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models.architecture import DrafterConfig, RopeConfig, TransformerConfig
+from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
 

@@ -30,6 +30,8 @@ def _discover() -> dict[str, Family]:
 FAMILIES = _discover()
 # Hub class (config.json `architectures`) -> its family.
 ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family.architectures}
+# GGUF `general.architecture` -> how a file of it reads as a family (models/gguf.py).
+GGUF_ARCHITECTURES = {name: arch for family in FAMILIES.values() for name, arch in family.gguf.items()}
 
 
 def supported() -> str:

@@ -23,6 +23,7 @@ import numpy as np
 from dflash_jax.errors import ModelError
 from dflash_jax.models.architecture import LayerAttention, MoeConfig, RopeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
+from dflash_jax.models.sharding import NORM
 from dflash_jax.models.weight_maps import Tensor, Transform, split, transpose
 
 
@@ -123,4 +124,5 @@ FAMILY = Family(
     {"Gemma4ForConditionalGeneration": "model.language_model.", "Gemma4ForCausalLM": "model."},
     config,
     TENSORS,
+    partition_rules=((r"layer_scalar", (NORM,)),),  # the output scale of a layer (models/gemma.py)
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dflash_jax.models.architecture import MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
 from dflash_jax.models.mxfp4 import mxfp4_expert_weight
+from dflash_jax.models.sharding import HEADS
 from dflash_jax.models.weight_maps import Tensor, Transform, as_is, split
 
 
@@ -71,4 +72,10 @@ def config(hf: dict) -> TransformerConfig:
     )
 
 
-FAMILY = Family("gpt_oss", {"GptOssForCausalLM": "model."}, config, TENSORS)
+FAMILY = Family(
+    "gpt_oss",
+    {"GptOssForCausalLM": "model."},
+    config,
+    TENSORS,
+    partition_rules=((r"self_attn\.sinks", (HEADS,)),),  # a sink logit per head, split like the heads
+)

@@ -4,7 +4,7 @@ frequency scaling where the config says so. Every tensor is named as its paramet
 from __future__ import annotations
 
 from dflash_jax.models.architecture import TransformerConfig
-from dflash_jax.models.family import Family, decoder, reject
+from dflash_jax.models.family import Family, GgufArchitecture, decoder, reject
 
 
 def config(hf: dict) -> TransformerConfig:
@@ -12,4 +12,9 @@ def config(hf: dict) -> TransformerConfig:
     return TransformerConfig(**decoder(hf), qk_norm=False)
 
 
-FAMILY = Family("llama", {"LlamaForCausalLM": "model."}, config)
+FAMILY = Family(
+    "llama",
+    {"LlamaForCausalLM": "model."},
+    config,
+    gguf={"llama": GgufArchitecture("LlamaForCausalLM", "llama", interleaved_qk=True)},
+)

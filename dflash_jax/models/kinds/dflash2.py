@@ -1,5 +1,7 @@
-"""DFlash2's additions to the DFlash backbone (z-lab's `DFlash2DraftModel`, docs/design.md
-"Drafter kinds"): grouped dynamic convolutions around every sublayer and the candidate selector.
+"""DFlash2 (z-lab's `DFlash2DraftModel`, docs/design.md "Drafter kinds"): the DFlash backbone with
+grouped dynamic convolutions around every sublayer and a candidate selector. Its loss adds the
+selector's cross-entropy (training/dflash2_loss.py); its drafts walk the block, each chosen
+among the top-k after the one before (decoding/drafting.py's `selector_walk`).
 
 Convolution: around each sublayer of a drafter layer, `prepare` convolves the normalised input u
 with kernel base[0] + δ₀ and keeps δ₁; `finish` convolves the sublayer's output with base[1] + δ₁.
@@ -23,7 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models.kind import Kind
 from dflash_jax.models.layers import DecoderBlock, linear, soft_capped
+from dflash_jax.models.sharding import EMBED, VOCAB
 
 
 def grouped_dynamic_conv(x: jax.Array, delta: jax.Array, base: jax.Array) -> jax.Array:
@@ -136,3 +140,72 @@ def unary_logits(logits: jax.Array, output_multiplier: float, softcap: float) ->
     """The LM head's logits as the selector reads them: scaled, then soft-capped (0 = no cap)."""
     logits = logits * output_multiplier if output_multiplier != 1.0 else logits
     return soft_capped(logits, softcap)
+
+
+def _problems(cfg) -> list[str]:
+    problems = []
+    if cfg.hidden_size % cfg.conv_group_size:
+        problems.append(f"conv_group_size={cfg.conv_group_size} must divide hidden_size={cfg.hidden_size}")
+    if cfg.conv_kernel_size > cfg.block_size:
+        problems.append(f"conv_kernel_size={cfg.conv_kernel_size} must be in [1, block_size={cfg.block_size}]")
+    if cfg.selector_top_k > cfg.vocab_size:
+        problems.append(f"selector_top_k={cfg.selector_top_k} must be in [1, vocab_size={cfg.vocab_size}]")
+    return problems
+
+
+def _export(cfg) -> tuple[dict, dict]:
+    """z-lab's layout: everything under dflash_config, the scale and cap only where they are set."""
+    dflash_config = dict(
+        block_size=cfg.block_size,
+        conv_group_size=cfg.conv_group_size,
+        conv_kernel_size=cfg.conv_kernel_size,
+        selector_rank=cfg.selector_rank,
+        selector_top_k=cfg.selector_top_k,
+    )
+    if cfg.output_multiplier != 1.0:
+        dflash_config["output_multiplier"] = cfg.output_multiplier
+    if cfg.final_logit_softcapping:
+        dflash_config["final_logit_softcapping"] = cfg.final_logit_softcapping
+    return dflash_config, {}
+
+
+def _layer(cfg, mixer, mlp, *, rngs, **block_kw) -> ConvolvedDecoderBlock:
+    return ConvolvedDecoderBlock(
+        "self_attn", mixer, mlp, kernel_size=cfg.conv_kernel_size, group_size=cfg.conv_group_size, rngs=rngs, **block_kw
+    )
+
+
+def _heads(cfg, *, compute_dtype, **head_kw) -> dict:
+    selector = CandidateSelector(
+        cfg.hidden_size, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k, compute_dtype=compute_dtype, **head_kw
+    )
+    return {"candidate_selector": selector}
+
+
+KIND = Kind(
+    "dflash2",
+    ("DFlash2DraftModel",),
+    # Per layer two grouped dynamic convolutions of K taps over groups of g channels, and a
+    # candidate selector of rank r over the top-k unary logits.
+    fields=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16),
+    # The unary logits scaled by output_multiplier and soft-capped at final_logit_softcapping
+    # (0 = none), as z-lab's released drafters ask (training leaves both off).
+    release_fields=dict(output_multiplier=1.0, final_logit_softcapping=0.0),
+    problems=_problems,
+    export=_export,
+    layer=_layer,
+    heads=_heads,
+    partition_rules=(
+        (r"\w+_conv\.base_kernel", (None, None, EMBED)),
+        (r"\w+_conv\.kernel_projection\.kernel", (EMBED, None)),
+        (r"(predecessor|successor)_codebook", (VOCAB, None)),
+        (r"hidden_projection\.kernel", (EMBED, None)),
+    ),
+    # The kernel projections of the two convolutions (H -> 2·K·G each).
+    layer_macs=lambda cfg: 2 * cfg.hidden_size * 2 * cfg.conv_kernel_size * (cfg.hidden_size // cfg.conv_group_size),
+    # The selector: projection H -> r and every token's successor score, r -> V (training takes
+    # the k candidates').
+    head_flops=lambda cfg, vocab: 2 * cfg.selector_rank * (cfg.hidden_size + vocab),
+    loss_terms="dflash_jax.training.dflash2_loss:dflash2_terms",
+    walk="dflash_jax.decoding.drafting:selector_walk",
+)

@@ -1,5 +1,7 @@
-"""DSpark's additions to the DFlash backbone (DeepSeek's DeepSpec `Qwen3DSparkModel`, served by
-vLLM's `qwen3_dspark.py`; docs/design.md "Drafter kinds").
+"""DSpark (DeepSeek's DeepSpec `Qwen3DSparkModel`, served by vLLM's `qwen3_dspark.py`;
+docs/design.md "Drafter kinds"): the DFlash backbone with a Markov head and a confidence head. Its
+loss is DeepSpec's (training/dspark_loss.py); its drafts walk the block, each after the one
+before, and may stop at the first unconfident slot (decoding/drafting.py's `markov_walk`).
 
 Every slot k of the block [anchor, MASK, ...] drafts the token after it. The Markov head adds a
 bias from the token before slot k's (x_{k-1}; the anchor for slot 0) to the unary logits:
@@ -15,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models.kind import FieldReader, Kind
 from dflash_jax.models.layers import linear
+from dflash_jax.models.sharding import EMBED, NORM, VOCAB
 
 
 class MarkovHead(nnx.Module):
@@ -64,3 +68,72 @@ class ConfidenceHead(nnx.Module):
         """hidden [..., D], embedding [..., r] -> confidence logits [...] fp32."""
         features = jnp.concatenate([hidden, embedding], axis=-1).astype(jnp.float32)
         return self.proj(features)[..., 0]
+
+
+def _export(cfg) -> tuple[dict, dict]:
+    """vLLM reads these at the top level (DeepSpec writes them there too); the confidence head
+    always reads the Markov embedding of the previous token."""
+    return {}, {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "draft_vocab_size": cfg.vocab_size,
+    }
+
+
+def _unsupported(field: FieldReader) -> list[str]:
+    """The layout vLLM's qwen3_dspark.py and ours share: the vanilla Markov head and a confidence
+    head on [h; W1 x]; the other variants are not ours to load."""
+    wanted = {"markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True}
+    problems = [
+        f"DSpark drafter with {name}={field(name, None)!r}: only {name}={value!r} is supported"
+        for name, value in wanted.items()
+        if field(name, value) != value
+    ]
+    if int(field("draft_vocab_size", None) or field("vocab_size", None)) != int(field("vocab_size", None)):
+        problems.append("DSpark drafters with a reduced draft vocabulary (draft_vocab_size) are not supported")
+    return problems
+
+
+def _heads(cfg, *, compute_dtype, **head_kw) -> dict:
+    return {
+        "markov_head": MarkovHead(cfg.vocab_size, cfg.markov_rank, compute_dtype=compute_dtype, **head_kw),
+        "confidence_head": ConfidenceHead(cfg.hidden_size, cfg.markov_rank, **head_kw),
+    }
+
+
+# DeepSpec's loss decay γ, whatever the block size.
+LOSS_DECAY_GAMMA = 4.0
+
+KIND = Kind(
+    "dspark",
+    # DeepSpec's training-time name `DSparkDraftModel` (model_type qwen3) is vLLM's `Qwen3DSparkModel`.
+    ("Qwen3DSparkModel", "DSparkDraftModel"),
+    # Rank of the Markov head (and the previous token's part of the confidence input).
+    fields=dict(markov_rank=256),
+    # Every slot of the block drafts the token after it.
+    first_draft_slot=0,
+    export=_export,
+    unsupported=_unsupported,
+    heads=_heads,
+    partition_rules=(
+        (r"markov_w1\.embedding", (VOCAB, None)),
+        (r"markov_w2\.kernel", (None, VOCAB)),
+        (r"confidence_head\.proj\.kernel", (EMBED, None)),
+        (r"confidence_head\.proj\.bias", (NORM,)),
+    ),
+    # The Markov bias (r -> V) and the confidence head (H + r -> 1).
+    head_flops=lambda cfg, vocab: 2 * (cfg.markov_rank * vocab + cfg.hidden_size + cfg.markov_rank),
+    # DeepSpec's slot weights exp(-k/4) over the prefix of scored slots, against the target's
+    # distribution always.
+    loss_decay_gamma=LOSS_DECAY_GAMMA,
+    losses=("dflash",),
+    reads_target_distribution=True,
+    scores_prefix=True,
+    confidence_head=True,
+    loss_terms="dflash_jax.training.dspark_loss:dspark_terms",
+    walk="dflash_jax.decoding.drafting:markov_walk",
+)

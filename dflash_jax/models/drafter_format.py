@@ -1,0 +1,101 @@
+"""The drafter's config.json (docs/design.md §5, export format): the layout the serving engines
+load for its kind (z-lab's `DFlashDraftModel` / `DFlash2DraftModel`, or the `Qwen3DSparkModel` of
+DeepSeek's DeepSpec and vLLM's `qwen3_dspark.py`), written by the export (models/hf.py) and read
+back from an export, a training checkpoint or a released drafter.
+
+The fields every kind shares are a Qwen3 config as transformers writes it; the kind's own come
+from its module (`Kind.export`, `Kind.read_fields`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_jax.errors import ModelError
+from dflash_jax.models import kinds
+from dflash_jax.models.architecture import decoder_fields
+
+
+def write(cfg) -> dict[str, Any]:
+    """The config.json of the `DrafterConfig` cfg."""
+    kind = kinds.get(cfg.kind)
+    kind_config, kind_fields = kind.export(cfg)
+    return {
+        "architectures": [kind.architecture],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        **cfg.rope.to_hf(),
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        # As transformers' Qwen3Config writes them: it drops sliding_window unless
+        # use_sliding_window, and SpecForge and SGLang read the per-layer kinds.
+        "layer_types": list(cfg.layer_types),
+        "use_sliding_window": cfg.sliding_window > 0,
+        "sliding_window": cfg.sliding_window or None,
+        **({} if cfg.is_causal is None else {"is_causal": cfg.is_causal}),
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        **kind_fields,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            **kind_config,
+        },
+    }
+
+
+def read(hf: dict[str, Any]) -> dict[str, Any]:
+    """The `DrafterConfig` fields of a drafter's config.json (absent ones keep their defaults)."""
+    archs = hf.get("architectures") or []
+    found = [kinds.ARCHITECTURES[a] for a in archs if a in kinds.ARCHITECTURES]
+    if not found:
+        raise ModelError(
+            f"not a DFlash drafter config (architectures={archs!r}, expected one of {sorted(kinds.ARCHITECTURES)})"
+        )
+    kind = found[0]
+    dflash = hf.get("dflash_config") or {}
+
+    def field(name, default=None):  # dflash_config first, then the top level (DSpark's place)
+        return dflash.get(name, hf.get(name, default))
+
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if field(k) is None]
+    if missing:
+        raise ModelError(f"drafter config.json lacks the fields {missing} (in dflash_config or at the top level)")
+    for problem in kind.unsupported(field):
+        raise ModelError(problem)
+    num_layers = int(hf["num_hidden_layers"])
+    # Read as transformers' Qwen3Config reads them (what SpecForge and SGLang load).
+    window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if window and i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(num_layers)
+    ]
+    if "sliding_attention" in layer_types and not window:
+        raise ModelError(
+            "drafter config.json has sliding_attention layers but no window: "
+            "set use_sliding_window=true and a positive sliding_window"
+        )
+    # Ours and SGLang's at the top level; some released drafters only in dflash_config.
+    block_size = field("block_size")
+    return dict(
+        **decoder_fields(hf),
+        num_layers=num_layers,
+        num_target_layers=int(hf["num_target_layers"]),
+        target_layer_ids=tuple(int(i) for i in field("target_layer_ids")),
+        mask_token_id=int(field("mask_token_id")),
+        **({} if block_size is None else {"block_size": int(block_size)}),
+        layer_types=tuple(layer_types),
+        sliding_window=window,
+        is_causal=hf.get("is_causal"),
+        kind=kind.name,
+        **kind.read_fields(field),
+    )

@@ -1,0 +1,9 @@
+"""DFlash (docs/design.md §2): the backbone alone. Slot k of the block [anchor, MASK, ...] drafts
+the token at anchor + k, every slot on its own, scored with the paper's position decay; exported
+as z-lab's `DFlashDraftModel`."""
+
+from __future__ import annotations
+
+from dflash_jax.models.kind import Kind
+
+KIND = Kind("dflash", ("DFlashDraftModel",))
