@@ -9,7 +9,7 @@ that hardware's compiler, not XLA:CPU (docs/design.md §10):
   `gpu_targets/`, written from NVIDIA's published specifications) on a topology of
   slices x hosts x GPUs. It raises no out-of-memory error (compare the memory plan with
   `hbm_bytes`) and `cost_analysis()` is None (`cost_analysis` runs XLA's HloCostAnalysis on the
-  optimized module instead).
+  optimized module instead, `planning.compiler_costs`).
 * TPUs: libtpu compiles for a named slice topology ("v5p:2x2x1"), several slices with
   `num_slices`; it raises RESOURCE_EXHAUSTED when the step does not fit the chip's HBM.
 
@@ -168,17 +168,3 @@ def describe(acc: Accelerator, devs: list, *, num_slices: int = 1) -> str:
     else:
         where = f"{hosts} host{'s' * (hosts > 1)} of {min(n, acc.chips_per_host)}"
     return f"{n} {devs[0].device_kind} ({where}; {acc.compiler})"
-
-
-def cost_analysis(compiled) -> dict[str, float]:
-    """The compiler's FLOPs and bytes accessed of one device's program: its own cost analysis
-    (TPU), else XLA's HloCostAnalysis over the optimized module (XLA:GPU deviceless gives none).
-    Either counts a loop's body once."""
-    costs = compiled.cost_analysis()
-    if not costs:
-        import jax
-        from jax._src.lib import _jax
-
-        module = compiled.runtime_executable().hlo_modules()[0]
-        costs = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
-    return {"flops": float(costs.get("flops", 0.0)), "bytes": float(costs.get("bytes accessed", 0.0))}

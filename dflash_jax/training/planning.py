@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from dflash_jax.data.packing import FIELDS
 from dflash_jax.models import kernels, sharding
-from dflash_jax.training import compilers, hlo
+from dflash_jax.training import hlo
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.hlo import Collective, Kernel, collectives
@@ -67,7 +67,7 @@ class Plan:
     compile_cpu_seconds: float = 0.0  # CPU time of the compile, every thread of it (wall time: compile_seconds)
     device_kind: str = ""  # "NVIDIA H200", "TPU v5": the devices compiled for
     generated_code: int = 0  # per device, bytes of the compiled program
-    compiler_costs: dict[str, float] = dataclasses.field(default_factory=dict)  # compilers.cost_analysis
+    compiler_costs: dict[str, float] = dataclasses.field(default_factory=dict)  # `compiler_costs`
     out_of_memory: str = ""  # the compiler's refusal (TPU); then the memory figures come from its message
 
     def fits(self, hbm_bytes: float) -> bool:
@@ -173,8 +173,21 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
         collectives=tuple(collectives(program)),
         kernels=tuple(hlo.kernels(program)),
         generated_code=memory.generated_code_size_in_bytes,
-        compiler_costs=compilers.cost_analysis(compiled) if platform != "cpu" else {},
+        compiler_costs=compiler_costs(compiled) if platform != "cpu" else {},
     )
+
+
+def compiler_costs(compiled) -> dict[str, float]:
+    """The compiler's FLOPs and bytes accessed of one device's program: its own cost analysis
+    (TPU), else XLA's HloCostAnalysis over the optimized module (XLA:GPU deviceless gives none).
+    Either counts a loop's body once."""
+    costs = compiled.cost_analysis()
+    if not costs:
+        from jax._src.lib import _jax  # HloCostAnalysis has no public binding
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        costs = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+    return {"flops": float(costs.get("flops", 0.0)), "bytes": float(costs.get("bytes accessed", 0.0))}
 
 
 _SIZE = r"([0-9.]+)([KMGT]?)"
