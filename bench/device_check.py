@@ -31,7 +31,7 @@ What it measures, in this order:
   (`compiled_peak_memory_gb`, `compiled_step_s`; --compile_for names another part, e.g. h200
   from a CPU; None where the part is not listed or its compiler not installed).
 * decode: one target-alone step vs one DFlash step (draft a block of 16 + verify it) after a
-  2048-token prompt, bench/decoding_step.py's measurement: DFlash speeds decoding up by about
+  2048-token prompt, bench/dflash_step.py's measurement: DFlash speeds decoding up by about
   τ / cost_ratio.
 
 --tiny shrinks every shape so the script runs anywhere in a few minutes (the kernels run in
@@ -48,7 +48,7 @@ import json
 import sys
 import time
 
-import decoding_step
+import dflash_step
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,7 +64,8 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import compilers, planning, roofline
-from dflash_jax.training.run_config import base_config, resolve
+from dflash_jax.training.run_config import resolve
+from dflash_jax.training.schema import base_config
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
 PEAK_BF16_TFLOPS = (
@@ -276,13 +277,13 @@ def decode_cost(target_cfg: TransformerConfig, *, dtype, drafter_layers, block_s
     prompt = np.random.default_rng(0).integers(0, target_cfg.vocab_size - 1, context).astype(np.int32)
     kw = dict(max_prompt_len=context, max_new_tokens=steps * block_size + 8, batch_size=1)
     log(f"decode: target alone, context {context}")
-    base = decoding_step.step_ms(TargetDecoder(target, **kw), prompt, steps)
+    base = dflash_step.step_cost(TargetDecoder(target, **kw), prompt, steps).wall_ms
     dcfg = DrafterConfig.for_target(
         target_cfg, num_layers=drafter_layers, mask_token_id=target_cfg.vocab_size - 1, block_size=block_size
     )
     drafter = DFlashDrafter(dcfg, param_dtype=dt, compute_dtype=dt, rngs=nnx.Rngs(1))
     log(f"decode: DFlash block {block_size}, {drafter_layers} drafter layers")
-    dflash = decoding_step.step_ms(SpeculativeDecoder(target, drafter, **kw), prompt, steps)
+    dflash = dflash_step.step_cost(SpeculativeDecoder(target, drafter, **kw), prompt, steps).wall_ms
     return {
         "context": context,
         "block_size": block_size,

