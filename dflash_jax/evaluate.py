@@ -22,7 +22,8 @@ step; the target still verifies over every token, so decoding stays lossless.
 
 --engine=llama.cpp also serves the same prompts (each row's first turn) with llama.cpp's
 `llama-server` (decoding/llama_cpp.py finds it; `dflash-jax install-llama-cpp` builds it) on the
-GGUF --target, alone and with the drafter converted to GGUF (`<output>/drafter.gguf`), greedy,
+GGUF --target (a Qwen3 one written as `<output>/target.gguf`), alone and with the drafter
+converted to GGUF (`<output>/drafter.gguf`), greedy,
 and prints the engine's τ, drafted and accepted tokens, speed with and without the drafter and
 whether its texts equal the target alone's, beside ours (eval.json: "engine").
 """
@@ -43,7 +44,7 @@ from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.report import engine_table
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.gguf import weights_file
+from dflash_jax.models.gguf_target import served_gguf
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.checkpoint import RunCheckpoints
@@ -142,14 +143,12 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
 
 def _engine_evaluation(f: flags.FlagValues, target: str, drafter: str) -> dict:
     """llama.cpp's figures on the prompts of every set (the first turn of each row)."""
-    target_gguf = weights_file(target)
-    if target_gguf is None:
-        raise UserError(f"--engine=llama.cpp serves a GGUF target; --target={target} is not one")
     export = drafter if is_export_dir(drafter) else Workdir.at(drafter).export
     if not is_export_dir(export):
         raise UserError(f"--engine=llama.cpp needs the drafter's export; {drafter} has none (run dflash-jax export)")
     binary = require_server()
     os.makedirs(f.output, exist_ok=True)
+    target_gguf = served_gguf(target, Path(f.output) / "target.gguf")
     drafting = Drafting.convert(Path(export), target_gguf, Path(f.output) / "drafter.gguf")
     chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
     prompts = {}

@@ -1,14 +1,15 @@
 """Export a training run's drafter in the serving format (docs/design.md §5).
 
     dflash-jax export --workdir=runs/default [--step=N] [--output=DIR] [--dtype=bfloat16]
-    dflash-jax export --workdir=runs/smollm2 --format=gguf --target=SmolLM2-135M-Instruct.Q4_1.gguf
+    dflash-jax export --workdir=runs/default --format=gguf [--target=FILE.gguf]
 
 reads the latest (or given) checkpoint of a training run and writes `config.json` +
 `model.safetensors` to `<workdir>/export/` (or --output). Training does the same at its end.
 --format=gguf also writes `drafter.gguf` there, the file llama.cpp's `llama-server` loads beside
 the GGUF --target (`--spec-type draft-dflash` or `draft-dspark`, models/gguf_export.py), with
-that target's vocabulary; a Hugging Face Qwen3 --target directory (the default run's tiny-qwen3)
-is first written beside it as `target.gguf` (models/gguf_target.py). The README ("Serving") gives the llama.cpp, SGLang and vLLM commands.
+that target's vocabulary (default --target: the run's own); a Hugging Face Qwen3 target (the
+default run's tiny-qwen3) is first written beside it as `target.gguf` (models/gguf_target.py).
+The README ("Serving") gives the llama.cpp, SGLang and vLLM commands.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from dflash_jax import cli
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.gguf_export import gguf_kind, write_drafter_gguf
-from dflash_jax.models.gguf_target import write_target_gguf
+from dflash_jax.models.gguf_target import served_gguf
 from dflash_jax.models.hf import read_config
+from dflash_jax.models.hub import resolve_model
+from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import export_checkpoint
 from dflash_jax.training.workdir import Workdir
 
@@ -41,7 +44,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "target",
         None,
-        "--format=gguf: the target's GGUF file (or Hugging Face Qwen3 directory, written as GGUF).",
+        "--format=gguf: the target's GGUF file, or a Qwen3 model written as GGUF (default: the run's target).",
         **fv,
     )
     flags.mark_flags_as_required(["workdir"], **fv)
@@ -52,16 +55,21 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     workdir = Workdir.at(f.workdir)
     if not workdir.has_checkpoints():  # checked here: opening the checkpoints would create the directory
         raise UserError(f"--workdir={f.workdir}: not a training workdir (no {workdir.checkpoints})")
-    if f.format == "gguf" and not (f.target and os.path.exists(f.target)):
-        raise UserError(
-            f"--format=gguf needs --target, the GGUF file or Qwen3 directory of the target (got {f.target})"
-        )
     out = export_checkpoint(workdir, step=f.step, out_dir=f.output, dtype=DTYPES[f.dtype])
     print(f"exported drafter to {out}")
     if f.format == "gguf":
-        target = f.target if os.path.isfile(f.target) else write_target_gguf(f.target, os.path.join(out, "target.gguf"))
-        gguf_file = write_drafter_gguf(out, target, os.path.join(out, "drafter.gguf"))
-        print(f"wrote {gguf_file} ({gguf_kind(read_config(out)).spec_type} for the target {target})")
+        target_gguf = served_gguf(resolve_model(f.target or _run_target(workdir)), os.path.join(out, "target.gguf"))
+        gguf_file = write_drafter_gguf(out, target_gguf, os.path.join(out, "drafter.gguf"))
+        print(f"wrote {gguf_file} ({gguf_kind(read_config(out)).spec_type}) for the target {target_gguf}")
+
+
+def _run_target(workdir: Workdir) -> str:
+    """The target.path the run's latest checkpoint was trained against."""
+    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
+    try:
+        return checkpoints.restore_meta(checkpoints.latest_step())["config"]["target"]["path"]
+    finally:
+        checkpoints.close()
 
 
 def run() -> None:

@@ -2,6 +2,7 @@
 converter refuses: it hashes the tokenizer's pre-tokenizer against a list of published ones,
 so a tokenizer trained here (the bundled tiny-qwen3's) is 'not recognized'.
 
+    served_gguf(model_dir, out_file)    a GGUF target's own file, else write_target_gguf's
     write_target_gguf(model_dir, out_file)
 
 writes what `convert_hf_to_gguf.py` (Qwen3Model, build b11434) writes for a dense Qwen3 with a
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_jax.errors import UserError
+from dflash_jax.models.gguf import weights_file
 from dflash_jax.models.gguf_tokenizer import CONTROL, PRE_TOKENIZER_SPLITS, USER_DEFINED
 
 NORMAL = 1  # gguf.constants.TokenType
@@ -36,6 +38,12 @@ LAYER_TENSORS = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+
+
+def served_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
+    """The GGUF file llama.cpp serves for a resolved target directory: a GGUF target's own file,
+    else the Hugging Face one written to `out_file`."""
+    return weights_file(model_dir) or write_target_gguf(model_dir, out_file)
 
 
 def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
