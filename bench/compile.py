@@ -40,7 +40,9 @@ from dflash_jax.models import layer_stack  # noqa: E402
 from dflash_jax.models.transformer import layer_kind  # noqa: E402
 from dflash_jax.training import muon, planning  # noqa: E402
 from dflash_jax.training.hlo import COLLECTIVE_KINDS  # noqa: E402
-from dflash_jax.training.run_config import load_config_file, resolve, target_for_plan  # noqa: E402
+from dflash_jax.training.presets import load_config_file  # noqa: E402
+from dflash_jax.training.run_config import resolve  # noqa: E402
+from dflash_jax.training.targets import target_for_plan  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIGS = {"scan": ("configs/qwen3_5.py:27b", "configs/gpt_oss.py:120b"), "muon": ("configs/qwen3.py:8b",)}

@@ -46,7 +46,8 @@ from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.hf import load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.loop import train
-from dflash_jax.training.run_config import load_config_file, resolve
+from dflash_jax.training.presets import load_config_file
+from dflash_jax.training.run_config import resolve
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 

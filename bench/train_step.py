@@ -60,7 +60,8 @@ from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.training import hlo, roofline
 from dflash_jax.training.flops import model_flops_per_step
 from dflash_jax.training.optimizer import OPTIMIZERS
-from dflash_jax.training.run_config import TrainSetup, load_config_file, resolve
+from dflash_jax.training.presets import load_config_file
+from dflash_jax.training.run_config import TrainSetup, resolve
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")

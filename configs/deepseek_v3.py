@@ -23,7 +23,7 @@ mask token: the mask is a row of the embedding past the tokenizer's last token (
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
@@ -32,13 +32,15 @@ SIZES = {
 }
 DEVICES_PER_HOST = 8
 
+VARIANTS = Variants(tuple(SIZES), default_size="kimi-k2.5")
 
-def get_config(variants: str = "kimi-k2.5"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="kimi-k2.5")
+
+def get_config(variants: str = ""):
+    size_name, block_size, _ = VARIANTS.choose(variants)
     size = SIZES[size_name]
     c = hub_target_config(
         os.path.join(TARGETS, size["plan_config"]),
-        block_size=HUB_BLOCK_SIZES[block or "b16"],
+        block_size=block_size,
         mask_token_id=size["mask_token_id"],
     )
     c.drafter.num_heads = 64

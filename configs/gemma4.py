@@ -18,7 +18,7 @@ wide. The mask is <mask> (id 4 in Gemma's tokenizer); check it against your toke
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
@@ -27,13 +27,13 @@ SIZES = {
 }
 MASK_TOKEN = 4  # <mask>
 
+VARIANTS = Variants(tuple(SIZES), default_size="31b")
 
-def get_config(variants: str = "31b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="31b")
+
+def get_config(variants: str = ""):
+    size_name, block_size, _ = VARIANTS.choose(variants)
     size = SIZES[size_name]
-    c = hub_target_config(
-        os.path.join(TARGETS, size["plan_config"]), block_size=HUB_BLOCK_SIZES[block or "b16"], mask_token_id=MASK_TOKEN
-    )
+    c = hub_target_config(os.path.join(TARGETS, size["plan_config"]), block_size=block_size, mask_token_id=MASK_TOKEN)
     c.drafter.intermediate_size = size.get("intermediate_size", 0)  # 0: the target's
     c.mesh.fsdp = size["fsdp"]
     return c

@@ -18,7 +18,7 @@ unused reserved row (200017, <|reserved_200017|>; check it against your tokenize
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
@@ -27,11 +27,13 @@ SIZES = {
 }
 RESERVED_MASK_TOKEN = 200017
 
+VARIANTS = Variants(tuple(SIZES), default_size="20b", default_block=None)
 
-def get_config(variants: str = "20b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="20b")
+
+def get_config(variants: str = ""):
+    size_name, block_size, _ = VARIANTS.choose(variants)
     size = SIZES[size_name]
-    block_size = HUB_BLOCK_SIZES[block] if block else size["block_size"]
+    block_size = block_size or size["block_size"]
     c = hub_target_config(
         os.path.join(TARGETS, size["plan_config"]), block_size=block_size, mask_token_id=RESERVED_MASK_TOKEN
     )

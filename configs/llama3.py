@@ -17,21 +17,21 @@ produces.
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"8b": dict(plan_config="Llama-3.1-8B-Instruct.json")}
 FSDP_DEVICES = 4
 RESERVED_MASK_TOKEN = 128002  # <|reserved_special_token_0|>
 
+VARIANTS = Variants(tuple(SIZES), default_size="8b", flags=("fsdp",), default_block="b10")
 
-def get_config(variants: str = "8b"):
-    size_name, block, flags = choose_variants(
-        variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, flags=("fsdp",), default_size="8b"
-    )
+
+def get_config(variants: str = ""):
+    size_name, block_size, flags = VARIANTS.choose(variants)
     c = hub_target_config(
         os.path.join(TARGETS, SIZES[size_name]["plan_config"]),
-        block_size=HUB_BLOCK_SIZES[block or "b10"],
+        block_size=block_size,
         mask_token_id=RESERVED_MASK_TOKEN,
     )
     if "fsdp" in flags:

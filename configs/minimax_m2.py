@@ -19,18 +19,20 @@ tokenizer's tokens; check it against your tokenizer.
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"230b-a10b": dict(plan_config="MiniMax-M2.json")}
 DEVICES_PER_HOST = 8
 
+VARIANTS = Variants(tuple(SIZES), default_size="230b-a10b")
 
-def get_config(variants: str = "230b-a10b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="230b-a10b")
+
+def get_config(variants: str = ""):
+    size_name, block_size, _ = VARIANTS.choose(variants)
     c = hub_target_config(
         os.path.join(TARGETS, SIZES[size_name]["plan_config"]),
-        block_size=HUB_BLOCK_SIZES[block or "b16"],
+        block_size=block_size,
         mask_token_id=200063,
     )
     c.drafter.intermediate_size = 8192

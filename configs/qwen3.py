@@ -19,34 +19,33 @@ config.json (target.path).
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 # Drafter per target size. Both Qwen3-4B and -8B have 36 layers: 5 drafter layers read target
 # layers [1, 9, 17, 25, 33]; Qwen3-32B has 64: [1, 16, 31, 46, 61] (docs/design.md §2).
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
-    "4b": dict(drafter_layers=5, plan_config="Qwen3-4B.json"),
-    "8b": dict(drafter_layers=5, plan_config="Qwen3-8B.json"),
+    "4b": dict(plan_config="Qwen3-4B.json"),
+    "8b": dict(plan_config="Qwen3-8B.json"),
     # 64 GiB of bf16 weights: heads, kv heads and MLP split over 4 devices (8 kv heads allow 8).
     # Rows are split over data x fsdp only, so 4 micro-batches keep 2 rows per device at a time.
-    "32b": dict(drafter_layers=5, plan_config="Qwen3-32B.json", tensor=4, fsdp=2, grad_accum_steps=4),
+    "32b": dict(plan_config="Qwen3-32B.json", tensor=4, fsdp=2, grad_accum_steps=4),
     # 57 GiB of bf16 weights, 54 of them experts: split over fsdp=4 (each device holds 32 experts
     # of every layer); the drafter reads layers [1, 12, 24, 35, 46] of the 48.
-    "30b-a3b": dict(drafter_layers=5, plan_config="Qwen3-30B-A3B.json", fsdp=4, always_fsdp=True),
+    "30b-a3b": dict(plan_config="Qwen3-30B-A3B.json", fsdp=4, always_fsdp=True),
 }
 FSDP_DEVICES = 4
 
+VARIANTS = Variants(tuple(SIZES), default_size="8b", flags=("fsdp",))
 
-def get_config(variants: str = "8b"):
-    size_name, block, flags = choose_variants(
-        variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, flags=("fsdp",), default_size="8b"
-    )
+
+def get_config(variants: str = ""):
+    size_name, block_size, flags = VARIANTS.choose(variants)
     size = SIZES[size_name]
     c = hub_target_config(
         os.path.join(TARGETS, size["plan_config"]),
-        block_size=HUB_BLOCK_SIZES[block or "b16"],
+        block_size=block_size,
         mask_token_id=151669,  # <|MASK|>: an existing, unused row of the Qwen3 embedding
-        drafter_layers=size["drafter_layers"],
     )
     c.mesh.tensor = size.get("tensor", 1)
     c.train.grad_accum_steps = size.get("grad_accum_steps", 1)

@@ -19,7 +19,7 @@ target's shape from its own config.json.
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
@@ -31,13 +31,13 @@ SIZES = {
 }
 FSDP_DEVICES = 4
 
+VARIANTS = Variants(tuple(SIZES), default_size="27b", flags=("fsdp",))
 
-def get_config(variants: str = "27b"):
-    size_name, block, flags = choose_variants(
-        variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, flags=("fsdp",), default_size="27b"
-    )
+
+def get_config(variants: str = ""):
+    size_name, block_size, flags = VARIANTS.choose(variants)
     size = SIZES[size_name]
-    c = hub_target_config(os.path.join(TARGETS, size["plan_config"]), block_size=HUB_BLOCK_SIZES[block or "b16"])
+    c = hub_target_config(os.path.join(TARGETS, size["plan_config"]), block_size=block_size)
     c.drafter.num_heads, c.drafter.num_kv_heads, c.drafter.head_dim = 32, 8, 128
     c.drafter.intermediate_size = size["drafter_mlp"]
     # Four sliding-window layers and a full one, window 2048, as the released drafters for these

@@ -18,19 +18,19 @@ over 2048 positions. The mask is <|MASK|>'s row of Qwen3's embedding (151669), a
 
 import os
 
-from dflash_jax.training.run_config import HUB_BLOCK_SIZES, choose_variants, hub_target_config
+from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"80b-a3b": dict(plan_config="Qwen3-Next-80B-A3B-Instruct.json", fsdp=8)}
 MASK_TOKEN = 151669  # <|MASK|>: an existing, unused row of the Qwen3 embedding
 
+VARIANTS = Variants(tuple(SIZES), default_size="80b-a3b")
 
-def get_config(variants: str = "80b-a3b"):
-    size_name, block, _ = choose_variants(variants, sizes=SIZES, blocks=HUB_BLOCK_SIZES, default_size="80b-a3b")
+
+def get_config(variants: str = ""):
+    size_name, block_size, _ = VARIANTS.choose(variants)
     size = SIZES[size_name]
-    c = hub_target_config(
-        os.path.join(TARGETS, size["plan_config"]), block_size=HUB_BLOCK_SIZES[block or "b16"], mask_token_id=MASK_TOKEN
-    )
+    c = hub_target_config(os.path.join(TARGETS, size["plan_config"]), block_size=block_size, mask_token_id=MASK_TOKEN)
     c.drafter.num_heads, c.drafter.num_kv_heads, c.drafter.head_dim = 32, 8, 128
     c.drafter.intermediate_size = 6144
     c.drafter.layer_types = ("sliding_attention",) * 4 + ("full_attention",)

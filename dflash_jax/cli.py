@@ -59,7 +59,7 @@ def define_config(default: str | None = None, flag_values: flags.FlagValues = fl
     With a default file, ml_collections reads it and looks the overrides up right here, when the
     flag is defined, rather than when `run` parses the flags: hence the same checks here.
     """
-    from dflash_jax.training.run_config import FIELDS_DOCUMENTED  # only these commands need the schema
+    from dflash_jax.training.schema import FIELDS_DOCUMENTED  # only these commands need the schema
 
     with _flag_errors_exit():
         _checked_config_arguments(sys.argv)
@@ -209,7 +209,8 @@ def _checked_config_arguments(argv: list[str]) -> list[str]:
     that does not exist (naming the closest one), a config file that does not exist, and
     variants given to a config file that has none. Returns argv with a config file that is not
     here replaced by the bundled config of its name (`configs/qwen3.py` from any directory)."""
-    from dflash_jax.training.run_config import check_field_path, check_variants_accepted
+    from dflash_jax.training.presets import check_variants_accepted
+    from dflash_jax.training.schema import check_field_path
 
     out = list(argv)
     for i, arg in enumerate(argv[1:], start=1):

@@ -19,7 +19,8 @@ from absl import flags
 
 from dflash_jax import bundled, cli
 from dflash_jax.training.config_text import field_values
-from dflash_jax.training.run_config import base_config, config_variants, load_config_module, takes_variants
+from dflash_jax.training.presets import config_variants, load_config_module, takes_variants
+from dflash_jax.training.schema import base_config
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -58,7 +59,7 @@ def _describe_file(path: Path) -> str:
     if not takes_variants(module):
         lines.append("  variants: none")
     elif variants is None:
-        lines.append("  variants: not listed (its get_config does not use choose_variants)")
+        lines.append("  variants: not listed (it declares no VARIANTS)")
     else:
         lines.append(f"  variants (default {variants.default_size}), comma-separated:")
         width = max(len(name) for name in variants.names())

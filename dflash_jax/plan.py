@@ -146,7 +146,8 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
 
     from dflash_jax.training.planning import GIB, format_plan, plan_train_step
     from dflash_jax.training.roofline import format_speed, hardware
-    from dflash_jax.training.run_config import resolve, target_for_plan
+    from dflash_jax.training.run_config import resolve
+    from dflash_jax.training.targets import target_for_plan
 
     config = f.config
     target, source = target_for_plan(config, f.target_config)

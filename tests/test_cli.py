@@ -29,7 +29,8 @@ from dflash_jax import (
 )
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.training.config_text import describe_config
-from dflash_jax.training.run_config import FIELDS_DOCUMENTED, check_variants_accepted, field_paths, load_config_file
+from dflash_jax.training.presets import check_variants_accepted, load_config_file
+from dflash_jax.training.schema import FIELDS_DOCUMENTED, field_paths
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_MODULES = {
@@ -148,8 +149,8 @@ def test_list_configs_names_every_file_its_variants_and_what_each_sets():
 
 
 def test_every_configs_variants_are_listed():
-    """list-configs reads a config's variants from its choose_variants call: a config file whose
-    get_config takes variants must choose them there, or they go unlisted."""
+    """list-configs reads a config's variants from its module-level VARIANTS: a config file whose
+    get_config takes variants must declare them there, or they go unlisted."""
     assert "not listed" not in list_configs.listing()
 
 

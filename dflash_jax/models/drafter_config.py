@@ -20,19 +20,31 @@ from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 MASK_TOKEN = "<|MASK|>"
 
 
-def _fields_class(name: str, fields: dict[str, Any], base: type | None = None) -> type:
-    """A frozen keyword-only dataclass of `fields` (name -> default), typed as their defaults."""
-    spec = [(field, type(default), dataclasses.field(default=default)) for field, default in fields.items()]
+def _fields_class(name: str, fields: dict[str, Any], docs: dict[str, str], base: type | None = None) -> type:
+    """A frozen keyword-only dataclass of `fields` (name -> default), typed as their defaults;
+    `docs`: the comment above a field, kept in its metadata (the class has no source to read)."""
+    spec = [
+        (field, type(default), dataclasses.field(default=default, metadata={"doc": docs.get(field, "")}))
+        for field, default in fields.items()
+    ]
     cls = dataclasses.make_dataclass(name, spec, bases=(base,) if base else (), frozen=True, kw_only=True)
     cls.__module__ = __name__
     return cls
 
 
-# The drafter's kind (models/kinds/), tokens per block (the anchor and the positions drafted
-# after it), then every kind's head sizes (documented in its module).
-DrafterHeads = _fields_class("DrafterHeads", {"kind": kinds.DEFAULT, "block_size": 16, **kinds.SIZE_FIELDS})
+# The drafter's kind, its block size, then every kind's head sizes (each kind's module declares
+# them); the comments are what the config's text prints above them.
+DrafterHeads = _fields_class(
+    "DrafterHeads",
+    {"kind": kinds.DEFAULT, "block_size": 16, **kinds.SIZE_FIELDS},
+    {
+        "kind": f'docs/design.md "Drafter kinds": {", ".join(kinds.KINDS)} (models/kinds/, a module each).',
+        "block_size": "Tokens per block: the anchor and the positions drafted after it.",
+        **{next(iter(k.fields)): f"{k.name!r}: {k.fields_doc}" for k in kinds.KINDS.values() if k.fields},
+    },
+)
 # The fields a released drafter's config.json may set and training never does.
-_ReleasedHeads = _fields_class("ReleasedHeads", kinds.RELEASE_FIELDS, DrafterHeads)
+_ReleasedHeads = _fields_class("ReleasedHeads", kinds.RELEASE_FIELDS, {}, DrafterHeads)
 DEFAULTS = _ReleasedHeads()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import textwrap
 
 import ml_collections
 
@@ -55,21 +56,39 @@ def _describe_section(section: str, cls, values: dict[str, object]) -> str:
     # A section may extend others (train: ObjectiveSettings, OptimizerConfig): each class's own
     # fields, in the order dataclasses gives them (the bases' first).
     for owner in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
-        source = inspect.getsource(owner).splitlines()[1:]
-        end = next((i for i, line in enumerate(source) if _METHODS.match(line)), len(source))
-        for line in source[:end]:
-            stripped = line.strip()
-            field = _FIELD.match(line)
-            if stripped.startswith("#"):
-                lines.append(stripped)
-            elif field and field.group(1) in defaults and field.group(1) not in shown:
-                name = field.group(1)
+        for comment, name in _documented_fields(owner):
+            if comment:
+                lines.append(comment)
+            elif name in defaults and name not in shown:
                 shown.add(name)
                 path = field_path(section, name)
                 value = values.get(path, defaults[name])
                 changed = "" if _same(value, defaults[name]) else f"    (default: {defaults[name]!r})"
                 lines.append(f"{path} = {value!r}{changed}")
     return "\n".join(lines)
+
+
+def _documented_fields(owner) -> list[tuple[str, str]]:
+    """(comment line, '') and ('', field name) in the order `owner` writes them: from its source,
+    or, for a class made from a table (models/drafter_config.py's DrafterHeads), its fields'
+    metadata."""
+    own = [f for f in dataclasses.fields(owner) if f.name in vars(owner).get("__annotations__", {})]
+    if any("doc" in f.metadata for f in own):
+        found = []
+        for f in own:
+            comment = textwrap.wrap(f.metadata["doc"], 96, initial_indent="# ", subsequent_indent="# ")
+            found += [(line, "") for line in comment] + [("", f.name)]
+        return found
+    source = inspect.getsource(owner).splitlines()[1:]
+    end = next((i for i, line in enumerate(source) if _METHODS.match(line)), len(source))
+    found = []
+    for line in source[:end]:
+        stripped, field = line.strip(), _FIELD.match(line)
+        if stripped.startswith("#"):
+            found.append((stripped, ""))
+        elif field:
+            found.append(("", field.group(1)))
+    return found
 
 
 def _same(value, default) -> bool:

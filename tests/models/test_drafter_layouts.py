@@ -25,7 +25,8 @@ from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.drafters import export_params
 from dflash_jax.training.mesh import batch_sharding, make_mesh
-from dflash_jax.training.run_config import base_config, resolve
+from dflash_jax.training.run_config import resolve
+from dflash_jax.training.schema import base_config
 from support import training_runs
 from support.dflash_mask import block_attention_under, dflash_training_mask
 

@@ -9,7 +9,8 @@ import pytest
 
 from dflash_jax.errors import UserError
 from dflash_jax.training import compilers, hlo, planning
-from dflash_jax.training.run_config import load_config_file, resolve
+from dflash_jax.training.presets import load_config_file
+from dflash_jax.training.run_config import resolve
 from support import training_runs as testing
 
 

@@ -18,15 +18,10 @@ from dflash_jax.models.gguf_export import llama_cpp_problems
 from dflash_jax.training import sections
 from dflash_jax.training.objective import ObjectiveConfig, ObjectiveSettings
 from dflash_jax.training.optimizer import OptimizerConfig
-from dflash_jax.training.run_config import (
-    FIELDS_DOCUMENTED,
-    base_config,
-    check_field_path,
-    field_paths,
-    load_config_file,
-    resolve,
-    target_for_plan,
-)
+from dflash_jax.training.presets import load_config_file
+from dflash_jax.training.run_config import resolve
+from dflash_jax.training.schema import FIELDS_DOCUMENTED, base_config, check_field_path, field_paths
+from dflash_jax.training.targets import target_for_plan
 from support import training_runs as testing
 
 ALL_SECTIONS = {"": sections.TopLevelSettings, **sections.SECTIONS}

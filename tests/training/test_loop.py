@@ -335,7 +335,8 @@ def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, t
     """The loop without a subprocess (the fast tier's run of it): every step logged once, the
     drafter exported, and a second call finds the run finished and trains nothing."""
     from dflash_jax.training.loop import train
-    from dflash_jax.training.run_config import load_config_file, resolve
+    from dflash_jax.training.presets import load_config_file
+    from dflash_jax.training.run_config import resolve
 
     config = load_config_file(str(testing.REPO / "configs" / "default.py"))
     workdir = tmp_path / "run"

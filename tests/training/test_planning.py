@@ -17,7 +17,9 @@ from dflash_jax.training import planning
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.mesh import make_mesh
-from dflash_jax.training.run_config import load_config_file, resolve, target_for_plan
+from dflash_jax.training.presets import load_config_file
+from dflash_jax.training.run_config import resolve
+from dflash_jax.training.targets import target_for_plan
 from support import training_runs as testing
 
 HLO = textwrap.dedent(

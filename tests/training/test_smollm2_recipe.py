@@ -12,7 +12,8 @@ import pytest
 
 from dflash_jax.errors import ConfigError
 from dflash_jax.models.hf import load_drafter
-from dflash_jax.training.run_config import load_config_file, resolve
+from dflash_jax.training.presets import load_config_file
+from dflash_jax.training.run_config import resolve
 from support import training_runs as testing
 from support.gguf_checkpoint import write_tiny_gguf
 

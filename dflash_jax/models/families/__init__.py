@@ -8,26 +8,15 @@ registry, which imports every module here at start-up; adding a family is adding
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 from dflash_jax.errors import ModelError
+from dflash_jax.models import registry
 from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.family import Family, text_fields
 from dflash_jax.models.weight_maps import WeightMap
 
-
-def _discover() -> dict[str, Family]:
-    """Every family module of this package, by family name."""
-    found = {}
-    for module in pkgutil.iter_modules(__path__):
-        family = importlib.import_module(f"{__name__}.{module.name}").FAMILY
-        found[family.name] = family
-    return found
-
-
-FAMILIES = _discover()
+FAMILIES: dict[str, Family] = registry.discover(__name__, __path__, "FAMILY")
 # Hub class (config.json `architectures`) -> its family.
 ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family.architectures}
 # GGUF `general.architecture` -> how a file of it reads as a family (models/gguf.py).

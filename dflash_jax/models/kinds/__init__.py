@@ -8,23 +8,11 @@ which imports every module here at start-up; adding a kind is adding its module.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from dflash_jax.errors import ModelError
+from dflash_jax.models import registry
 from dflash_jax.models.kind import Kind
 
-
-def _discover() -> dict[str, Kind]:
-    """Every kind module of this package, by kind name."""
-    found = {}
-    for module in pkgutil.iter_modules(__path__):
-        kind = importlib.import_module(f"{__name__}.{module.name}").KIND
-        found[kind.name] = kind
-    return found
-
-
-KINDS = _discover()
+KINDS: dict[str, Kind] = registry.discover(__name__, __path__, "KIND")
 # The kind a drafter is unless its config says otherwise: the backbone alone.
 DEFAULT = "dflash"
 # config.json `architectures` entry -> its kind.

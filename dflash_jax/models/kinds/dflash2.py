@@ -185,9 +185,9 @@ def _heads(cfg, *, compute_dtype, **head_kw) -> dict:
 KIND = Kind(
     "dflash2",
     ("DFlash2DraftModel",),
-    # Per layer two grouped dynamic convolutions of K taps over groups of g channels, and a
-    # candidate selector of rank r over the top-k unary logits.
     fields=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16),
+    fields_doc="per layer two grouped dynamic convolutions of K taps over groups of g channels, and a "
+    "candidate selector of rank r over the top-k unary logits.",
     # The unary logits scaled by output_multiplier and soft-capped at final_logit_softcapping
     # (0 = none), as z-lab's released drafters ask (training leaves both off).
     release_fields=dict(output_multiplier=1.0, final_logit_softcapping=0.0),

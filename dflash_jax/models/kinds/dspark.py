@@ -112,8 +112,8 @@ KIND = Kind(
     "dspark",
     # DeepSpec's training-time name `DSparkDraftModel` (model_type qwen3) is vLLM's `Qwen3DSparkModel`.
     ("Qwen3DSparkModel", "DSparkDraftModel"),
-    # Rank of the Markov head (and the previous token's part of the confidence input).
     fields=dict(markov_rank=256),
+    fields_doc="rank of the Markov head (and the previous token's part of the confidence input).",
     # Every slot of the block drafts the token after it.
     first_draft_slot=0,
     export=_export,
