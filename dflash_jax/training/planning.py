@@ -61,7 +61,7 @@ class Plan:
     block_tokens: int  # drafter tokens per step (rows x anchors x block size)
     collectives: tuple[Collective, ...]
     compile_seconds: float
-    drafter_kind: str = "dflash"  # models.architecture.DRAFTER_KINDS: its heads' FLOPs are in model_flops
+    drafter_kind: str = "dflash"  # models/kinds/: its heads' FLOPs are in model_flops
     kernels: tuple[Kernel, ...] = ()  # of one device's program, for the roofline (training/roofline.py)
     lower_seconds: float = 0.0  # tracing and lowering the step, before compiling it
     compile_cpu_seconds: float = 0.0  # CPU time of the compile, every thread of it (wall time: compile_seconds)
