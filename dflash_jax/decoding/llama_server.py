@@ -81,7 +81,7 @@ class LlamaServer:
             cmd += ["--spec-type", drafting.spec_type, "--spec-draft-model", str(drafting.gguf)]
             cmd += ["--spec-draft-n-max", str(drafting.num_drafts), "--spec-draft-p-min", "0"]
         cmd += list(extra_args)
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log")  # its lines explain a failure
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_healthy(start_timeout)
 
@@ -89,8 +89,9 @@ class LlamaServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                message = f"llama-server exited with code {self.process.returncode}: {self.log_tail()}"
                 self.close()
-                raise UserError(f"llama-server exited with code {self.process.returncode}: {self.log_tail()}")
+                raise UserError(message)
             try:
                 with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=5) as response:
                     if response.status == 200:
@@ -98,8 +99,9 @@ class LlamaServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
+        message = f"llama-server did not become healthy within {timeout:.0f} s: {self.log_tail()}"
         self.close()
-        raise UserError(f"llama-server did not become healthy within {timeout:.0f} s: {self.log_tail()}")
+        raise UserError(message)
 
     def log_tail(self, lines: int = 1) -> str:
         text = Path(self.log.name).read_text(errors="replace").strip().splitlines()
