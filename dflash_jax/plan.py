@@ -4,6 +4,8 @@
     dflash-jax plan --config=configs/qwen3.py:8b,fsdp --hbm_gb=141
     dflash-jax plan --config=configs/default.py --num_devices=2 --config.data.global_batch_rows=4
     dflash-jax plan --config=configs/qwen3.py:8b --hardware=h200 --epoch_tokens=2e9
+    dflash-jax plan --config=configs/qwen3.py:8b --hardware=tpu-v5p --num_devices=4   # v5p-8
+    dflash-jax plan --config=configs/default.py --hardware=tpu-v5e --topology=2x2 --num_slices=2
 
 Reads only the target's config.json: `--target_config`, else the config's `target.plan_config`
 (configs/qwen3.py names the public Qwen3 configs checked in under configs/targets/), else the
@@ -17,6 +19,13 @@ device, MFU and the time of an epoch of `--epoch_tokens` (docs/design.md §8). E
 when the step fits, 1 when it does not; then it also names the fewest hosts of
 `--devices_per_host` devices on which it fits (an estimate from the target's shardings:
 `training.planning.smallest_fitting_mesh`).
+
+`--hardware=h100|h200|b200|tpu-v5e|tpu-v5p|tpu-v6e` compiles with that hardware's own compiler
+on this machine, without the hardware (`training/compilers.py`: XLA:GPU deviceless, the fused
+attention kernels in; libtpu on a slice `--topology`, `--num_slices` of them), and the mesh
+search confirms its candidate with it; HBM is the part's unless `--hbm_gb` says otherwise.
+Without that compiler (the extras gpu-compile, tpu-compile) it says so in one line and compiles
+with XLA:CPU on simulated devices, as `--simulate` and `--hardware=cpu` always do.
 
 The figures are the compiler's for the platform it compiled for: with simulated CPU devices they
 are XLA:CPU's plan (with its memory-minimizing scheduler), which tracks but does not equal what
