@@ -37,8 +37,8 @@ What it measures, in this order:
 --tiny shrinks every shape so the script runs anywhere in a few minutes (the kernels run in
 Pallas interpret mode off GPU); its figures only show that the script works. --parts runs a
 subset (parity, step, decode), e.g. to split the check into two calls if compiling the 8B step
-twice takes longer than expected. Not yet run on a GPU: the figures in the README come from its
-first run there.
+twice takes longer than expected. Not yet run on a GPU: its first run there goes into
+docs/performance.md's ledger and the README.
 """
 
 from __future__ import annotations
