@@ -1,14 +1,12 @@
-"""The frozen target LM's configuration (the drafter's is models/drafter_config.py).
-
-Frozen dataclasses read from a Hugging Face `config.json` by the target's family module
-(models/families/), so a checkpoint directory fully determines the model that reads it.
+"""The frozen target LM's configuration (the drafter's is models/drafter_config.py): plain frozen
+dataclasses, which a target's family module (models/families/) fills from its config.json
+(models/hf_config.py reads the fields families share), so a checkpoint directory fully
+determines the model that reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
 
 import jax.numpy as jnp
 
@@ -36,70 +34,6 @@ class RopeConfig:
     attention_factor: float = 1.0  # yarn: cos and sin are scaled by it
     partial_factor: float = 1.0  # the share of each head's dimensions that rotates (Qwen3.5: 0.25)
 
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
-        # transformers >= 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
-        params = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or {}
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        merged = {**scaling, **params}
-        kind = merged.get("rope_type", merged.get("type", "default"))
-        partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-        if kind in ("default", "proportional"):  # proportional: Gemma 4's full layers (layers.rope_inv_freq)
-            return cls(theta=float(theta), kind=kind, partial_factor=partial)
-        if kind == "llama3":
-            return cls(
-                theta=float(theta),
-                kind="llama3",
-                factor=float(merged["factor"]),
-                low_freq_factor=float(merged["low_freq_factor"]),
-                high_freq_factor=float(merged["high_freq_factor"]),
-                original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
-                partial_factor=partial,
-            )
-        if kind == "yarn":
-            original = int(merged.get("original_max_position_embeddings") or hf["max_position_embeddings"])
-            factor = merged.get("factor") or hf["max_position_embeddings"] / original
-            attention_factor = merged.get("attention_factor")
-            if attention_factor is None:  # as the YaRN paper (and transformers) infer it
-                mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
-                if mscale and mscale_all_dim:
-                    attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                else:
-                    attention_factor = _yarn_mscale(factor)
-            return cls(
-                theta=float(theta),
-                kind="yarn",
-                factor=float(factor),
-                original_max_position_embeddings=original,
-                beta_fast=float(merged.get("beta_fast") or 32.0),
-                beta_slow=float(merged.get("beta_slow") or 1.0),
-                truncate=bool(merged.get("truncate", True)),
-                attention_factor=float(attention_factor),
-                partial_factor=partial,
-            )
-        raise ModelError(f"unsupported rope type {kind!r} (supported: default, proportional, llama3, yarn)")
-
-    def to_hf(self) -> dict[str, Any]:
-        """The `rope_theta` / `rope_scaling` fields as serving engines read them."""
-        out: dict[str, Any] = {"rope_theta": self.theta}
-        if self.partial_factor != 1.0:
-            out["partial_rotary_factor"] = self.partial_factor
-        if self.kind in _SCALING_FIELDS:
-            out["rope_scaling"] = {"rope_type": self.kind, **{k: getattr(self, k) for k in _SCALING_FIELDS[self.kind]}}
-        return out
-
-
-# The fields of each rope scaling that `rope_scaling` spells out (with its rope_type).
-_SCALING_FIELDS = {
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "attention_factor"),
-}
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
 
 @dataclasses.dataclass(frozen=True)
 class LinearAttentionConfig:
@@ -110,16 +44,6 @@ class LinearAttentionConfig:
     head_k_dim: int
     head_v_dim: int
     conv_kernel_size: int = 4
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> LinearAttentionConfig:
-        return cls(
-            num_k_heads=int(hf["linear_num_key_heads"]),
-            num_v_heads=int(hf["linear_num_value_heads"]),
-            head_k_dim=int(hf["linear_key_head_dim"]),
-            head_v_dim=int(hf["linear_value_head_dim"]),
-            conv_kernel_size=int(hf.get("linear_conv_kernel_dim", 4)),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,26 +60,6 @@ class LatentAttentionConfig:
     softmax_scale: float
     # The checkpoint rotates interleaved pairs of the rotary dims: their rows are reordered at load.
     rope_interleaved: bool = True
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> LatentAttentionConfig:
-        """The MLA fields of a DeepSeek-V3 config.json. The softmax scale is (N + R)^-0.5, times
-        YaRN's mscale(factor, mscale_all_dim)² where the RoPE is scaled and sets mscale_all_dim."""
-        nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
-        scaling = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-        scale = (nope + rope) ** -0.5
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default" and scaling.get("mscale_all_dim"):
-            scale *= _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
-        return cls(
-            q_lora_rank=int(hf.get("q_lora_rank") or 0),
-            kv_lora_rank=int(hf["kv_lora_rank"]),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope,
-            v_head_dim=int(hf["v_head_dim"]),
-            softmax_scale=scale,
-            rope_interleaved=bool(hf.get("rope_interleave", True)),
-        )
 
 
 # 'sigmoid_grouped' (DeepSeek-V3, MiniMax-M2): `moe.grouped_sigmoid_routing`.
@@ -304,19 +208,3 @@ def layer_attention(cfg: TransformerConfig, layer_type: str) -> LayerAttention:
 def layer_window(cfg: TransformerConfig, layer_type: str) -> int:
     """The keys a query of a `layer_type` layer sees: the sliding window on sliding layers, else 0 (all)."""
     return cfg.sliding_window if layer_type == "sliding_attention" else 0
-
-
-def decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """The fields target and drafter configs read alike from a Hugging Face config.json."""
-    heads = int(hf["num_attention_heads"])
-    return dict(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf.get("intermediate_size") or 0),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rope=RopeConfig.from_hf(hf),
-        rms_norm_eps=float(hf.get("rms_norm_eps", TransformerConfig.rms_norm_eps)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", TransformerConfig.max_position_embeddings)),
-    )

@@ -13,7 +13,7 @@ from typing import Any
 
 from dflash_jax.errors import ModelError
 from dflash_jax.models import kinds
-from dflash_jax.models.architecture import decoder_fields
+from dflash_jax.models.hf_config import decoder_fields, rope_fields
 
 
 def write(cfg) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def write(cfg) -> dict[str, Any]:
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        **cfg.rope.to_hf(),
+        **rope_fields(cfg.rope),
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": False,

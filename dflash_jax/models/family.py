@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models.architecture import TransformerConfig, decoder_fields
+from dflash_jax.models.architecture import TransformerConfig
+from dflash_jax.models.hf_config import decoder_fields
 from dflash_jax.models.weight_maps import Tensor, WeightMap
 
 

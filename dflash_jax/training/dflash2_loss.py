@@ -12,14 +12,13 @@ would draft the label after a correct prefix: the label is among the true top-k 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.kinds.dflash2 import successor_scores, unary_logits
-from dflash_jax.training.head_terms import chunked_terms, vocab_parallel_logits, vocab_parallel_top_k
+from dflash_jax.training.head_terms import Terms, Unembed, chunked_terms, vocab_parallel_logits, vocab_parallel_top_k
 from dflash_jax.training.objective import slot_weights
 
 
@@ -34,13 +33,7 @@ def training_candidates(logits: jax.Array, labels: jax.Array, k: int) -> tuple[j
     return candidates, gold, in_top
 
 
-def dflash2_terms(
-    drafter: DFlashDrafter,
-    unembed: Callable[[jax.Array], jax.Array],
-    hidden: jax.Array,
-    blocks,
-    cfg,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def dflash2_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg) -> Terms:
     """hidden [R, N, Bk, D] -> (Σ w·(unary loss + α·candidate CE), weights w, hits), the last two
     [R, N, Bk-1]; the slot weights from each slot's label CE (a constant to the gradient)."""
     weights_of = functools.partial(slot_weights, cfg=cfg)

@@ -14,27 +14,19 @@ slots of each block, as DeepSpec weights them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.sharding import BATCH, VOCAB, constrain
-from dflash_jax.training.head_terms import chunked_terms, vocab_parallel_logits
+from dflash_jax.training.head_terms import Terms, Unembed, chunked_terms, vocab_parallel_logits
 from dflash_jax.training.objective import slot_weights
 
 # DeepSpec's weights of the three terms.
 CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
 
 
-def dspark_terms(
-    drafter: DFlashDrafter,
-    unembed: Callable[[jax.Array], jax.Array],
-    hidden: jax.Array,
-    blocks,
-    cfg,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def dspark_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg) -> Terms:
     """hidden [R, N, γ, D] -> (Σ w·loss, slot weights [R, N, γ], hits [R, N, γ]); the weights are
     the 'dflash' decay, which needs no CE."""
     weights = slot_weights(None, blocks.label_mask, cfg)

@@ -21,6 +21,11 @@ from dflash_jax.models.chunking import scan_block_chunks
 from dflash_jax.models.kinds.dflash2 import top_k
 from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, active_mesh, constrain_spec, per_device
 
+# The frozen LM head: hidden [..., D] -> logits [..., V].
+Unembed = Callable[[jax.Array], jax.Array]
+# What a drafter kind's loss terms return (`Kind.loss_terms`): (Σ w·loss, slot weights, hits).
+Terms = tuple[jax.Array, jax.Array, jax.Array]
+
 
 def vocab_parallel_logits(unembed: Callable[[jax.Array], jax.Array], shape) -> Callable[[jax.Array], jax.Array]:
     """hidden [..., D] of `shape` -> fp32 logits [..., V], split over vocab where the layout

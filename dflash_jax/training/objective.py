@@ -34,7 +34,7 @@ from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.chunking import BLOCKS_PER_CHUNK, map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training.head_terms import vocab_parallel_logits
+from dflash_jax.training.head_terms import Terms, Unembed, vocab_parallel_logits
 
 Batch = dict[str, jax.Array]
 
@@ -401,12 +401,8 @@ def drafter_loss(
 
 
 def dflash_terms(
-    drafter: DFlashDrafter,
-    unembed: Callable[[jax.Array], jax.Array],
-    hidden: jax.Array,
-    blocks: Blocks,
-    cfg: ObjectiveConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks: Blocks, cfg: ObjectiveConfig
+) -> Terms:
     """DFlash's loss terms (the backbone's, `Kind.loss_terms`): hidden [R, N, Bk, D] -> (Σ w·CE,
     slot weights, hits), the last two [R, N, Bk-1]."""
     loss, label_ce, correct = lm_head_cross_entropy(

@@ -16,7 +16,7 @@ import transformers
 from flax import nnx
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-from dflash_jax.models.architecture import LatentAttentionConfig, RopeConfig
+from dflash_jax.models import hf_config
 from dflash_jax.models.latent_attention import LatentAttention, rope_rows_deinterleaved
 from dflash_jax.models.layers import rotary
 from dflash_jax.models.mixers import DecodeStep, PackedRows
@@ -61,7 +61,7 @@ def ours(config, attn) -> LatentAttention:
     q_lora_rank = config.q_lora_rank or 0
     abstract = nnx.eval_shape(
         lambda: LatentAttention(
-            LatentAttentionConfig.from_hf(config.to_dict()),
+            hf_config.latent_attention(config.to_dict()),
             hidden_size=HIDDEN,
             num_heads=HEADS,
             param_dtype=jnp.float32,
@@ -99,7 +99,7 @@ def reference_outputs(attn, rope, x: np.ndarray) -> np.ndarray:
 
 
 def tables(config, positions):
-    return rotary(jnp.asarray(positions), RopeConfig.from_hf(config.to_dict()), ROPE)
+    return rotary(jnp.asarray(positions), hf_config.rope(config.to_dict()), ROPE)
 
 
 @pytest.mark.parametrize("q_lora_rank", [Q_RANK, None])

@@ -13,7 +13,7 @@ from flax import nnx
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from dflash_jax.models.architecture import LinearAttentionConfig
+from dflash_jax.models import hf_config
 from dflash_jax.models.families.qwen3_next import unfuse_in_proj
 from dflash_jax.models.linear_attention import GatedDeltaNet
 from dflash_jax.models.weight_maps import checkpoint_name
@@ -57,7 +57,7 @@ def _reference(family: str, seed: int = 0):
 def _ours(tensors: dict[str, np.ndarray]) -> GatedDeltaNet:
     """Our layer holding `tensors` (torch names and layouts), mapped by the checkpoint loader's rule."""
     layer = GatedDeltaNet(
-        LinearAttentionConfig.from_hf(HF_SIZES),
+        hf_config.linear_attention(HF_SIZES),
         hidden_size=D,
         eps=HF_SIZES["rms_norm_eps"],
         param_dtype=jnp.float32,

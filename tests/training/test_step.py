@@ -18,13 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.architecture import (
-    DrafterConfig,
     LatentAttentionConfig,
     LayerAttention,
     MoeConfig,
     RopeConfig,
     TransformerConfig,
 )
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh

@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models.architecture import LatentAttentionConfig, MoeConfig, TransformerConfig
+from dflash_jax.models import hf_config
+from dflash_jax.models.architecture import MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
 from dflash_jax.models.fp8 import FP8_LINEAR, fp8_rows
 from dflash_jax.models.int4 import dequantize_int4_groups
@@ -100,7 +101,7 @@ def config(hf: dict) -> TransformerConfig:
     reject(hf, "deepseek_v3", "attention_bias", "mlp_bias")
     if int(hf.get("moe_layer_freq") or 1) != 1:
         raise ModelError(f"deepseek_v3: moe_layer_freq={hf['moe_layer_freq']} is not supported (1)")
-    latent = LatentAttentionConfig.from_hf(hf)
+    latent = hf_config.latent_attention(hf)
     fields = {**decoder(hf), "head_dim": latent.qk_rope_head_dim}  # RoPE's width, as transformers says
     first_moe = int(hf.get("first_k_dense_replace") or 0)
     return TransformerConfig(

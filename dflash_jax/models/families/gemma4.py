@@ -21,7 +21,8 @@ import math
 import numpy as np
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models.architecture import LayerAttention, MoeConfig, RopeConfig, TransformerConfig
+from dflash_jax.models import hf_config
+from dflash_jax.models.architecture import LayerAttention, MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
 from dflash_jax.models.sharding import NORM
 from dflash_jax.models.weight_maps import Tensor, Transform, split, transpose
@@ -73,7 +74,7 @@ def config(hf: dict) -> TransformerConfig:
     fields = decoder(hf)
     ropes = hf["rope_parameters"]
     sliding, full = (
-        RopeConfig.from_hf({"rope_parameters": ropes[kind]}) for kind in ("sliding_attention", "full_attention")
+        hf_config.rope({"rope_parameters": ropes[kind]}) for kind in ("sliding_attention", "full_attention")
     )
     values_from_keys = bool(hf.get("attention_k_eq_v"))
     full_layer = _full_layer_overrides(hf, fields["layer_types"])

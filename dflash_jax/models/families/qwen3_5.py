@@ -10,7 +10,8 @@ The hub publishes the multimodal `...ForConditionalGeneration` checkpoints: the 
 
 from __future__ import annotations
 
-from dflash_jax.models.architecture import LinearAttentionConfig, TransformerConfig
+from dflash_jax.models import hf_config
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.families import qwen3_moe
 from dflash_jax.models.family import Family, decoder, reject
 
@@ -23,7 +24,7 @@ def hybrid(hf: dict, num_layers: int) -> dict:
     pattern = ("linear_attention",) * (interval - 1) + ("full_attention",)
     return dict(
         layer_types=tuple(hf.get("layer_types") or (pattern[i % interval] for i in range(num_layers))),
-        linear_attention=LinearAttentionConfig.from_hf(hf),
+        linear_attention=hf_config.linear_attention(hf),
         zero_centered_norm=True,
         attention_output_gate=True,
     )
