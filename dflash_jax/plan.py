@@ -165,6 +165,8 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
     setup = resolve(config, num_devices=n, target=target, check_files=False)
     name = _config_argument()
     if real:
+        if setup.mesh_shape[0] % f.num_slices:
+            raise UserError(f"mesh data={setup.mesh_shape[0]} is not a multiple of --num_slices={f.num_slices}")
         devices = compilers.devices(acc, n, topology=f.topology, num_slices=f.num_slices)
         where = compilers.describe(acc, devices, num_slices=f.num_slices)
     else:

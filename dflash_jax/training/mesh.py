@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.models.sharding import BATCH_MESH_AXES, MESH_AXES
@@ -46,7 +47,16 @@ def make_mesh(data: int, fsdp: int, tensor: int = 1, *, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(data, fsdp, len(devices), tensor)
     # Auto axes: the compiler propagates shardings through the models' plain einsums.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        # TPU slices joined by the data-center network: the data axis spans them (one gradient
+        # reduction a step crosses it), fsdp and tensor stay inside a slice.
+        if shape[0] % slices:
+            raise ValueError(f"mesh data={shape[0]} must be a multiple of the {slices} slices")
+        grid = mesh_utils.create_hybrid_device_mesh((shape[0] // slices, *shape[1:]), (slices, 1, 1), devices)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

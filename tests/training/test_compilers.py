@@ -97,3 +97,13 @@ def test_bad_hardware_input_is_one_line(monkeypatch, args, message):
     fv(["plan", f"--config={testing.REPO / 'configs' / 'default.py'}", *args])
     with pytest.raises(UserError, match=message):
         plan.main([], fv)
+
+
+@pytest.mark.slow
+def test_a_mesh_over_two_tpu_slices_spans_them_with_its_data_axis():
+    """Multi-slice (--num_slices): the data axis crosses the slices, the rest stays inside one."""
+    from dflash_jax.training.mesh import make_mesh
+
+    devices = compilers.devices(compilers.ACCELERATORS["tpu-v5e"], 8, topology="2x2", num_slices=2)
+    mesh = make_mesh(-1, 1, 1, devices=devices)
+    assert [d.slice_index for d in mesh.devices.reshape(-1)] == [0, 0, 0, 0, 1, 1, 1, 1]
