@@ -107,3 +107,23 @@ def test_a_mesh_over_two_tpu_slices_spans_them_with_its_data_axis():
     devices = compilers.devices(compilers.ACCELERATORS["tpu-v5e"], 8, topology="2x2", num_slices=2)
     mesh = make_mesh(-1, 1, 1, devices=devices)
     assert [d.slice_index for d in mesh.devices.reshape(-1)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_a_tpu_out_of_memory_refusal_is_a_plan_that_does_not_fit():
+    """libtpu refuses a step over its HBM; the plan reads the figures from its message."""
+    gib = compilers.GIB
+    placed = {"target": 15 * gib, "drafter": gib, "optimizer": 2 * gib, "batch": 0}
+    common = dict(mesh="data=4", layout="data", platform="tpu", num_devices=4, rows=16, seq_len=3072)
+    common |= dict(grad_accum_steps=1, bytes_per_device=placed, model_flops=1.0, remat_flops=0.0, tokens=1)
+    common |= dict(block_tokens=1, compile_seconds=1.0)
+    refusal = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (32.00G) "
+        "exceeds available HBM (15.75G)."
+    )
+    plan = planning._refused_plan(refusal, common)
+    assert (plan.arguments, plan.temporaries, plan.peak) == (18 * gib, 32 * gib, 50 * gib)
+    verdict = planning.verdict(plan, 16 * gib, fsdp=1, tensor=1, remat=True)
+    assert verdict.startswith("DOES NOT FIT: 50.0 GiB > 14.4 GiB usable per device (by 35.6 GiB)")
+    assert "(the compiler: Ran out of memory on HBM, the total memory required" in verdict
+    used = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm."
+    assert planning._refused_plan(used, common).peak == int(20.5 * gib)
