@@ -9,6 +9,7 @@ imports, and names any module no fast test reaches."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from support.package_imports import PACKAGE, imports, module_name
@@ -53,8 +54,10 @@ def reached_from(files: list[Path]) -> set[str]:
             continue
         seen.add(module)
         todo += imports(path)
-        if path.name == "__init__.py" and "pkgutil.iter_modules(__path__)" in path.read_text():
-            # A registry package imports every module of its own (models/families/).
+        # A drafter kind names its loss terms and drafting walk 'module:function' (models/kind.py).
+        todo += re.findall(r"""["'](dflash_jax(?:\.\w+)+):\w+["']""", path.read_text())
+        if path.name == "__init__.py" and "registry.discover(__name__, __path__" in path.read_text():
+            # A registry package imports every module of its own (models/families/, models/kinds/).
             todo += [f"{module}.{p.stem}" for p in path.parent.glob("*.py") if p.stem != "__init__"]
         parent = module.rpartition(".")[0]  # importing a.b.c runs a.b's __init__ too
         todo += [parent] if parent else []
