@@ -70,7 +70,7 @@ class Kind:
     # Forward FLOPs of its heads per scored slot: (cfg, vocab size) -> count.
     head_flops: Callable[[Any, int], float] = _zero
     # Training: the loss decay γ whatever the block size (0: the paper's for the block size);
-    # the train.loss values it takes (): all); whether its loss always reads the target's
+    # the train.loss values it takes (() = all); whether its loss always reads the target's
     # next-token distribution (train.distill then does not apply); whether only the prefix of
     # scored slots before the first unscored one is scored.
     loss_decay_gamma: float = 0.0
