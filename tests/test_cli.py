@@ -31,6 +31,7 @@ from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.training.config_text import describe_config
 from dflash_jax.training.presets import check_variants_accepted, load_config_file
 from dflash_jax.training.schema import FIELDS_DOCUMENTED, field_paths
+from support.stderr import user_lines
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_MODULES = {
@@ -205,7 +206,7 @@ DISPATCH = "from dflash_jax.commands import main; main()"
 )
 def test_user_errors_are_one_line(args, line):
     result = run(*args)
-    assert (result.returncode, result.stdout, result.stderr.strip().splitlines()) == (1, "", [line])
+    assert (result.returncode, result.stdout, user_lines(result.stderr)) == (1, "", [line])
 
 
 @pytest.mark.slow

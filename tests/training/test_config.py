@@ -23,6 +23,7 @@ from dflash_jax.training.run_config import resolve
 from dflash_jax.training.schema import FIELDS_DOCUMENTED, base_config, check_field_path, field_paths
 from dflash_jax.training.targets import target_for_plan
 from support import training_runs as testing
+from support.stderr import user_lines
 
 ALL_SECTIONS = {"": sections.TopLevelSettings, **sections.SECTIONS}
 
@@ -266,9 +267,9 @@ def test_train_py_names_a_mistyped_field_in_one_line():
         timeout=120,
         cwd=testing.REPO,
     )
-    assert (result.returncode, result.stderr) == (
+    assert (result.returncode, user_lines(result.stderr)) == (
         1,
-        "config error: no field train.lerning_rate; did you mean train.learning_rate?\n",
+        ["config error: no field train.lerning_rate; did you mean train.learning_rate?"],
     )
 
 

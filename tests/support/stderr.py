@@ -1,0 +1,16 @@
+"""A command's stderr as the user reads it, without the lines the CUDA plugin of the `gpu-compile`
+extra logs from C++ whenever jax is imported on a machine without a GPU (no Python logger or
+environment variable silences them; JAX_PLATFORMS=cpu does not either). Every other line stays."""
+
+from __future__ import annotations
+
+import re
+
+PLUGIN_NOISE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|I\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\.)$"
+)
+
+
+def user_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.strip().splitlines() if not PLUGIN_NOISE.match(line)]
