@@ -34,6 +34,11 @@ class Drafting:
     spec_type: str  # draft-dflash | draft-dspark
     num_drafts: int
 
+    @property
+    def verify_tokens(self) -> int:
+        """The tokens a verification forward runs: the last accepted token and the drafts."""
+        return self.num_drafts + 1
+
     @classmethod
     def convert(cls, export_dir: Path, target_gguf: Path, out_file: Path) -> Drafting:
         """The drafter exported at `export_dir`, written as GGUF to `out_file` for `target_gguf`."""
@@ -50,6 +55,8 @@ class Completion:
     predicted_ms: float
     draft_n: int
     draft_accepted: int
+    prompt_n: int = 0  # the prompt tokens the engine ran (those not already in its cache)
+    prompt_ms: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -108,13 +115,13 @@ class LlamaServer:
         errors = [line for line in text if "error" in line.lower() or "failed" in line.lower()]
         return " | ".join((errors or text)[-lines:]) or "(no output)"
 
-    def complete(self, prompt: Sequence[int], max_new_tokens: int) -> Completion:
+    def complete(self, prompt: Sequence[int], max_new_tokens: int, *, cache_prompt: bool = False) -> Completion:
         body = {
             "prompt": [int(t) for t in prompt],
             "n_predict": max_new_tokens,
             "temperature": 0.0,
             "top_k": 1,
-            "cache_prompt": False,
+            "cache_prompt": cache_prompt,
             "return_tokens": True,
             "stream": False,
         }
@@ -135,6 +142,8 @@ class LlamaServer:
             predicted_ms=float(t["predicted_ms"]),
             draft_n=int(t.get("draft_n", 0)),
             draft_accepted=int(t.get("draft_n_accepted", 0)),
+            prompt_n=int(t.get("prompt_n", 0)),
+            prompt_ms=float(t.get("prompt_ms", 0.0)),
         )
 
     def close(self) -> None:
@@ -169,11 +178,34 @@ def run_prompts(server: LlamaServer, prompts: Sequence[Sequence[int]], max_new_t
     return [server.complete(p, max_new_tokens) for p in prompts]
 
 
-def engine_figures(alone: Sequence[Completion], drafted: Sequence[Completion]) -> dict:
+def forward_cost(
+    server: LlamaServer, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], num_tokens: int
+) -> dict:
+    """What a verification costs the engine's target: the mean time of a forward of `num_tokens`
+    tokens (an anchor and its drafts) after a cached prompt, over the prompts whose continuation is
+    long enough, as the engine times it (prompt processing: the same batched forward a verify runs)."""
+    runs = []
+    for prompt, continuation in zip(prompts, continuations):
+        if len(continuation) < num_tokens:
+            continue
+        server.complete(prompt, 1, cache_prompt=True)  # the prompt, now cached (not the token it generates)
+        runs.append(server.complete([*prompt, *continuation[:num_tokens]], 1, cache_prompt=True))
+    if not runs:
+        return {"tokens": 0, "ms": float("nan"), "prompts": 0}
+    return {
+        "tokens": sum(c.prompt_n for c in runs) / len(runs),
+        "ms": sum(c.prompt_ms for c in runs) / len(runs),
+        "prompts": len(runs),
+    }
+
+
+def engine_figures(alone: Sequence[Completion], drafted: Sequence[Completion], forward: dict | None = None) -> dict:
     """A prompt set's figures in the engine, as `measurement.evaluate_set` reports ours: τ (mean
     over prompts of the tokens per verification step), drafted and accepted tokens, decode speed
-    (the engine's `predicted` timings: after the prompt) with and without the drafter, and the
-    fraction of outputs identical to the target alone."""
+    (the engine's `predicted` timings: after the prompt) with and without the drafter, the
+    fraction of outputs identical to the target alone, and, given `forward_cost`'s figure, what a
+    step costs: its verify and (the rest) its drafter, in target decode steps, and the τ at which
+    drafting breaks even."""
     taus = [(c.predicted_n - 1) / c.steps for c in drafted if c.steps > 0]
 
     def speed(completions):
@@ -186,7 +218,7 @@ def engine_figures(alone: Sequence[Completion], drafted: Sequence[Completion]) -
         }
 
     with_drafter, target = speed(drafted), speed(alone)
-    return {
+    figures = {
         "tau": sum(taus) / len(taus) if taus else float("nan"),
         "drafted": sum(c.draft_n for c in drafted),
         "accepted": sum(c.draft_accepted for c in drafted),
@@ -195,6 +227,22 @@ def engine_figures(alone: Sequence[Completion], drafted: Sequence[Completion]) -
         "speedup": with_drafter["tokens_per_s"] / target["tokens_per_s"] if target["tokens_per_s"] else None,
         "identical_outputs": sum(a.tokens == d.tokens for a, d in zip(alone, drafted)) / max(len(alone), 1),
     }
+    steps = sum(c.steps for c in drafted)
+    if forward and steps and target["ms_per_token"]:
+        decode_ms = target["ms_per_token"]
+        step_ms = sum(c.predicted_ms for c in drafted) / steps
+        figures["step_costs"] = {
+            "decode_ms": decode_ms,
+            "step_ms": step_ms,
+            "verify_tokens": forward["tokens"],
+            "verify_ms": forward["ms"],
+            "drafter_ms": step_ms - forward["ms"],
+            "step_in_decode_steps": step_ms / decode_ms,
+            "verify_in_decode_steps": forward["ms"] / decode_ms,
+            "drafter_in_decode_steps": (step_ms - forward["ms"]) / decode_ms,
+            "break_even_tau": step_ms / decode_ms,
+        }
+    return figures
 
 
 def evaluate_engine(
@@ -205,10 +253,21 @@ def evaluate_engine(
     *,
     max_new_tokens: int,
     threads: int = 0,
+    cost_prompts: int = 8,
 ) -> dict[str, dict]:
-    """`engine_figures` of every prompt set: one server of the target alone, then one with the drafter."""
-    runs = []
-    for with_drafter in (None, drafting):
-        with LlamaServer(binary, target_gguf, with_drafter, threads=threads) as server:
-            runs.append({name: run_prompts(server, prompts, max_new_tokens) for name, prompts in prompt_sets.items()})
-    return {name: engine_figures(runs[0][name], runs[1][name]) for name in prompt_sets}
+    """`engine_figures` of every prompt set: one server of the target alone (which also times a
+    verify-sized forward on the first `cost_prompts` prompts of each set), then one with the drafter."""
+    with LlamaServer(binary, target_gguf, threads=threads) as server:
+        alone = {name: run_prompts(server, prompts, max_new_tokens) for name, prompts in prompt_sets.items()}
+        forward = {
+            name: forward_cost(
+                server,
+                prompts[:cost_prompts],
+                [c.tokens for c in alone[name][:cost_prompts]],
+                drafting.verify_tokens,
+            )
+            for name, prompts in prompt_sets.items()
+        }
+    with LlamaServer(binary, target_gguf, drafting, threads=threads) as server:
+        drafted = {name: run_prompts(server, prompts, max_new_tokens) for name, prompts in prompt_sets.items()}
+    return {name: engine_figures(alone[name], drafted[name], forward[name]) for name in prompt_sets}

@@ -93,6 +93,14 @@ def engine_table(ours: dict[str, dict], engine: dict[str, dict]) -> str:
             e["identical_outputs"],
         )
         lines.append(row(["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, ENGINE_COLUMNS)]))
+    for name, e in engine.items():
+        if c := e.get("step_costs"):
+            lines.append(
+                f"{name}: a step {c['step_ms']:.1f} ms = {c['step_in_decode_steps']:.2f} target decode steps "
+                f"({c['decode_ms']:.1f} ms): verify ({c['verify_tokens']:.0f} tokens) {c['verify_ms']:.1f} ms = "
+                f"{c['verify_in_decode_steps']:.2f}, drafter and the rest {c['drafter_ms']:.1f} ms = "
+                f"{c['drafter_in_decode_steps']:.2f}; break-even tau {c['break_even_tau']:.2f}"
+            )
     return "\n".join(lines)
 
 

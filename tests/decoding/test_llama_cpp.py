@@ -13,7 +13,7 @@ import pytest
 from dflash_jax.bundled import ASSETS
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.llama_cpp import build_server, find_server
-from dflash_jax.decoding.llama_server import Drafting, LlamaServer, engine_figures, run_prompts
+from dflash_jax.decoding.llama_server import Drafting, LlamaServer, engine_figures, forward_cost, run_prompts
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.errors import UserError
@@ -106,6 +106,20 @@ def test_the_bundled_qwen3_target_written_as_gguf_decodes_as_ours(server_binary,
         stop_tokens=chat.stop_tokens,
     ).generate([np.asarray(p) for p in prompts])
     assert [list(o.tokens) for o in ours] == [c.tokens for c in served]
+
+
+def test_the_verify_forward_is_timed_on_as_many_tokens_as_asked(server_binary, target_gguf, prompts, alone):
+    """forward_cost times the engine's batched forward of exactly the verify's tokens after a cached
+    prompt; engine_figures splits a drafted step's time into that forward and the rest."""
+    with LlamaServer(server_binary, target_gguf, threads=1, extra_args=EXACT) as server:
+        forward = forward_cost(server, prompts[:3], [c.tokens for c in alone[:3]], num_tokens=5)
+    assert forward["prompts"] == 3 and forward["tokens"] == 5 and forward["ms"] > 0
+    figures = engine_figures(alone, alone, forward)  # the target alone as its own "drafted" run: 1 token a step
+    costs = figures["step_costs"]
+    assert costs["step_ms"] == pytest.approx(
+        sum(c.predicted_ms for c in alone) / sum(c.predicted_n - 1 for c in alone)
+    )
+    assert costs["verify_ms"] + costs["drafter_ms"] == pytest.approx(costs["step_ms"])
 
 
 def test_a_drafter_the_engine_cannot_load_is_one_line(server_binary, target_gguf, tmp_path):
