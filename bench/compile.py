@@ -29,7 +29,6 @@ if "jax" not in sys.modules:  # XLA reads its flags once, at start-up
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ["XLA_FLAGS"] = plan_xla_flags(_DEVICES, os.environ.get("XLA_FLAGS", ""))
 
-import dataclasses  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -48,23 +47,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIGS = {"scan": ("configs/qwen3_5.py:27b", "configs/gpt_oss.py:120b"), "muon": ("configs/qwen3.py:8b",)}
 
 
-def with_run(setup, **fields):
-    return dataclasses.replace(setup, run=dataclasses.replace(setup.run, **fields))
-
-
-def with_optimizer(setup, optimizer: str):
-    return dataclasses.replace(setup, optimizer=dataclasses.replace(setup.optimizer, optimizer=optimizer))
-
-
 def variants(compare: str, setup) -> dict:
     """label -> (setup, context to compile it in)."""
     if compare == "scan":
-        return {f"scan_layers={scan}": (with_run(setup, scan_layers=scan), nullcontext()) for scan in (False, True)}
+        return {f"scan_layers={scan}": (setup.with_run(scan_layers=scan), nullcontext()) for scan in (False, True)}
     # optax.contrib.muon takes the same arguments; ours replaced it in make_optimizer.
     return {
-        "AdamW": (with_optimizer(setup, "adamw"), nullcontext()),
-        "optax Muon": (with_optimizer(setup, "muon"), mock.patch.object(muon, "muon", optax.contrib.muon)),
-        "whole-matrix Muon": (with_optimizer(setup, "muon"), nullcontext()),
+        "AdamW": (setup.with_optimizer("adamw"), nullcontext()),
+        "optax Muon": (setup.with_optimizer("muon"), mock.patch.object(muon, "muon", optax.contrib.muon)),
+        "whole-matrix Muon": (setup.with_optimizer("muon"), nullcontext()),
     }
 
 

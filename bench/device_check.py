@@ -248,7 +248,7 @@ def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline
     out = {}
     for impl in ("fused", "xla"):
         log(f"train step ({impl} attention): compiling and timing {steps} steps")
-        chosen = train_step.with_attention(setup, impl)
+        chosen = setup.with_run(attention=impl)
         r = train_step.bench(chosen, steps, hardware=hardware)
         flops = r["flops_per_step"]
         predicted = r.get("predicted")

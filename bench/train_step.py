@@ -107,16 +107,6 @@ def setups(names: list[str]) -> dict[str, TrainSetup]:
     return out
 
 
-def with_optimizer(setup: TrainSetup, optimizer: str) -> TrainSetup:
-    """`setup` with its optimizer (`train.optimizer`) replaced."""
-    return dataclasses.replace(setup, optimizer=dataclasses.replace(setup.optimizer, optimizer=optimizer))
-
-
-def with_attention(setup: TrainSetup, implementation: str) -> TrainSetup:
-    """`setup` with its attention code (`train.attention`) replaced."""
-    return dataclasses.replace(setup, run=dataclasses.replace(setup.run, attention=implementation))
-
-
 class MatmulPeak:
     """FLOP/s of an n x n x n matmul in `dtype`: the best of every `measure()` so far."""
 
@@ -327,13 +317,13 @@ def main() -> None:
     parser.add_argument("--base", default="", help="git revision to time against this checkout, in turn (one config)")
     parser.add_argument("--roofline", action="store_true", help="the roofline estimate beside the measured step")
     args = parser.parse_args()
-    chosen = {name: with_attention(setup, args.attention) for name, setup in setups(args.configs.split(",")).items()}
+    chosen = {name: setup.with_run(attention=args.attention) for name, setup in setups(args.configs.split(",")).items()}
     if args.optimizers:
         unknown = set(args.optimizers.split(",")) - set(OPTIMIZERS)
         if unknown:
             parser.error(f"--optimizers: {', '.join(sorted(unknown))} not one of {', '.join(OPTIMIZERS)}")
         chosen = {
-            f"{name}/{optimizer}": with_optimizer(setup, optimizer)
+            f"{name}/{optimizer}": setup.with_optimizer(optimizer)
             for name, setup in chosen.items()
             for optimizer in args.optimizers.split(",")
         }

@@ -78,6 +78,15 @@ class TrainSetup:
     distributed: DistributedSettings
     config_dict: dict  # the config as the user wrote it, for checkpoints and experiment trackers
 
+    def with_run(self, **fields) -> TrainSetup:
+        """This setup with fields of its run settings replaced (`attention="fused"`, `scan_layers=True`):
+        how the plan's callers and bench/ compare one choice on the same run."""
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, **fields))
+
+    def with_optimizer(self, optimizer: str) -> TrainSetup:
+        """This setup with another optimizer (`train.optimizer`), its other settings kept."""
+        return dataclasses.replace(self, optimizer=dataclasses.replace(self.optimizer, optimizer=optimizer))
+
 
 def resolve_distributed(config: ml_collections.ConfigDict) -> DistributedSettings:
     """The distributed section alone: train.py needs it before JAX can count devices."""

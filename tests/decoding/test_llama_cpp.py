@@ -116,9 +116,7 @@ def test_the_verify_forward_is_timed_on_as_many_tokens_as_asked(server_binary, t
     assert forward["prompts"] == 3 and forward["tokens"] == 5 and forward["ms"] > 0
     figures = engine_figures(alone, alone, forward)  # the target alone as its own "drafted" run: 1 token a step
     costs = figures["step_costs"]
-    assert costs["step_ms"] == pytest.approx(
-        sum(c.predicted_ms for c in alone) / sum(c.predicted_n - 1 for c in alone)
-    )
+    assert costs["step_ms"] == pytest.approx(sum(c.predicted_ms for c in alone) / sum(c.predicted_n - 1 for c in alone))
     assert costs["verify_ms"] + costs["drafter_ms"] == pytest.approx(costs["step_ms"])
 
 

@@ -221,14 +221,11 @@ def test_plan_and_device_check_trace_the_attention_they_name():
     """The plan and the device check's 'fused' and 'xla' rows build their steps through
     `build_train_step` with the setup's attention: the fused row must trace the Pallas kernels
     (target and drafter) and the xla row none, whatever the backend's 'auto' would pick."""
-    sys.path.insert(0, str(testing.REPO / "bench"))
-    from train_step import with_attention
-
     setup = resolve(load_config_file(str(testing.REPO / "configs" / "default.py")), num_devices=1)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     kernels = {}
     for impl in ("xla", "fused"):
-        chosen = with_attention(setup, impl)
+        chosen = setup.with_run(attention=impl)
         graphdef, target = planning.abstract_target(chosen, mesh)
         program = step_lib.build_train_step(chosen, mesh, graphdef, target, total_steps=10)
         traced = program.step.trace(program.abstract_state, target, planning.abstract_batch(chosen, mesh))
