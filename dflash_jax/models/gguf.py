@@ -99,6 +99,25 @@ def model_dir(gguf_file: str | os.PathLike) -> Path:
     return out
 
 
+def copy_field(writer, name: str, field) -> None:
+    """A metadata field a `gguf.GGUFReader` read, added to a `gguf.GGUFWriter` with its value types."""
+    from gguf import GGUFValueType
+
+    vtype = field.types[0]
+    sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+    writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
+
+
+def write_file(writer, out_file: Path) -> Path:
+    """Everything a `gguf.GGUFWriter` opened on `out_file` holds, written: header, metadata, tensors."""
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_file
+
+
 def weights_file(model_path: str | os.PathLike) -> Path | None:
     """The GGUF file holding the weights of a model directory `model_dir` wrote (no safetensors,
     one .gguf); None for a safetensors checkpoint."""

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dflash_jax.errors import UserError
+from dflash_jax.models.gguf import copy_field, write_file
 
 ARCH = "dflash"
 
@@ -194,12 +195,7 @@ def write_drafter_gguf(
     # float32: the bfloat16 export widens exactly, and the drafter is small beside the target.
     for name, array in sorted(load_file(str(export_dir / "model.safetensors")).items()):
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_file
+    return write_file(writer, out_file)
 
 
 def _add_rope_scaling(writer, hf: dict[str, Any]) -> None:
@@ -249,10 +245,8 @@ def _target_metadata(path: str | os.PathLike) -> dict[str, Any]:
 def _copy_vocabulary(writer, target_gguf: str | os.PathLike) -> None:
     """The target's `tokenizer.*` metadata, with its value types, as the converter's
     `--target-model-dir` gives it (llama.cpp compares the two vocabularies token by token)."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFReader
 
     for name, field in GGUFReader(target_gguf).fields.items():
         if name.startswith("tokenizer.") and name != "tokenizer.ggml.mask_token_id":
-            vtype = field.types[0]
-            sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
+            copy_field(writer, name, field)

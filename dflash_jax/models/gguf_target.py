@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_jax.errors import UserError
-from dflash_jax.models.gguf import weights_file
+from dflash_jax.models.gguf import copy_field, weights_file, write_file
 from dflash_jax.models.gguf_tokenizer import CONTROL, PRE_TOKENIZER_SPLITS, USER_DEFINED
 
 NORMAL = 1  # gguf.constants.TokenType
@@ -61,20 +61,12 @@ def widened_gguf(gguf_file: str | os.PathLike, out_file: str | os.PathLike) -> P
         if name == "general.file_type":
             writer.add_file_type(gguf.LlamaFileType.ALL_F32)
             continue
-        vtype = field.types[0]
-        writer.add_key_value(
-            name, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        )
+        copy_field(writer, name, field)
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         writer.add_tensor(tensor.name, np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_file
+    return write_file(writer, out_file)
 
 
 def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
@@ -112,12 +104,7 @@ def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike)
         }
     for name, gguf_name in names.items():
         writer.add_tensor(gguf_name, np.ascontiguousarray(weights[name], dtype=np.float32))
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_file
+    return write_file(writer, out_file)
 
 
 def _add_vocabulary(writer, model_dir: Path, cfg: dict) -> None:
