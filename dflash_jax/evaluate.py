@@ -24,7 +24,8 @@ step; the target still verifies over every token, so decoding stays lossless.
 `llama-server` (decoding/llama_cpp.py finds it; `dflash-jax install-llama-cpp` builds it) on the
 GGUF --target (a Qwen3 one written as `<output>/target.gguf`; with --engine_weights=float32 its
 tensors dequantized, `<output>/target.float32.gguf`), alone and with the drafter converted to GGUF
-(`<output>/drafter.gguf`), greedy, and prints the engine's τ, drafted and accepted tokens, speed
+(`<output>/drafter.gguf`; with --draft_vocab, llama.cpp's reduced draft vocabulary of the same
+tokens), greedy, and prints the engine's τ, drafted and accepted tokens, speed
 with and without the drafter, whether its texts equal the target alone's, and what a step costs
 in the engine (its verify forward, timed alone, and its drafter), beside ours (eval.json: "engine").
 """
@@ -38,6 +39,7 @@ from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.decoding import report
+from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.decoding.llama_cpp import require_server
 from dflash_jax.decoding.llama_server import Drafting, evaluate_engine
 from dflash_jax.decoding.measurement import write_outputs
@@ -160,7 +162,8 @@ def _engine_evaluation(f: flags.FlagValues, target: str, drafter: str) -> dict:
     target_gguf = served_gguf(target, Path(f.output) / "target.gguf")
     if f.engine_weights == "float32":
         target_gguf = widened_gguf(target_gguf, Path(f.output) / "target.float32.gguf")
-    drafting = Drafting.convert(Path(export), target_gguf, Path(f.output) / "drafter.gguf")
+    draft_tokens = draft_token_ids(export, f.draft_vocab) if f.draft_vocab else None  # as our decoder drafts
+    drafting = Drafting.convert(Path(export), target_gguf, Path(f.output) / "drafter.gguf", draft_tokens)
     chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
     prompts = {}
     for spec in f.prompts:

@@ -1,7 +1,7 @@
 """Export a training run's drafter in the serving format (docs/design.md §5).
 
     dflash-jax export --workdir=runs/default [--step=N] [--output=DIR] [--dtype=bfloat16]
-    dflash-jax export --workdir=runs/default --format=gguf [--target=FILE.gguf]
+    dflash-jax export --workdir=runs/default --format=gguf [--target=FILE.gguf] [--draft_vocab=2048]
 
 reads the latest (or given) checkpoint of a training run and writes `config.json` +
 `model.safetensors` to `<workdir>/export/` (or --output). Training does the same at its end.
@@ -9,6 +9,8 @@ reads the latest (or given) checkpoint of a training run and writes `config.json
 the GGUF --target (`--spec-type draft-dflash` or `draft-dspark`, models/gguf_export.py), with
 that target's vocabulary (default --target: the run's own); a Hugging Face Qwen3 target (the
 default run's tiny-qwen3) is first written beside it as `target.gguf` (models/gguf_target.py).
+--draft_vocab=N gives that file its own LM head of the N tokens training used most (the export's
+token_frequencies.json) and llama.cpp's `d2t` map: the engine drafts as `evaluate --draft_vocab=N`.
 The README ("Serving") gives the llama.cpp, SGLang and vLLM commands.
 """
 
@@ -19,6 +21,7 @@ import os
 from absl import flags
 
 from dflash_jax import cli
+from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.gguf_export import gguf_kind, write_drafter_gguf
@@ -47,6 +50,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "--format=gguf: the target's GGUF file, or a Qwen3 model written as GGUF (default: the run's target).",
         **fv,
     )
+    flags.DEFINE_integer(
+        "draft_vocab",
+        0,
+        "--format=gguf: draft among the N tokens training used most (llama.cpp's reduced draft vocabulary; 0: all).",
+        lower_bound=0,
+        **fv,
+    )
     flags.mark_flags_as_required(["workdir"], **fv)
 
 
@@ -59,7 +69,8 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     print(f"exported drafter to {out}")
     if f.format == "gguf":
         target_gguf = served_gguf(resolve_model(f.target or _run_target(workdir)), os.path.join(out, "target.gguf"))
-        gguf_file = write_drafter_gguf(out, target_gguf, os.path.join(out, "drafter.gguf"))
+        draft_tokens = draft_token_ids(out, f.draft_vocab) if f.draft_vocab else None
+        gguf_file = write_drafter_gguf(out, target_gguf, os.path.join(out, "drafter.gguf"), draft_tokens)
         print(f"wrote {gguf_file} ({gguf_kind(read_config(out)).spec_type}) for the target {target_gguf}")
 
 

@@ -42,10 +42,13 @@ class Drafting:
         return self.num_drafts + 1
 
     @classmethod
-    def convert(cls, export_dir: Path, target_gguf: Path, out_file: Path) -> Drafting:
-        """The drafter exported at `export_dir`, written as GGUF to `out_file` for `target_gguf`."""
+    def convert(
+        cls, export_dir: Path, target_gguf: Path, out_file: Path, draft_token_ids: np.ndarray | None = None
+    ) -> Drafting:
+        """The drafter exported at `export_dir`, written as GGUF to `out_file` for `target_gguf`
+        (drafting among `draft_token_ids` if given)."""
         hf = json.loads((Path(export_dir) / "config.json").read_text())
-        write_drafter_gguf(export_dir, target_gguf, out_file)
+        write_drafter_gguf(export_dir, target_gguf, out_file, draft_token_ids)
         kind = gguf_kind(hf)
         return cls(Path(out_file), kind.spec_type, kind.num_drafts(hf))
 

@@ -10,7 +10,10 @@ read (`dflash.block_size`, `dflash.target_layers`, the DFlash2 convolution and s
 DSpark's `dflash.sample_from_anchor` and `dflash.has_confidence_head`, the mask token) and the
 tensors under its names. The drafter's vocabulary is copied from the target GGUF the engine
 serves (llama.cpp checks that draft and target vocabularies agree); the drafter borrows the
-target's embeddings and LM head at run time, so the file holds neither.
+target's embeddings and LM head at run time, so the file holds neither. With a draft vocabulary
+(`draft_token_ids`, the tokens our `--draft_vocab` drafts among), the file holds its own LM head,
+the target head's rows of those tokens, and `d2t`, their target ids: llama.cpp's reduced-vocabulary
+drafting, which scatters the draft logits back to the target's vocabulary as our decoder does.
 
 Which target features llama.cpp gives the drafter: its Llama and Qwen3 graphs record the residual
 stream *entering* each layer (`res->t_layer_inp[il] = inpL`), and the drafter asks for the
@@ -97,7 +100,9 @@ GLOBAL_TENSORS = {
     "markov_head.markov_w2.weight": "markov_w2.weight",
     "confidence_head.proj.weight": "conf_proj.weight",
     "confidence_head.proj.bias": "conf_proj.bias",
+    "lm_head.weight": "output.weight",  # only with a draft vocabulary: the target's head rows of its tokens
 }
+HEAD, MARKOV_OUT = "lm_head.weight", "markov_head.markov_w2.weight"
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -151,9 +156,13 @@ def llama_cpp_problems(hf: dict[str, Any], num_target_layers: int) -> list[str]:
 
 
 def write_drafter_gguf(
-    export_dir: str | os.PathLike, target_gguf: str | os.PathLike, out_file: str | os.PathLike
+    export_dir: str | os.PathLike,
+    target_gguf: str | os.PathLike,
+    out_file: str | os.PathLike,
+    draft_token_ids: np.ndarray | None = None,
 ) -> Path:
-    """The GGUF of the drafter exported at `export_dir`, for the target `target_gguf`."""
+    """The GGUF of the drafter exported at `export_dir`, for the target `target_gguf`, drafting
+    among `draft_token_ids` [V'] (target ids) if given, else the whole vocabulary."""
     import gguf  # imported where used: 0.4 s that other commands need not pay
     from safetensors.numpy import load_file
 
@@ -193,9 +202,30 @@ def write_drafter_gguf(
         writer.add_sliding_window(int(hf["sliding_window"]))
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in hf["layer_types"]])
     # float32: the bfloat16 export widens exactly, and the drafter is small beside the target.
-    for name, array in sorted(load_file(str(export_dir / "model.safetensors")).items()):
+    weights = load_file(str(export_dir / "model.safetensors"))
+    if draft_token_ids is not None:
+        weights = _draft_vocabulary_weights(weights, target_gguf, np.asarray(draft_token_ids, np.int64))
+        writer.add_tensor("d2t", np.asarray(draft_token_ids, np.int64))
+    for name, array in sorted(weights.items()):
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
     return write_file(writer, out_file)
+
+
+def _draft_vocabulary_weights(weights: dict, target_gguf: str | os.PathLike, token_ids: np.ndarray) -> dict:
+    """`weights` with an LM head of the draft tokens only (the target's head rows, or its tied
+    embedding's) and DSpark's Markov output rows cut to the same tokens, which llama.cpp sizes
+    by the draft vocabulary."""
+    from gguf import GGUFReader, dequantize
+
+    tensors = {t.name: t for t in GGUFReader(target_gguf).tensors}
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]
+    if token_ids.size == 0 or token_ids.min() < 0 or token_ids.max() >= head.data.shape[0]:
+        raise UserError(f"draft token ids must lie in the target's vocabulary of {head.data.shape[0]}")
+    out = dict(weights)
+    out[HEAD] = dequantize(head.data[token_ids], head.tensor_type)  # rows are whole quantization blocks
+    if MARKOV_OUT in out:
+        out[MARKOV_OUT] = out[MARKOV_OUT][token_ids]
+    return out
 
 
 def _add_rope_scaling(writer, hf: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 HEADS = {"dflash": {}, "dflash2": {"selector_top_k": 7, "selector_rank": 32}, "dspark": {"markov_rank": 32}}
 MAX_NEW_TOKENS = 16
+DRAFT_VOCAB = 48  # of the tiny vocabulary's
 # float32 caches (llama.cpp keeps float16 ones by default) and weights: the engine's greedy tokens
 # then agree with ours on most prompts, where a near-tie could otherwise flip one.
 EXACT = ("-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32")
@@ -61,13 +62,16 @@ def alone(server_binary, target_gguf, prompts):
         return run_prompts(server, prompts, MAX_NEW_TOKENS)
 
 
+@pytest.mark.parametrize("draft_vocab", [0, DRAFT_VOCAB], ids=["whole vocabulary", "draft vocabulary"])
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_llama_cpp_serves_the_export_as_our_decoder_decodes_it(
-    kind, server_binary, target, target_gguf, prompts, alone, tmp_path
+    kind, draft_vocab, server_binary, target, target_gguf, prompts, alone, tmp_path
 ):
     drafter = perturbed(make_drafter(target, kind=kind, block_size=4, mask_id=3, **HEADS[kind]))
     export = export_drafter(drafter, tmp_path / "export")
-    drafting = Drafting.convert(export, target_gguf, tmp_path / "drafter.gguf")
+    # A draft vocabulary holding half of the tokens the target emits: drafting outside it must not happen.
+    draft_tokens = _draft_tokens(alone, target.cfg.vocab_size) if draft_vocab else None
+    drafting = Drafting.convert(export, target_gguf, tmp_path / "drafter.gguf", draft_tokens)
     with LlamaServer(server_binary, target_gguf, drafting, threads=1, extra_args=EXACT) as server:
         served = run_prompts(server, prompts, MAX_NEW_TOKENS)
 
@@ -81,6 +85,7 @@ def test_llama_cpp_serves_the_export_as_our_decoder_decodes_it(
         max_prompt_len=max(map(len, prompts)),
         max_new_tokens=MAX_NEW_TOKENS,
         stop_tokens=(2,),
+        draft_tokens=draft_tokens,
     ).generate([np.asarray(p) for p in prompts])
     same_target = [i for i, (o, a) in enumerate(zip(ours, alone)) if list(o.tokens) == a.tokens]
     assert len(same_target) >= len(prompts) // 2, "the engine's target and ours disagree on most prompts"
@@ -88,6 +93,13 @@ def test_llama_cpp_serves_the_export_as_our_decoder_decodes_it(
     assert accepted_ours == [served[i].draft_accepted for i in same_target]
     if kind == "dspark":  # random Markov heads still accept some drafts: the counts compared are not all 0
         assert sum(accepted_ours) > 0
+
+
+def _draft_tokens(completions, vocab_size: int) -> np.ndarray:
+    """DRAFT_VOCAB token ids: every other token the target emitted, then the lowest never emitted."""
+    emitted = list(dict.fromkeys(t for c in completions for t in c.tokens))
+    rest = [t for t in range(vocab_size) if t not in set(emitted)]
+    return np.asarray((emitted[::2] + rest)[:DRAFT_VOCAB], np.int32)
 
 
 def test_the_bundled_qwen3_target_written_as_gguf_decodes_as_ours(server_binary, tmp_path):

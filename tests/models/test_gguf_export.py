@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, dequantize
 
 from dflash_jax.errors import UserError
 from dflash_jax.models.gguf_export import llama3_rope_factors, llama_cpp_problems, write_drafter_gguf
@@ -101,6 +101,29 @@ def test_the_weights_are_the_exports(target, target_gguf, tmp_path):
     theirs = {t.name: np.asarray(t.data) for t in reader.tensors}
     np.testing.assert_array_equal(theirs["markov_w2.weight"], ours["markov_head.markov_w2.weight"].astype(np.float32))
     np.testing.assert_array_equal(theirs["blk.0.attn_q.weight"], ours["layers.0.self_attn.q_proj.weight"])
+
+
+def test_a_draft_vocabulary_is_its_own_head_and_d2t(target, target_gguf, tmp_path):
+    """llama.cpp's reduced draft vocabulary: `d2t` [V'] (int64 target ids), `output.weight` the
+    target head's rows of those tokens (tied: the embedding's), DSpark's Markov output rows cut to
+    them; the Markov input and everything else over the whole vocabulary as before."""
+    from safetensors.numpy import load_file
+
+    ids = np.array([7, 3, 250, 11, 0], np.int32)
+    export = _export(target, "dspark", tmp_path / "export")
+    reader = GGUFReader(write_drafter_gguf(export, target_gguf, tmp_path / "d.gguf", ids))
+    theirs = {t.name: t for t in reader.tensors}
+    ours = load_file(str(export / "model.safetensors"))
+    embedding = {t.name: t for t in GGUFReader(target_gguf).tensors}["token_embd.weight"]  # tied: the head
+    head = dequantize(embedding.data, embedding.tensor_type)
+    assert theirs["d2t"].tensor_type.name == "I64" and np.asarray(theirs["d2t"].data).tolist() == ids.tolist()
+    np.testing.assert_array_equal(np.asarray(theirs["output.weight"].data), head[ids])
+    np.testing.assert_array_equal(
+        np.asarray(theirs["markov_w2.weight"].data), ours["markov_head.markov_w2.weight"].astype(np.float32)[ids]
+    )
+    assert tuple(int(n) for n in theirs["markov_w1.weight"].shape) == (32, target.cfg.vocab_size)
+    with pytest.raises(UserError, match="vocabulary of"):
+        write_drafter_gguf(export, target_gguf, tmp_path / "bad.gguf", np.array([0, target.cfg.vocab_size]))
 
 
 @pytest.mark.parametrize(
