@@ -32,6 +32,7 @@ in the engine (its verify forward, timed alone, and its drafter), beside ours (e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import is_export_dir
 from dflash_jax.training.workdir import Workdir
 
+ENGINE_WEIGHTS = ("file", "float32")
 RENAMED_FLAGS = {"drafter_step": "step", "num_prompts": "limit", "out_dir": "output"}
 
 
@@ -113,12 +115,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
     flags.DEFINE_enum("engine", None, ["llama.cpp"], "Also serve the prompts with this engine (a GGUF --target).", **fv)
     flags.DEFINE_integer("engine_threads", 0, "The engine's CPU threads (0: its default).", lower_bound=0, **fv)
-    flags.DEFINE_enum(
+    flags.DEFINE_list(
         "engine_weights",
-        "file",
-        ["file", "float32"],
-        "The target the engine serves: its GGUF file as it is, or every tensor dequantized to float32 "
-        "(the weights our decoder runs; the engine's float32 kernels).",
+        ["file"],
+        "The targets the engine serves, each in turn: `file`, the GGUF as it is; `float32`, every tensor "
+        "dequantized (the weights our decoder runs, on the engine's float32 kernels).",
         **fv,
     )
     flags.mark_flags_as_required(["drafter"], **fv)
@@ -128,8 +129,10 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
     sampling = cli.sampling_config(f)
     drafter = str(_model(f.drafter, "--drafter"))
+    target = _target(f.target, drafter, f.step)
+    engine = _prepare_engine(f, target, drafter) if f.engine else None  # its problems, before our decoder runs
     evaluation = run_evaluation(
-        _target(f.target, drafter, f.step),
+        target,
         drafter,
         f.prompts,
         drafter_step=f.step,
@@ -143,36 +146,58 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         confidence_threshold=f.confidence_threshold,
         draft_vocab=f.draft_vocab,
     )
-    if f.engine:
-        evaluation["engine"] = _engine_evaluation(f, evaluation["run"]["target"], drafter)
+    if engine:
+        evaluation["engine"] = {
+            weights: evaluate_engine(
+                engine.binary,
+                target_gguf,
+                engine.drafting,
+                engine.prompts,
+                max_new_tokens=f.max_new_tokens,
+                threads=f.engine_threads,
+            )
+            for weights, target_gguf in engine.targets.items()
+        }
     write_outputs(evaluation, f.output)
     print(report.table(evaluation["sets"]))
-    if f.engine:
+    if engine:
         print(engine_table(evaluation["sets"], evaluation["engine"]))
     print(f"wrote {f.output}/eval.json and {f.output}/eval.png")
 
 
-def _engine_evaluation(f: flags.FlagValues, target: str, drafter: str) -> dict:
-    """llama.cpp's figures on the prompts of every set (the first turn of each row)."""
+@dataclasses.dataclass(frozen=True)
+class _Engine:
+    """llama.cpp, ready to serve: its binary, the GGUF target per --engine_weights, the drafter
+    GGUF and each set's prompts (the first turn of every row)."""
+
+    binary: Path
+    targets: dict[str, Path]
+    drafting: Drafting
+    prompts: dict[str, list]
+
+
+def _prepare_engine(f: flags.FlagValues, target: str, drafter: str) -> _Engine:
+    if unknown := sorted(set(f.engine_weights) - set(ENGINE_WEIGHTS)):
+        raise UserError(f"--engine_weights={','.join(unknown)}: choose among {', '.join(ENGINE_WEIGHTS)}")
     export = drafter if is_export_dir(drafter) else Workdir.at(drafter).export
     if not is_export_dir(export):
         raise UserError(f"--engine=llama.cpp needs the drafter's export; {drafter} has none (run dflash-jax export)")
     binary = require_server()
     os.makedirs(f.output, exist_ok=True)
-    target_gguf = served_gguf(target, Path(f.output) / "target.gguf")
-    if f.engine_weights == "float32":
-        target_gguf = widened_gguf(target_gguf, Path(f.output) / "target.float32.gguf")
+    served = served_gguf(target, Path(f.output) / "target.gguf")
+    targets = {
+        weights: widened_gguf(served, Path(f.output) / "target.float32.gguf") if weights == "float32" else served
+        for weights in dict.fromkeys(f.engine_weights)
+    }
     draft_tokens = draft_token_ids(export, f.draft_vocab) if f.draft_vocab else None  # as our decoder drafts
-    drafting = Drafting.convert(Path(export), target_gguf, Path(f.output) / "drafter.gguf", draft_tokens)
+    drafting = Drafting.convert(Path(export), served, Path(f.output) / "drafter.gguf", draft_tokens)
     chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
     prompts = {}
     for spec in f.prompts:
         prompt_set = load_prompt_set(spec, chat, limit=f.limit)
         prompts[prompt_set.name] = [chat.prompt_ids(row[0]) for row in prompt_set.rows]
     print(f"llama.cpp ({binary}): {drafting.spec_type}, {drafting.num_drafts} drafts a step")
-    return evaluate_engine(
-        binary, target_gguf, drafting, prompts, max_new_tokens=f.max_new_tokens, threads=f.engine_threads
-    )
+    return _Engine(binary, targets, drafting, prompts)
 
 
 def _model(spec: str, flag: str):

@@ -54,6 +54,7 @@ def table(results: dict[str, dict]) -> str:
 # The engine's figures beside ours (`llama_server.engine_figures`): τ, drafts, speed, identity.
 ENGINE_COLUMNS = (
     ("set", 18, "s"),
+    ("target", 7, "s"),
     ("our tau", 7, ".2f"),
     ("engine tau", 10, ".2f"),
     ("drafted", 8, "d"),
@@ -67,40 +68,46 @@ ENGINE_COLUMNS = (
 )
 
 
-def engine_table(ours: dict[str, dict], engine: dict[str, dict]) -> str:
-    """One row per prompt set: our decoder's τ, then llama.cpp's counters and speeds (decoding
-    after the prompt, as the engine times it) and the fraction of texts equal to the target alone."""
-    name_width = max([ENGINE_COLUMNS[0][1], *map(len, engine)])
+def engine_table(ours: dict[str, dict], engine: dict[str, dict[str, dict]]) -> str:
+    """One row per served target (`engine`'s keys: the GGUF as it is, or widened to float32) and
+    prompt set: our decoder's τ, then llama.cpp's counters and speeds (decoding after the prompt,
+    as the engine times it) and the fraction of texts equal to the target alone; then what a step
+    costs in the engine."""
+    name_width = max([ENGINE_COLUMNS[0][1], *(len(name) for sets in engine.values() for name in sets)])
     widths = [name_width] + [w for _, w, _ in ENGINE_COLUMNS[1:]]
 
     def row(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     header = row([title for title, _, _ in ENGINE_COLUMNS])
     lines = ["llama.cpp, greedy, the first turn of every prompt:", header, "-" * len(header)]
-    for name, e in engine.items():
-        values = (
-            name,
-            ours.get(name, {}).get("tau"),
-            e["tau"],
-            e["drafted"],
-            e["accepted"],
-            e["drafter"]["tokens_per_s"],
-            e["target"]["tokens_per_s"],
-            e["drafter"]["ms_per_token"],
-            e["target"]["ms_per_token"],
-            e["speedup"],
-            e["identical_outputs"],
-        )
-        lines.append(row(["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, ENGINE_COLUMNS)]))
-    for name, e in engine.items():
-        if c := e.get("step_costs"):
-            lines.append(
-                f"{name}: a step {c['step_ms']:.1f} ms = {c['step_in_decode_steps']:.2f} target decode steps "
-                f"({c['decode_ms']:.1f} ms): verify ({c['verify_tokens']:.0f} tokens) {c['verify_ms']:.1f} ms = "
-                f"{c['verify_in_decode_steps']:.2f}, drafter and the rest {c['drafter_ms']:.1f} ms = "
-                f"{c['drafter_in_decode_steps']:.2f}; break-even tau {c['break_even_tau']:.2f}"
+    for weights, sets in engine.items():
+        for name, e in sets.items():
+            values = (
+                name,
+                weights,
+                ours.get(name, {}).get("tau"),
+                e["tau"],
+                e["drafted"],
+                e["accepted"],
+                e["drafter"]["tokens_per_s"],
+                e["target"]["tokens_per_s"],
+                e["drafter"]["ms_per_token"],
+                e["target"]["ms_per_token"],
+                e["speedup"],
+                e["identical_outputs"],
             )
+            lines.append(row(["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, ENGINE_COLUMNS)]))
+    for weights, sets in engine.items():
+        for name, e in sets.items():
+            if c := e.get("step_costs"):
+                lines.append(
+                    f"{name} ({weights}): a step {c['step_ms']:.1f} ms = {c['step_in_decode_steps']:.2f} target "
+                    f"decode steps ({c['decode_ms']:.1f} ms): verify ({c['verify_tokens']:.0f} tokens) "
+                    f"{c['verify_ms']:.1f} ms = {c['verify_in_decode_steps']:.2f}, drafter and the rest "
+                    f"{c['drafter_ms']:.1f} ms = {c['drafter_in_decode_steps']:.2f}; break-even tau "
+                    f"{c['break_even_tau']:.2f}"
+                )
     return "\n".join(lines)
 
 

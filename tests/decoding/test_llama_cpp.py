@@ -5,10 +5,12 @@ with ours token for token it accepts exactly as many drafts as our decoder does.
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 import pytest
+from absl import flags
 
 from dflash_jax.bundled import ASSETS
 from dflash_jax.decoding.generate import TargetDecoder
@@ -118,6 +120,40 @@ def test_the_bundled_qwen3_target_written_as_gguf_decodes_as_ours(server_binary,
         stop_tokens=chat.stop_tokens,
     ).generate([np.asarray(p) for p in prompts])
     assert [list(o.tokens) for o in ours] == [c.tokens for c in served]
+
+
+def test_evaluate_serves_the_prompts_in_the_engine_beside_ours(target, target_gguf, tmp_path, capsys):
+    """`dflash-jax evaluate --engine=llama.cpp`, end to end: the GGUF target as it is and widened to
+    float32, a draft vocabulary, our τ and the engine's side by side in eval.json and the table."""
+    from dflash_jax import evaluate
+    from dflash_jax.decoding.draft_vocab import FREQUENCIES_FILE, write_frequencies
+    from support.chat_data import chat, write_jsonl
+
+    export = export_drafter(perturbed(make_drafter(target, kind="dflash", block_size=4, mask_id=3)), tmp_path / "e")
+    counts = np.arange(target.cfg.vocab_size, dtype=np.int64)[::-1] % 7  # every token seen but a few
+    write_frequencies(str(export / FREQUENCIES_FILE), counts, source="test")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [chat(text) for text in CORPUS[:3]])
+    args = [f"--drafter={export}", f"--target={target_gguf}", f"--prompts={prompts}", "--max_new_tokens=12"]
+    args += ["--engine=llama.cpp", "--engine_threads=1", "--engine_weights=file,float32", "--draft_vocab=300"]
+    args += ["--dtype=float32", f"--output={tmp_path / 'out'}"]
+    flag_values = flags.FlagValues()
+    evaluate.define_flags(flag_values)
+    flag_values(["evaluate", *args])
+    evaluate.main([], flag_values)
+
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    (ours,) = result["sets"].values()
+    assert set(result["engine"]) == {"file", "float32"}
+    for weights, sets in result["engine"].items():
+        (engine,) = sets.values()
+        assert engine["identical_outputs"] == 1.0, weights
+        assert engine["drafted"] > 0 and engine["step_costs"]["verify_tokens"] == 4, weights
+        assert engine["tau"] == pytest.approx(ours["tau"], rel=0.1), weights
+    table = capsys.readouterr().out
+    assert "llama.cpp, greedy" in table and " float32 " in table and "break-even tau" in table
+    with pytest.raises(UserError, match="--engine_weights=int8: choose among file, float32"):
+        flag_values(["evaluate", *args, "--engine_weights=int8"])
+        evaluate.main([], flag_values)
 
 
 def test_the_verify_forward_is_timed_on_as_many_tokens_as_asked(server_binary, target_gguf, prompts, alone):
