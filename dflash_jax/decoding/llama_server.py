@@ -4,7 +4,8 @@
 `complete` sends one prompt as token ids to `/completion` (no template, no BOS added: the ids
 our decoder gets) and returns the tokens and the engine's own counters (`timings`: tokens
 predicted, their milliseconds, drafted and accepted tokens). `engine_figures` sums them over a
-prompt set. Every wait is bounded: start-up by `start_timeout`, each request by `request_timeout`.
+prompt set; `forward_cost` times the target's forward of a verify's tokens, which splits a drafted
+step's time into the verify and the drafter. Every wait is bounded: start-up by `start_timeout`, each request by `request_timeout`.
 """
 
 from __future__ import annotations
