@@ -13,6 +13,9 @@ DFlash2 and DSpark walk the block slot by slot, each choice conditioning the nex
 * DSpark (DeepSpec's Markov walk): slot k's logits are U_k + W2·W1[x_{k-1}], x_{k-1} the previous
   draft (the anchor for slot 0); its confidence head gives the probability that the draft is
   accepted, and `confidence_threshold` > 0 proposes the drafts only up to the first slot below it.
+* Domino (SpecForge's GRU rollout): the GRU reads the target's embedding of the previous draft
+  (the anchor for slot 0), and from slot `pure_draft_prefix_len` on its state corrects slot k's
+  logits (`embed`: the target's token embedding, which only this walk reads).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 
 from dflash_jax.decoding.sampling import SamplingConfig, choose
 from dflash_jax.models.kinds.dflash2 import top_k, unary_logits
+from dflash_jax.models.kinds.domino import corrected, correction, kernels
 
 
 def _walk(step, first, xs, key: jax.Array):
@@ -37,7 +41,9 @@ def _all_proposed(drafts: jax.Array) -> jax.Array:
     return jnp.full(drafts.shape[:1], drafts.shape[1], jnp.int32)
 
 
-def independent_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key, threshold):
+def independent_walk(
+    vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key, threshold, embed=None
+):
     """DFlash: hidden [B, Bk, D] -> (drafts [B, Bk-1], draft logits [B, Bk-1, V], drafts proposed
     [B]); `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
     logits = vocab.logits(hidden[:, 1:])
@@ -45,7 +51,9 @@ def independent_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampl
     return drafts, vocab.scatter(logits), _all_proposed(drafts)
 
 
-def selector_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key, threshold):
+def selector_walk(
+    vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key, threshold, embed=None
+):
     """DFlash2: hidden [B, Bk, D] of the block -> (drafts [B, Bk-1], draft logits [B, Bk-1, V],
     drafts proposed [B]); `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
     d, selector = drafter.cfg, drafter.candidate_selector
@@ -71,7 +79,14 @@ def selector_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling
 
 
 def markov_walk(
-    vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key: jax.Array, threshold: float
+    vocab,
+    drafter,
+    hidden: jax.Array,
+    anchor: jax.Array,
+    sampling: SamplingConfig,
+    key: jax.Array,
+    threshold: float,
+    embed=None,
 ):
     """DSpark: hidden [B, γ, D] -> (drafts [B, γ], draft logits [B, γ, V], drafts proposed [B]);
     `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
@@ -91,3 +106,21 @@ def markov_walk(
         return drafts, logits, _all_proposed(drafts)
     # The drafts before the first slot whose confidence is below the threshold.
     return drafts, logits, jnp.sum(jnp.cumprod(confidence >= threshold, axis=1), axis=1).astype(jnp.int32)
+
+
+def gru_walk(vocab, drafter, hidden: jax.Array, anchor: jax.Array, sampling: SamplingConfig, key, threshold, embed):
+    """Domino: hidden [B, Bk, D] -> (drafts [B, Bk], draft logits [B, Bk, V], drafts proposed
+    [B]); `vocab`: the tokens it drafts among (`draft_vocab.py`)."""
+    gru, first, w = drafter.prefix_gru, drafter.cfg.pure_draft_prefix_len, kernels(drafter.embed_proj)
+    unary = vocab.logits(hidden).astype(jnp.float32)
+
+    def step(carry, xs):
+        previous, state, slot = carry
+        unary_k, h_k, key_k = xs
+        state = gru.step(state, embed(previous))
+        logits = corrected(first, slot, unary_k, vocab.columns(correction(w, h_k, state)))
+        token = vocab.tokens(choose(logits, sampling, key_k))
+        return (token, state, slot + 1), (token, logits)
+
+    drafts, logits = _walk(step, (anchor, gru.initial(anchor.shape), jnp.zeros((), jnp.int32)), (unary, hidden), key)
+    return drafts, vocab.scatter(logits), _all_proposed(drafts)

@@ -64,7 +64,7 @@ def draft_block(
     block = jnp.full(positions.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
     hidden = drafter.decode(target.embed(block), positions, context, num_slots=num_slots)
     walk = cfg.kind_spec.part("walk")
-    return walk(vocab, drafter, hidden, anchor, sampling, key, confidence_threshold)
+    return walk(vocab, drafter, hidden, anchor, sampling, key, confidence_threshold, target.embed)
 
 
 @functools.cache

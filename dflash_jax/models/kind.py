@@ -77,12 +77,16 @@ class Kind:
     losses: tuple[str, ...] = ()
     reads_target_distribution: bool = False
     scores_prefix: bool = False
+    # Whether its loss reads the target's embeddings of the tokens realised from the anchor on
+    # (`Blocks.realised_embeds`, training/objective.py).
+    embeds_realised_tokens: bool = False
     # Whether it has a confidence head, which a decoding confidence threshold reads.
     confidence_head: bool = False
     # 'module:function' of its loss terms, (drafter, unembed, hidden [R, N, Bk, D], blocks, cfg) ->
     # (Σ w·loss, slot weights [R, N, K], hits [R, N, K]) (training/objective.py), and of its
     # drafting walk, (vocab, drafter, hidden [B, Bk, D], anchor, sampling, key, confidence
-    # threshold) -> (drafts [B, K], their logits [B, K, V], drafts proposed [B]) (decoding/).
+    # threshold, the target's token embedding) -> (drafts [B, K], their logits [B, K, V], drafts
+    # proposed [B]) (decoding/).
     loss_terms: str = "dflash_jax.training.objective:dflash_terms"
     walk: str = "dflash_jax.decoding.drafting:independent_walk"
 

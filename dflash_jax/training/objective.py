@@ -77,6 +77,9 @@ class ObjectiveSettings:
     distill: bool = False
     # drafter.kind='dflash2': weight α of the candidate cross-entropy added to the DFlash loss.
     selector_alpha: float = 1.0
+    # drafter.kind='domino': weight λ of the unary logits' cross-entropy in (1 − λ)·final + λ·base
+    # (fixed; SpecForge decays λ from 1 to 0 over the first half of training).
+    base_loss_weight: float = 0.0
     # Recompute each drafter layer in the backward pass.
     remat: bool = False
     # What a recomputed layer keeps (models/layer_stack.py's REMAT_POLICIES): 'full' nothing;
@@ -126,6 +129,8 @@ class Blocks:
     documents: jax.Array  # [R] documents in the row ('dpace' divides by their global count)
     # [R, N, K, D] 'distill' and 'dspark': the target's normed last hidden state that predicts each label
     target_hidden: jax.Array | None = None
+    # [R, N, Bk, D] 'domino': the target's embeddings of the anchor and the labels but the last
+    realised_embeds: jax.Array | None = None
 
 
 def count_documents(segment_ids: jax.Array) -> jax.Array:
@@ -259,6 +264,9 @@ def frozen_inputs(
         last = jnp.take_along_axis(hidden[-1], index.reshape(index.shape[0], -1, 1), axis=1)
         target_hidden = last.reshape(*index.shape, -1)
         blocks = blocks.replace(target_hidden=jax.lax.stop_gradient(target_hidden))
+    if kinds.get(cfg.kind).embeds_realised_tokens:
+        realised = jnp.concatenate([blocks.tokens[..., :1], blocks.labels[..., :-1]], axis=-1)
+        blocks = blocks.replace(realised_embeds=jax.lax.stop_gradient(target.embed(realised)))
     block_embeds = target.embed(blocks.tokens)
     return jax.lax.stop_gradient(features), jax.lax.stop_gradient(block_embeds), blocks
 

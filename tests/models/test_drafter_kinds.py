@@ -26,7 +26,7 @@ from dflash_jax.models.kinds.dflash2 import grouped_dynamic_conv
 from support import kind_references as ref
 from support.decoding_models import MASK_ID, VOCAB, make_target, random_prompts
 
-HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8)
+HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8, gru_hidden_dim=8, emb_dim=8)
 
 
 def head_fields(kind):
@@ -282,7 +282,7 @@ def test_released_configs_read_as_the_engines_read_them():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(kind="medusa"), r"kind='medusa' is not one of dflash, dflash2, dspark"),
+        (dict(kind="medusa"), r"kind='medusa' is not one of dflash, dflash2, domino, dspark"),
         (dict(kind="dflash2", conv_group_size=24), r"conv_group_size=24 must divide hidden_size=32"),
         (dict(kind="dflash2", selector_top_k=65), r"selector_top_k=65 must be in \[1, vocab_size=64\]"),
         (dict(kind="dflash2", conv_kernel_size=5), r"conv_kernel_size=5 must be in \[1, block_size=4\]"),

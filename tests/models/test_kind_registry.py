@@ -30,7 +30,7 @@ def test_every_module_is_a_kind_and_nothing_collides():
     assert len(fields) == len(set(fields))  # a field is one kind's
     # Every kind's fields are the drafter config's, with the kind's defaults.
     assert {f: getattr(DEFAULTS, f) for f in fields} == {**kinds.SIZE_FIELDS, **kinds.RELEASE_FIELDS}
-    with pytest.raises(ModelError, match="^kind='medusa' is not one of dflash, dflash2, dspark$"):
+    with pytest.raises(ModelError, match="^kind='medusa' is not one of dflash, dflash2, domino, dspark$"):
         kinds.get("medusa")
 
 

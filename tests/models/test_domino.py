@@ -1,0 +1,176 @@
+"""Domino (models/kinds/domino.py) against a numpy re-statement of docs/design.md §8: its heads'
+logits in float64, the shift (slot k's correction reads the GRU state after the tokens up to
+slot k, the anchor first), the greedy walk as the argmax chain, the SpecForge export read back,
+and lossless greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from dflash_jax.decoding import drafting
+from dflash_jax.decoding.draft_vocab import FullVocabulary
+from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.decoding.speculative import SpeculativeDecoder
+from dflash_jax.errors import ModelError
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
+from dflash_jax.models.hf import export_drafter, load_drafter
+from dflash_jax.models.kinds import domino
+from support.decoding_models import MASK_ID, make_target, random_prompts
+
+H, G, E, V, L = 12, 6, 5, 20, 5
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def gru_states(x, w_ih, w_hh):
+    """torch.nn.GRU(bias=False), gates r, z, n: x [L, H] -> the state after each input [L, G]."""
+    g = np.zeros(w_hh.shape[1])
+    out = []
+    for x_t in x:
+        ir, iz, i_n = np.split(w_ih @ x_t, 3)
+        hr, hz, hn = np.split(w_hh @ g, 3)
+        r, z = sigmoid(ir + hr), sigmoid(iz + hz)
+        g = (1 - z) * np.tanh(i_n + r * hn) + z * g
+        out.append(g)
+    return np.stack(out)
+
+
+def reference_logits(unary, hidden, realised, params, first, shift=0):
+    """§8: slot k ≥ first adds W2·silu(W1·[h_k; g_k]), g_k the GRU state after realised[:k+1];
+    `shift` reads g_{k+shift} instead (an off-by-one)."""
+    w_ih, w_hh, w1, w2 = params
+    states = gru_states(realised, w_ih, w_hh)
+    out = unary.copy()
+    for k in range(first, len(unary)):
+        j = min(max(k + shift, 0), len(unary) - 1)
+        x = np.concatenate([hidden[k], states[j]]) @ w1
+        out[k] += (x / (1 + np.exp(-x))) @ w2
+    return out
+
+
+def heads_f64(seed=0):
+    cfg = types.SimpleNamespace(hidden_size=H, gru_hidden_dim=G, emb_dim=E, vocab_size=V)
+    return domino.KIND.heads(cfg, compute_dtype=jnp.float64, init_std=0.4, param_dtype=jnp.float64, rngs=nnx.Rngs(seed))
+
+
+def numpy_params(heads):
+    gru, proj = heads["prefix_gru"], heads["embed_proj"]
+    return [np.asarray(a) for a in (gru.weight_ih_l0[...], gru.weight_hh_l0[...], *domino.kernels(proj))]
+
+
+@pytest.mark.parametrize("first", [0, 1, 2])
+def test_head_logits_match_the_reference_in_float64_and_an_off_by_one_does_not(first):
+    with jax.enable_x64(True):
+        heads = heads_f64()
+        rng = np.random.default_rng(first)
+        unary, hidden, realised = rng.normal(size=(L, V)), rng.normal(size=(L, H)), rng.normal(size=(L, H))
+        states = heads["prefix_gru"](jnp.asarray(realised))
+        w = domino.kernels(heads["embed_proj"])
+        ours = domino.corrected(
+            first, jnp.arange(L), jnp.asarray(unary), domino.correction(w, jnp.asarray(hidden), states)
+        )
+        assert ours.dtype == jnp.float64
+        params = numpy_params(heads)
+        np.testing.assert_allclose(
+            ours, reference_logits(unary, hidden, realised, params, first), rtol=1e-12, atol=1e-12
+        )
+        for shift in (-1, 1):
+            shifted = reference_logits(unary, hidden, realised, params, first, shift)
+            assert np.abs(np.asarray(ours) - shifted)[first + (shift < 0) :].min(axis=-1).max() > 1e-3
+        # The first slots keep the unary logits exactly.
+        np.testing.assert_array_equal(ours[:first], unary[:first])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target(seed=1)
+
+
+def make_drafter(target, block_size=4):
+    cfg = DrafterConfig.for_target(
+        target.cfg,
+        num_layers=2,
+        mask_token_id=MASK_ID,
+        block_size=block_size,
+        target_layer_ids=(0, 1),
+        kind="domino",
+        gru_hidden_dim=8,
+        emb_dim=8,
+    )
+    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(2))
+    _, state = nnx.split(drafter)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    # Off its initial values, and a correction large enough to change drafts.
+    nnx.update(
+        drafter,
+        jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]),
+    )
+    return drafter
+
+
+def test_greedy_walk_is_the_argmax_chain(target):
+    drafter = make_drafter(target)
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(3, 4, target.cfg.hidden_size)), jnp.float32)
+    anchor = jnp.asarray([5, 9, 11], jnp.int32)
+    drafts, logits, proposed = drafting.gru_walk(
+        FullVocabulary(target), drafter, hidden, anchor, SamplingConfig(), jax.random.key(0), 0.0, target.embed
+    )
+    np.testing.assert_array_equal(proposed, [4, 4, 4])
+    params = numpy_params({"prefix_gru": drafter.prefix_gru, "embed_proj": drafter.embed_proj})
+    unary = np.asarray(target.unembed(hidden), np.float64)
+    for b in range(3):
+        realised = [int(anchor[b])]
+        for k in range(4):  # the chain: each argmax is the next GRU input
+            embeds = np.asarray(target.embed(jnp.asarray(realised)), np.float64)
+            expected = reference_logits(unary[b, : k + 1], np.asarray(hidden[b, : k + 1]), embeds, params, 1)[k]
+            np.testing.assert_allclose(logits[b, k], expected, rtol=2e-4, atol=2e-4)
+            assert int(drafts[b, k]) == int(np.argmax(expected))
+            realised.append(int(drafts[b, k]))
+    assert (np.asarray(logits[:, 1:]) != np.asarray(unary[:, 1:])).all()  # corrected from slot 1 on
+
+
+def test_export_is_specforges_layout_and_loads_back(target, tmp_path):
+    drafter = make_drafter(target)
+    cfg = drafter.cfg
+    out = export_drafter(drafter, tmp_path / "domino", dtype=jnp.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DominoDraftModel"]
+    wanted = dict(projector_type="domino", pure_draft_prefix_len=1, emb_dim=8, gru_hidden_dim=8, shift_label=True)
+    assert {k: config["dflash_config"][k] for k in wanted} == wanted
+    tensors = load_file(out / "model.safetensors")
+    D = cfg.hidden_size
+    heads = {
+        "prefix_gru.weight_ih_l0": (24, D),
+        "prefix_gru.weight_hh_l0": (24, 8),
+        "embed_proj.0.weight": (8, D + 8),
+        "embed_proj.2.weight": (cfg.vocab_size, 8),
+    }
+    assert {name: tuple(tensors[name].shape) for name in heads} == heads
+    loaded = load_drafter(out)
+    assert loaded.cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(drafter), nnx.state(loaded))
+    with pytest.raises(ModelError, match="^Domino drafters without shift_label are not supported$"):
+        DrafterConfig.from_hf({**config, "dflash_config": {**config["dflash_config"], "shift_label": False}})
+
+
+def test_greedy_decoding_is_lossless(target):
+    prompts = random_prompts(5, (6, 17, 9))
+    kw = dict(max_prompt_len=32, max_new_tokens=16, batch_size=2)
+    expected = TargetDecoder(target, **kw).generate(prompts)
+    got = SpeculativeDecoder(target, make_drafter(target), **kw).generate(prompts)
+    for x, y in zip(expected, got):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
