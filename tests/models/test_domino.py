@@ -25,6 +25,8 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import export_drafter, load_drafter
 from dflash_jax.models.kinds import domino
+from dflash_jax.training import objective
+from dflash_jax.training.domino_loss import domino_terms
 from support.decoding_models import MASK_ID, make_target, random_prompts
 
 H, G, E, V, L = 12, 6, 5, 20, 5
@@ -174,3 +176,40 @@ def test_greedy_decoding_is_lossless(target):
     got = SpeculativeDecoder(target, make_drafter(target), **kw).generate(prompts)
     for x, y in zip(expected, got):
         np.testing.assert_array_equal(x.tokens, y.tokens)
+
+
+def test_loss_terms_mix_the_final_and_unary_cross_entropies(target):
+    drafter = make_drafter(target)
+    rng = np.random.default_rng(1)
+    shape = (1, 2, 4)
+    labels = rng.integers(0, MASK_ID, shape).astype(np.int32)
+    anchors = rng.integers(0, MASK_ID, shape[:2] + (1,)).astype(np.int32)
+    realised = jnp.asarray(np.concatenate([anchors, labels[..., :-1]], axis=-1))
+    mask = np.ones(shape, bool)
+    mask[0, 1, 3] = False
+    blocks = objective.Blocks(
+        tokens=None,
+        positions=None,
+        labels=jnp.asarray(labels),
+        label_mask=jnp.asarray(mask),
+        valid=None,
+        ctx_mask=None,
+        documents=None,
+        realised_embeds=target.embed(realised),
+    )
+    cfg = objective.ObjectiveConfig(
+        block_size=4, mask_token_id=MASK_ID, target_layer_ids=(0, 1), loss_decay_gamma=4.0, base_loss_weight=0.3
+    )
+    hidden = jnp.asarray(rng.normal(size=(*shape, target.cfg.hidden_size)), jnp.float32)
+    total, weights, _ = domino_terms(drafter, target.unembed, hidden, blocks, cfg)
+    params = numpy_params({"prefix_gru": drafter.prefix_gru, "embed_proj": drafter.embed_proj})
+    unary = np.asarray(target.unembed(hidden), np.float64)
+    expected = 0.0
+    for n in range(2):
+        embeds = np.asarray(blocks.realised_embeds[0, n], np.float64)
+        final = reference_logits(unary[0, n], np.asarray(hidden[0, n], np.float64), embeds, params, 1)
+        for k in range(4):
+            w = mask[0, n, k] * np.exp(-k / 4.0)  # the position decay from slot 0, which drafts too
+            ce = [np.logaddexp.reduce(x) - x[labels[0, n, k]] for x in (final[k], unary[0, n, k])]
+            expected += w * (0.7 * ce[0] + 0.3 * ce[1])
+    np.testing.assert_allclose(float(total), expected, rtol=2e-4)
