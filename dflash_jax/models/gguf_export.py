@@ -143,6 +143,8 @@ def gguf_name(name: str) -> str:
 def llama_cpp_problems(hf: dict[str, Any], num_target_layers: int) -> list[str]:
     """Why llama.cpp (b11434) cannot serve the drafter of config.json `hf` on a target of
     `num_target_layers` layers; empty when it can."""
+    if not any(a in KINDS for a in hf.get("architectures") or []):
+        return [f"llama.cpp b11434 serves {', '.join(sorted(KINDS))} drafters, not {hf.get('architectures')}"]
     found = list(gguf_kind(hf).problems(hf))
     ids = [int(i) for i in hf["dflash_config"]["target_layer_ids"]]
     if last := [i for i in ids if not 0 <= i < num_target_layers - 1]:

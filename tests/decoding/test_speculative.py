@@ -16,6 +16,7 @@ from dflash_jax.decoding.draft_vocab import FullVocabulary
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.block_attention import block_context_mask
+from dflash_jax.models.kinds import domino
 from support.decoding_models import (
     BLOCK,
     MASK_ID,
@@ -68,6 +69,7 @@ def cases(random_target, untrained_drafter):
         cases[f"{kind}_untrained"] = (random_target, perturbed(make_drafter(random_target, seed=2, kind=kind)))
         cases[f"{kind}_copies_target"] = (copy_target, successor_drafter(copy_target, successor, kind))
         cases[f"{kind}_partial"] = (noisy_target, successor_drafter(noisy_target, noisy_successor, kind))
+    cases["domino_untrained"] = (random_target, perturbed(make_drafter(random_target, seed=2, kind="domino")))
     return cases
 
 
@@ -272,7 +274,9 @@ def test_rejects_mismatched_drafter_and_long_prompts(random_target):
         decoder.generate(random_prompts(0, (9,)))
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", pytest.param("dspark", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind", ["dflash", "dflash2", *(pytest.param(k, marks=pytest.mark.slow) for k in ("dspark", "domino"))]
+)
 def test_served_drafts_equal_the_training_forward(cases, kind):
     """At every step, the drafter's logits as served equal its training forward for that anchor.
 
@@ -325,6 +329,15 @@ def test_served_drafts_equal_the_training_forward(cases, kind):
         previous = jnp.concatenate([blocks[0, :, :1], drafts[:, :-1]], axis=1)
         if d.cfg.kind == "dspark":
             return unary + d.markov_head.bias(d.markov_head.embed(previous))
+        if d.cfg.kind == "domino":  # the GRU over the anchor and the drafts before each slot, as training reads labels
+            states = d.prefix_gru(t.embed(previous))
+            slots = jnp.arange(unary.shape[-2])
+            return domino.corrected(
+                d.cfg.pure_draft_prefix_len,
+                slots,
+                unary,
+                domino.correction(domino.kernels(d.embed_proj), hidden, states),
+            )
         if d.cfg.kind == "dflash2":
             selector = d.candidate_selector
             values, candidates = jax.lax.top_k(unary, d.cfg.selector_top_k)

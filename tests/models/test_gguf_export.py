@@ -162,3 +162,11 @@ def test_llama3_rope_factors_follow_the_published_rule():
     factors = llama3_rope_factors(hf)
     assert factors.shape == (64,) and factors[0] == 1.0 and factors[-1] == 8.0
     assert np.all(np.diff(factors) >= 0) and np.any((factors > 1) & (factors < 8))
+
+
+def test_a_kind_llama_cpp_does_not_serve_is_a_problem_not_a_crash(target):
+    """`train` warns with llama_cpp_problems at start-up: a Domino drafter (served by SGLang, not
+    by llama.cpp b11434) is a reason, not an exception."""
+    cfg = make_drafter(target, kind="domino", gru_hidden_dim=16, emb_dim=8).cfg
+    (problem,) = llama_cpp_problems(cfg.to_hf(), target.cfg.num_layers)
+    assert "not ['DominoDraftModel']" in problem

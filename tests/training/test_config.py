@@ -135,6 +135,7 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ),
         ({"eval.confidence_threshold": 0.5}, 1, "^eval.confidence_threshold applies to drafter.kind='dspark' only"),
         ({"train.selector_alpha": -1.0}, 1, "^train.selector_alpha=-1.0 must be at least 0$"),
+        ({"train.base_loss_weight": 1.5}, 1, r"^train.base_loss_weight=1.5 must be in \[0, 1\]$"),
         ({"train.init_from_target_layer": -2}, 1, "^train.init_from_target_layer=-2 must be at least -1$"),
         ({"train.init_from_target_layer": 99}, 1, "^train.init_from_target_layer=99 is out of range, the target has"),
     ],
