@@ -21,12 +21,12 @@ from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.errors import ModelError
-from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.hf import export_drafter, load_drafter
 from dflash_jax.models.kinds import domino
 from dflash_jax.training import objective
 from dflash_jax.training.domino_loss import domino_terms
+from support import decoding_models
 from support.decoding_models import MASK_ID, make_target, random_prompts
 
 H, G, E, V, L = 12, 6, 5, 20, 5
@@ -101,26 +101,11 @@ def target():
 
 
 def make_drafter(target, block_size=4):
-    cfg = DrafterConfig.for_target(
-        target.cfg,
-        num_layers=2,
-        mask_token_id=MASK_ID,
-        block_size=block_size,
-        target_layer_ids=(0, 1),
-        kind="domino",
-        gru_hidden_dim=8,
-        emb_dim=8,
+    """Off its initial values, with a correction large enough to change drafts."""
+    drafter = decoding_models.make_drafter(
+        target, seed=2, block_size=block_size, kind="domino", gru_hidden_dim=8, emb_dim=8
     )
-    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(2))
-    _, state = nnx.split(drafter)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(0), len(leaves))
-    # Off its initial values, and a correction large enough to change drafts.
-    nnx.update(
-        drafter,
-        jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]),
-    )
-    return drafter
+    return decoding_models.perturbed(drafter, scale=0.3)
 
 
 def test_greedy_walk_is_the_argmax_chain(target):
