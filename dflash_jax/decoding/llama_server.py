@@ -211,8 +211,8 @@ def engine_figures(alone: Sequence[Completion], drafted: Sequence[Completion], f
     over prompts of the tokens per verification step), drafted and accepted tokens, decode speed
     (the engine's `predicted` timings: after the prompt) with and without the drafter, the
     fraction of outputs identical to the target alone, and, given `forward_cost`'s figure, what a
-    step costs: its verify and (the rest) its drafter, in target decode steps, and the τ at which
-    drafting breaks even."""
+    step costs: its verify and (the rest) its drafter, in target decode steps (the whole step's is
+    the τ at which drafting breaks even)."""
     taus = [(c.predicted_n - 1) / c.steps for c in drafted if c.steps > 0]
 
     def speed(completions):
@@ -247,7 +247,6 @@ def engine_figures(alone: Sequence[Completion], drafted: Sequence[Completion], f
             "step_in_decode_steps": step_ms / decode_ms,
             "verify_in_decode_steps": forward["ms"] / decode_ms,
             "drafter_in_decode_steps": (step_ms - forward["ms"]) / decode_ms,
-            "break_even_tau": step_ms / decode_ms,
         }
     return figures
 

@@ -106,7 +106,7 @@ def engine_table(ours: dict[str, dict], engine: dict[str, dict[str, dict]]) -> s
                     f"decode steps ({c['decode_ms']:.1f} ms): verify ({c['verify_tokens']:.0f} tokens) "
                     f"{c['verify_ms']:.1f} ms = {c['verify_in_decode_steps']:.2f}, drafter and the rest "
                     f"{c['drafter_ms']:.1f} ms = {c['drafter_in_decode_steps']:.2f}; break-even tau "
-                    f"{c['break_even_tau']:.2f}"
+                    f"{c['step_in_decode_steps']:.2f}"
                 )
     return "\n".join(lines)
 
