@@ -61,8 +61,8 @@ def read(hf: dict[str, Any]) -> dict[str, Any]:
         raise ModelError(
             f"not a DFlash drafter config (architectures={archs!r}, expected one of {sorted(kinds.ARCHITECTURES)})"
         )
-    kind = found[0]
     dflash = hf.get("dflash_config") or {}
+    kind = _projected(found[0], dflash.get("projector_type"))
 
     def field(name, default=None):  # dflash_config first, then the top level (DSpark's place)
         return dflash.get(name, hf.get(name, default))
@@ -99,3 +99,22 @@ def read(hf: dict[str, Any]) -> dict[str, Any]:
         kind=kind.name,
         **kind.read_fields(field),
     )
+
+
+def _projected(kind, projector_type):
+    """The kind a config of architecture `kind` is, given its dflash_config `projector_type`:
+    SpecForge trains Domino as `DFlashDraftModel` with projector_type 'domino'. A projector this
+    project does not know is refused, not dropped (its heads would be lost)."""
+    if projector_type is None or projector_type == kind.projector_type:
+        return kind
+    if projector_type not in kinds.PROJECTOR_TYPES:
+        raise ModelError(
+            f"drafter config.json has projector_type={projector_type!r}: only "
+            f"{', '.join(repr(p) for p in kinds.PROJECTOR_TYPES)} load (as their kinds), or none"
+        )
+    if kind.name != kinds.DEFAULT:
+        raise ModelError(
+            f"drafter config.json says {kind.architecture} with projector_type={projector_type!r}: "
+            f"that projector belongs to kind {kinds.PROJECTOR_TYPES[projector_type].name!r}"
+        )
+    return kinds.PROJECTOR_TYPES[projector_type]

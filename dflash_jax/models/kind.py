@@ -41,6 +41,9 @@ class Kind:
     name: str
     # config.json `architectures`: the one it is exported as, then other names that load as it.
     architectures: tuple[str, ...]
+    # SpecForge's name for it in dflash_config's `projector_type`, which makes a config that says
+    # the backbone's architecture (`DFlashDraftModel`) this kind; None: it has none.
+    projector_type: str | None = None
     # Its trained sizes, with their defaults: fields of the training config's drafter section and
     # of `DrafterConfig` (which every kind's fields join, unused by the other kinds).
     fields: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -82,8 +85,8 @@ class Kind:
     embeds_realised_tokens: bool = False
     # Whether it has a confidence head, which a decoding confidence threshold reads.
     confidence_head: bool = False
-    # 'module:function' of its loss terms, (drafter, unembed, hidden [R, N, Bk, D], blocks, cfg) ->
-    # (Σ w·loss, slot weights [R, N, K], hits [R, N, K]) (training/objective.py), and of its
+    # 'module:function' of its loss terms, (drafter, unembed, hidden [R, N, Bk, D], blocks, cfg,
+    # step) -> (Σ w·loss, slot weights [R, N, K], hits [R, N, K]) (training/objective.py), and of its
     # drafting walk, (vocab, drafter, hidden [B, Bk, D], anchor, sampling, key, confidence
     # threshold, the target's token embedding) -> (drafts [B, K], their logits [B, K, V], drafts
     # proposed [B]) (decoding/).

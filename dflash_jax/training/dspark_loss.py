@@ -26,7 +26,7 @@ from dflash_jax.training.objective import slot_weights
 CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
 
 
-def dspark_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg) -> Terms:
+def dspark_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
     """hidden [R, N, γ, D] -> (Σ w·loss, slot weights [R, N, γ], hits [R, N, γ]); the weights are
     the 'dflash' decay, which needs no CE."""
     weights = slot_weights(None, blocks.label_mask, cfg)

@@ -28,7 +28,7 @@ Terms = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def vocab_parallel_logits(unembed: Callable[[jax.Array], jax.Array], shape) -> Callable[[jax.Array], jax.Array]:
-    """hidden [..., D] of `shape` -> fp32 logits [..., V], split over vocab where the layout
+    """hidden [..., D] of `shape` -> logits [..., V] in fp32 at least, split over vocab where the layout
     splits the LM head (docs/design.md §8): the hidden states are gathered over the vocab's mesh
     axes instead of the LM head, and the logits stay split."""
     logits_spec = activation_spec(
@@ -38,7 +38,8 @@ def vocab_parallel_logits(unembed: Callable[[jax.Array], jax.Array], shape) -> C
     def logits_of(h):
         if logits_spec is not None:  # rows over what vocab leaves, the model dim whole
             h = constrain_spec(h, PartitionSpec(*logits_spec[:-1], None))
-        return constrain_spec(unembed(h).astype(jnp.float32), logits_spec)
+        logits = unembed(h)
+        return constrain_spec(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), logits_spec)
 
     return logits_of
 
@@ -86,7 +87,8 @@ def chunked_terms(fn: Callable, inputs, constants, params, *, chunk_blocks: int)
         total, param_grads = carry
         return (total + value, jax.tree.map(jnp.add, param_grads, grad_params)), (out, grad_inputs)
 
-    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, frozen_params))
+    # The sum in fp32 at least (float64 where the inputs are: the reference comparisons).
+    zero = (jnp.zeros((), _at_least_fp32(jax.tree.leaves(inputs)[0])), jax.tree.map(jnp.zeros_like, frozen_params))
     (total, grad_params), (out, grad_inputs) = scan_block_chunks(chunk, zero, (frozen_inputs, constants), chunk_blocks)
     # The value is the sum; the gradient flows into the callers' (differentiable) arrays.
     return total + _linear(inputs, grad_inputs) + _linear(params, grad_params), out
@@ -95,8 +97,12 @@ def chunked_terms(fn: Callable, inputs, constants, params, *, chunk_blocks: int)
 def _linear(xs, grads) -> jax.Array:
     """Σ x·g less its own value: zero, with gradient g with respect to x."""
     terms = [
-        jnp.sum(x.astype(jnp.float32) * jax.lax.stop_gradient(g).astype(jnp.float32))
+        jnp.sum(x.astype(_at_least_fp32(x)) * jax.lax.stop_gradient(g).astype(_at_least_fp32(x)))
         for x, g in zip(jax.tree.leaves(xs), jax.tree.leaves(grads))
     ]
     linear = sum(terms, jnp.zeros((), jnp.float32))
     return linear - jax.lax.stop_gradient(linear)
+
+
+def _at_least_fp32(x: jax.Array):
+    return jnp.promote_types(x.dtype, jnp.float32)

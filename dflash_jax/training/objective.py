@@ -77,9 +77,11 @@ class ObjectiveSettings:
     distill: bool = False
     # drafter.kind='dflash2': weight α of the candidate cross-entropy added to the DFlash loss.
     selector_alpha: float = 1.0
-    # drafter.kind='domino': weight λ of the unary logits' cross-entropy in (1 − λ)·final + λ·base
-    # (fixed; SpecForge decays λ from 1 to 0 over the first half of training).
-    base_loss_weight: float = 0.0
+    # drafter.kind='domino': weight λ of the unary logits' cross-entropy in (1 − λ)·final + λ·unary
+    # at the first step, falling linearly to 0 over the first `base_loss_decay` of the run
+    # (SpecForge's curriculum: 1 over the first half); base_loss_decay=0 keeps λ fixed.
+    base_loss_weight: float = 1.0
+    base_loss_decay: float = 0.5
     # Recompute each drafter layer in the backward pass.
     remat: bool = False
     # What a recomputed layer keeps (models/layer_stack.py's REMAT_POLICIES): 'full' nothing;
@@ -101,6 +103,7 @@ class ObjectiveConfig(ObjectiveSettings):
     target_layer_ids: tuple[int, ...] = dataclasses.field(kw_only=True)
     loss_decay_gamma: float = dataclasses.field(kw_only=True)  # resolved: never 0
     kind: str = kinds.DEFAULT  # the drafter's kind (models/kinds/): which terms score it
+    total_steps: int = 0  # the run's length (`step.build_train_step`): what schedules over it read
 
     @property
     def num_drafts(self) -> int:
@@ -386,8 +389,10 @@ def drafter_loss(
     ctx_positions: jax.Array,
     blocks: Blocks,
     cfg: ObjectiveConfig,
+    step: jax.Array | int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(Σ w·CE over these rows, metric sums) — not yet divided.
+    """(Σ w·CE over these rows, metric sums) — not yet divided. `step`: the optimizer steps taken
+    so far (a loss term may change over the run, `ObjectiveConfig.total_steps`).
 
     docs/design.md §3.3: the loss is Σ w·CE / (Σw or documents) over the whole global batch, so
     the caller divides the accumulated sum (and its gradient) by the batch's total of the sums'
@@ -404,12 +409,12 @@ def drafter_loss(
         remat_policy=cfg.remat_policy if cfg.remat else None,
     )
     terms = kinds.get(cfg.kind).part("loss_terms")
-    weighted_ce, weights, correct = terms(drafter, unembed, hidden, blocks, cfg)
+    weighted_ce, weights, correct = terms(drafter, unembed, hidden, blocks, cfg, step)
     return weighted_ce, metric_sums(weighted_ce, loss_denominator(weights, blocks, cfg), correct, blocks)
 
 
 def dflash_terms(
-    drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks: Blocks, cfg: ObjectiveConfig
+    drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks: Blocks, cfg: ObjectiveConfig, step=0
 ) -> Terms:
     """DFlash's loss terms (the backbone's, `Kind.loss_terms`): hidden [R, N, Bk, D] -> (Σ w·CE,
     slot weights, hits), the last two [R, N, Bk-1]."""

@@ -157,8 +157,9 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
             out.append(f"train.dpace_alpha={self.dpace_alpha} must be in [0, 1]")
         if self.selector_alpha < 0:
             out.append(f"train.selector_alpha={self.selector_alpha} must be at least 0")
-        if not 0 <= self.base_loss_weight <= 1:
-            out.append(f"train.base_loss_weight={self.base_loss_weight} must be in [0, 1]")
+        for name in ("base_loss_weight", "base_loss_decay"):
+            if not 0 <= getattr(self, name) <= 1:
+                out.append(f"train.{name}={getattr(self, name)} must be in [0, 1]")
         return out
 
 

@@ -184,15 +184,15 @@ def _micro_batch_gradients(drafter_graphdef: nnx.GraphDef, cfg: objective.Object
     """`(params, target, micro-batch, row keys) -> (sums, gradient of Σ w·CE)`: the frozen
     target's inputs to the drafter, then the drafter's loss and its gradient."""
 
-    def loss_fn(params, target, features, block_embeds, positions, blocks):
+    def loss_fn(params, target, features, block_embeds, positions, blocks, step):
         drafter = nnx.merge(drafter_graphdef, params)
-        return objective.drafter_loss(drafter, target.unembed, features, block_embeds, positions, blocks, cfg)
+        return objective.drafter_loss(drafter, target.unembed, features, block_embeds, positions, blocks, cfg, step)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def micro_step(params, target, micro, row_keys):
+    def micro_step(params, target, micro, row_keys, step):
         features, block_embeds, blocks = objective.frozen_inputs(target, micro, row_keys, cfg)
-        (_, sums), grads = grad_fn(params, target, features, block_embeds, micro["positions"], blocks)
+        (_, sums), grads = grad_fn(params, target, features, block_embeds, micro["positions"], blocks, step)
         return sums, grads
 
     return micro_step
@@ -206,7 +206,7 @@ def _accumulated_gradients(micro_step, state: TrainState, target, batch, grad_ac
 
     def accumulate(grads, xs):
         micro, row_ids = xs
-        sums, micro_grads = micro_step(state.params, target, micro, objective.row_keys(step_key, row_ids))
+        sums, micro_grads = micro_step(state.params, target, micro, objective.row_keys(step_key, row_ids), state.step)
         return jax.tree.map(jnp.add, grads, micro_grads), sums
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -289,7 +289,7 @@ def build_train_step(
         target_graphdef=target_graphdef,
         target_params=target_params,
         tx=tx,
-        cfg=setup.objective,
+        cfg=dataclasses.replace(setup.objective, total_steps=total_steps),
         grad_accum_steps=setup.run.grad_accum_steps,
         mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, abstract),

@@ -152,6 +152,14 @@ def test_export_is_specforges_layout_and_loads_back(target, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx.state(drafter), nnx.state(loaded))
     with pytest.raises(ModelError, match="^Domino drafters without shift_label are not supported$"):
         DrafterConfig.from_hf({**config, "dflash_config": {**config["dflash_config"], "shift_label": False}})
+    # SpecForge's training configs say the backbone's architecture and name Domino by its projector.
+    as_specforge_trains_it = {**config, "architectures": ["DFlashDraftModel"]}
+    assert DrafterConfig.from_hf(as_specforge_trains_it) == cfg
+    unknown = {**as_specforge_trains_it, "dflash_config": {**config["dflash_config"], "projector_type": "mlp"}}
+    with pytest.raises(ModelError, match=r"^drafter config.json has projector_type='mlp': only 'domino' load"):
+        DrafterConfig.from_hf(unknown)
+    with pytest.raises(ModelError, match="that projector belongs to kind 'domino'$"):
+        DrafterConfig.from_hf({**config, "architectures": ["DFlash2DraftModel"]})
 
 
 def test_greedy_decoding_is_lossless(target):
@@ -163,7 +171,10 @@ def test_greedy_decoding_is_lossless(target):
         np.testing.assert_array_equal(x.tokens, y.tokens)
 
 
-def test_loss_terms_mix_the_final_and_unary_cross_entropies(target):
+# (base_loss_decay, step, λ) with base_loss_weight 0.6 over a 10-step run: λ falls from 0.6 to 0
+# over the first 5 steps, SpecForge's curriculum, or stays (decay 0).
+@pytest.mark.parametrize("decay, step, lam", [(0.5, 0, 0.6), (0.5, 3, 0.24), (0.5, 7, 0.0), (0.0, 7, 0.6)])
+def test_loss_terms_mix_the_final_and_unary_cross_entropies(target, decay, step, lam):
     drafter = make_drafter(target)
     rng = np.random.default_rng(1)
     shape = (1, 2, 4)
@@ -183,10 +194,18 @@ def test_loss_terms_mix_the_final_and_unary_cross_entropies(target):
         realised_embeds=target.embed(realised),
     )
     cfg = objective.ObjectiveConfig(
-        block_size=4, mask_token_id=MASK_ID, target_layer_ids=(0, 1), loss_decay_gamma=4.0, base_loss_weight=0.3
+        block_size=4,
+        mask_token_id=MASK_ID,
+        target_layer_ids=(0, 1),
+        loss_decay_gamma=4.0,
+        base_loss_weight=0.6,
+        base_loss_decay=decay,
+        total_steps=10,
     )
     hidden = jnp.asarray(rng.normal(size=(*shape, target.cfg.hidden_size)), jnp.float32)
-    total, weights, _ = domino_terms(drafter, target.unembed, hidden, blocks, cfg)
+    total, weights, _ = jax.jit(domino_terms, static_argnums=(0, 1, 4))(
+        drafter, target.unembed, hidden, blocks, cfg, jnp.int32(step)
+    )
     params = numpy_params({"prefix_gru": drafter.prefix_gru, "embed_proj": drafter.embed_proj})
     unary = np.asarray(target.unembed(hidden), np.float64)
     expected = 0.0
@@ -196,5 +215,5 @@ def test_loss_terms_mix_the_final_and_unary_cross_entropies(target):
         for k in range(4):
             w = mask[0, n, k] * np.exp(-k / 4.0)  # the position decay from slot 0, which drafts too
             ce = [np.logaddexp.reduce(x) - x[labels[0, n, k]] for x in (final[k], unary[0, n, k])]
-            expected += w * (0.7 * ce[0] + 0.3 * ce[1])
+            expected += w * ((1 - lam) * ce[0] + lam * ce[1])
     np.testing.assert_allclose(float(total), expected, rtol=2e-4)

@@ -17,6 +17,9 @@ KINDS: dict[str, Kind] = registry.discover(__name__, __path__, "KIND")
 DEFAULT = "dflash"
 # config.json `architectures` entry -> its kind.
 ARCHITECTURES = {arch: kind for kind in KINDS.values() for arch in kind.architectures}
+# dflash_config `projector_type` -> its kind (SpecForge names some kinds so, under the backbone's
+# architecture).
+PROJECTOR_TYPES = {kind.projector_type: kind for kind in KINDS.values() if kind.projector_type}
 # Every kind's trained sizes and released-only fields, with their defaults, in registry order.
 SIZE_FIELDS = {name: default for kind in KINDS.values() for name, default in kind.fields.items()}
 RELEASE_FIELDS = {name: default for kind in KINDS.values() for name, default in kind.release_fields.items()}

@@ -26,6 +26,9 @@ from dflash_jax.models.kind import FieldReader, Kind
 from dflash_jax.models.layers import linear
 from dflash_jax.models.sharding import EMBED, VOCAB
 
+# dflash_config's `projector_type`, which SpecForge's `DFlashDraftModel` configs use to say Domino.
+PROJECTOR_TYPE = "domino"
+
 
 class PrefixGRU(nnx.Module):
     """torch's one-layer `nn.GRU(bias=False)`: h' = (1 - z)·n + z·h, r = σ(W_ir x + W_hr h),
@@ -116,7 +119,7 @@ def _export(cfg) -> tuple[dict, dict]:
     """SpecForge's layout: the head under dflash_config (`projector_type` names it), emb_dim also
     at the top level as SpecForge writes it."""
     dflash_config = dict(
-        projector_type="domino",
+        projector_type=PROJECTOR_TYPE,
         pure_draft_prefix_len=cfg.pure_draft_prefix_len,
         emb_dim=cfg.emb_dim,
         gru_hidden_dim=cfg.gru_hidden_dim,
@@ -126,16 +129,9 @@ def _export(cfg) -> tuple[dict, dict]:
 
 
 def _unsupported(field: FieldReader) -> list[str]:
-    """Ours is the `shift_label` layout (SpecForge's default is without it: the GRU then reads
-    the labels and slot 0 holds the anchor)."""
-    problems = []
-    if field("projector_type", "domino") != "domino":
-        problems.append(
-            f"Domino drafter with projector_type={field('projector_type', None)!r}: only 'domino' is supported"
-        )
-    if not field("shift_label", False):
-        problems.append("Domino drafters without shift_label are not supported")
-    return problems
+    """Ours is the `shift_label` layout (without it the GRU reads the labels and slot 0 holds the
+    anchor)."""
+    return [] if field("shift_label", False) else ["Domino drafters without shift_label are not supported"]
 
 
 def _heads(cfg, *, compute_dtype, **head_kw) -> dict:
@@ -154,6 +150,7 @@ def _head_flops(cfg, vocab: int) -> int:
 KIND = Kind(
     "domino",
     ("DominoDraftModel",),
+    projector_type=PROJECTOR_TYPE,
     fields=dict(gru_hidden_dim=1024, emb_dim=256, pure_draft_prefix_len=1),
     fields_doc="a GRU of hidden G over the realised tokens' embeddings, and embed_proj (H + G -> E -> V) "
     "correcting the logits of the slots from pure_draft_prefix_len on.",
