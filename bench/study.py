@@ -22,9 +22,10 @@ decoding seconds per speculative step, after compiling). Runs live in `--root/<v
 a finished run is evaluated again without retraining, so an interrupted study resumes.
 
 The kinds study (docs/design.md §12): every kind drafts 7 tokens a step, so the target verifies 8
-tokens for each: DFlash and DFlash2 on the default's blocks of 8, DSpark on blocks of 7 (every
-slot of its block drafts). DSpark trains with its own loss (DeepSpec's; `loss=dflash` selects its
-slot weights), the others with the default's.
+tokens for each: DFlash and DFlash2 on the default's blocks of 8, DSpark and Domino on blocks of 7
+(every slot of their blocks drafts). DSpark trains with its own loss (DeepSpec's; `loss=dflash`
+selects its slot weights), Domino with its own (the 'dflash' weights, SpecForge's λ curriculum),
+the others with the default's.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ KINDS = {
     "dflash": "drafter.kind=dflash",
     "dflash2": "drafter.kind=dflash2",
     "dspark": "drafter.kind=dspark+drafter.block_size=7+loss=dflash",
+    # SpecForge's Qwen3-8B sizes in proportion to the hidden size (1024 and 256 of 4096); γ 4 as
+    # for the 7 drafts of DFlash's blocks of 8.
+    "domino": "drafter.kind=domino+drafter.block_size=7+loss=dflash+drafter.gru_hidden_dim=64+drafter.emb_dim=16+loss_decay_gamma=4.0",
 }
 
 STUDIES = {
