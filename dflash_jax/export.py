@@ -62,6 +62,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
+    check_gguf_flags(f)
     workdir = Workdir.at(f.workdir)
     if not workdir.has_checkpoints():  # checked here: opening the checkpoints would create the directory
         raise UserError(f"--workdir={f.workdir}: not a training workdir (no {workdir.checkpoints})")
@@ -72,6 +73,13 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         draft_tokens = draft_token_ids(out, f.draft_vocab) if f.draft_vocab else None
         gguf_file = write_drafter_gguf(out, target_gguf, os.path.join(out, "drafter.gguf"), draft_tokens)
         print(f"wrote {gguf_file} ({gguf_kind(read_config(out)).spec_type}) for the target {target_gguf}")
+
+
+def check_gguf_flags(f: flags.FlagValues) -> None:
+    """The GGUF file's flags are refused without --format=gguf (they would change nothing)."""
+    given = [f"--{name}" for name in ("target", "draft_vocab") if f[name].value != f[name].default]
+    if given and f.format != "gguf":
+        raise UserError(f"{' and '.join(given)} apply to --format=gguf only (the llama.cpp file)")
 
 
 def _run_target(workdir: Workdir) -> str:

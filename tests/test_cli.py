@@ -104,6 +104,17 @@ def test_every_command_help_is_complete(name):
         assert "--[no]print_config" in text
 
 
+def test_export_refuses_gguf_flags_without_the_gguf_format():
+    fv = defined_flags("export")
+    fv(["export", "--workdir=w", "--draft_vocab=2048", "--target=t.gguf"])
+    with pytest.raises(
+        UserError, match=r"^--target and --draft_vocab apply to --format=gguf only \(the llama.cpp file\)$"
+    ):
+        export.check_gguf_flags(fv)
+    fv(["export", "--workdir=w", "--draft_vocab=2048", "--target=t.gguf", "--format=gguf"])
+    export.check_gguf_flags(fv)
+
+
 def test_dtype_defaults_to_float32_on_a_cpu():
     assert defined_flags("evaluate")["dtype"].default is None
     assert defined_flags("regenerate")["dtype"].default is None
