@@ -52,7 +52,8 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 # A matmul a GPU compiler handed to a library (cuBLAS, cuBLASLt): its dimensions in backend_config.
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-_DIM_LABELS = re.compile(r"dim_labels=[^_]*_([^-]*)->")
+_DIM_LABELS = re.compile(r"dim_labels=([^_]*)_([^-]*)->([\w]*)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 
 # Ops whose callees run as programs of their own (loops, calls, branches); any other op's callee
 # is a fusion's body (`calls=` of a fusion) or a scalar function applied elementwise (`to_apply=`).
@@ -322,15 +323,48 @@ def _flops(module: Module, computation: str, ins: Instruction) -> float:
         dims = [int(d.strip('" ')) for d in contracting.group(1).split(",") if d.strip('" ')] if contracting else []
         return 2.0 * math.prod(_dims(ins.type)) * math.prod(lhs[d] for d in dims)  # first result: the product
     if ins.opcode == "convolution":
-        # Each output is one kernel window over the input features: kernel size / output features.
-        rhs = _dims(module.operand_type(computation, ins.operands[1]))
-        labels = _DIM_LABELS.search(ins.attributes)
-        out_features = rhs[labels.group(1).index("o")] if labels and "o" in labels.group(1) else 1
-        return 2.0 * math.prod(_dims(ins.type)) * math.prod(rhs) / out_features
+        return _convolution_flops(module, computation, ins)
     if ins.opcode == "fusion":
         body = dict(_CALLED.findall(ins.attributes)).get("calls")
         return sum(_flops(module, body, inner) for inner in module.computations.get(body, []))
     return 0.0
+
+
+def _convolution_flops(module: Module, computation: str, ins: Instruction) -> float:
+    """2 x the multiply-adds of a convolution whose operands are both real: per output, the input
+    features of its group times the window positions that land on an input element, not on
+    padding or a dilation hole. XLA:TPU writes dots as such convolutions (a head dimension as a
+    window of size n padded by n - 1 on an input of size 1, a batch as a dilated window), where
+    every window position but one per output multiplies padding."""
+    lhs = _dims(module.operand_type(computation, ins.operands[0]))
+    rhs = _dims(module.operand_type(computation, ins.operands[1]))
+    out = _dims(ins.type)
+    labels = _DIM_LABELS.search(ins.attributes)
+    if not labels:  # no labels: the operands' dimensions in XLA's default order, no window
+        return 2.0 * math.prod(out) * (rhs[1] if len(rhs) > 1 else 1)
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    window = _window(ins.attributes, sum(c.isdigit() for c in rhs_labels))
+    macs = math.prod(out) * rhs[rhs_labels.index("i")]
+    for d, (size, stride, pad_low, lhs_dilation, rhs_dilation) in enumerate(window):
+        in_size, out_size = lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))]
+        real = {p * lhs_dilation for p in range(in_size)}  # input positions after dilation
+        hits = sum(o * stride + k * rhs_dilation - pad_low in real for o in range(out_size) for k in range(size))
+        macs = macs / out_size * hits
+    return 2.0 * macs
+
+
+def _window(attributes: str, spatial: int) -> list[tuple[int, int, int, int, int]]:
+    """(size, stride, low padding, lhs dilation, rhs dilation) of each spatial dimension of a
+    convolution's `window={size=AxB stride=.. pad=L_HxL_H lhs_dilate=.. rhs_dilate=..}`."""
+    fields = dict(item.split("=", 1) for item in (_WINDOW.search(attributes) or [None, ""])[1].split() if "=" in item)
+
+    def each(key: str, default: int) -> list[int]:
+        if key not in fields:
+            return [default] * spatial
+        return [int(v.split("_")[0]) for v in fields[key].split("x")]
+
+    sizes = each("size", 1)
+    return list(zip(sizes, each("stride", 1), each("pad", 0), each("lhs_dilate", 1), each("rhs_dilate", 1)))
 
 
 def _traffic(module: Module, computation: str, ins: Instruction) -> float:

@@ -7,6 +7,8 @@ import dataclasses
 import math
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from dflash_jax.training import hlo, roofline
@@ -114,6 +116,35 @@ def test_library_gemms_count_and_kernels_do_not():
     }
     hw = roofline.Hardware("test", matmul_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10)
     assert roofline.estimate(hlo.kernels(GPU_HLO), [], hw).opaque_runs == 1
+
+
+# (lhs [b, f, spatial...], rhs [o, i, window...], strides, padding, lhs and rhs dilation, groups):
+# a dot as XLA:TPU writes it (a window of 4 over one input padded by 3), a batch as a dilated
+# window, a strided grouped convolution with rhs dilation, and two spatial dimensions.
+CONVOLUTIONS = [
+    ((2, 8, 1), (16, 8, 4), (1,), [(3, 3)], (1,), (1,), 1),
+    ((3, 4, 2), (5, 4, 2), (1,), [(0, 0)], (2,), (1,), 1),
+    ((2, 6, 9), (4, 3, 3), (2,), [(1, 2)], (1,), (2,), 2),
+    ((1, 4, 5, 7), (6, 4, 2, 3), (1, 2), [(1, 0), (2, 2)], (1, 3), (1, 1), 1),
+]
+
+
+@pytest.mark.parametrize("lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups", CONVOLUTIONS)
+def test_convolution_flops_count_only_products_of_real_elements(
+    lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, groups
+):
+    """The FLOPs read from the compiled convolution are 2 x its multiply-adds of two real elements,
+    counted by convolving ones with ones (padding and dilation holes add zeros)."""
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(
+            x, w, strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, feature_group_count=groups
+        )
+
+    x, w = jnp.ones(lhs), jnp.ones(rhs)
+    text = jax.jit(conv).lower(x, w).compile().as_text()
+    assert "convolution(" in text
+    assert sum(k.flops * k.count for k in hlo.kernels(text)) == 2 * float(conv(x, w).sum())
 
 
 def test_roofline_arithmetic():
