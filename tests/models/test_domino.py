@@ -27,6 +27,7 @@ from dflash_jax.models.kinds import domino
 from dflash_jax.training import objective
 from dflash_jax.training.domino_loss import domino_terms
 from support import decoding_models
+from support.blocks import scored_blocks
 from support.decoding_models import MASK_ID, make_target, random_prompts
 
 H, G, E, V, L = 12, 6, 5, 20, 5
@@ -183,16 +184,7 @@ def test_loss_terms_mix_the_final_and_unary_cross_entropies(target, decay, step,
     realised = jnp.asarray(np.concatenate([anchors, labels[..., :-1]], axis=-1))
     mask = np.ones(shape, bool)
     mask[0, 1, 3] = False
-    blocks = objective.Blocks(
-        tokens=None,
-        positions=None,
-        labels=jnp.asarray(labels),
-        label_mask=jnp.asarray(mask),
-        valid=None,
-        ctx_mask=None,
-        documents=None,
-        realised_embeds=target.embed(realised),
-    )
+    blocks = scored_blocks(labels, mask, realised_embeds=target.embed(realised))
     cfg = objective.ObjectiveConfig(
         block_size=4,
         mask_token_id=MASK_ID,

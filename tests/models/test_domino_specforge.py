@@ -25,6 +25,7 @@ from dflash_jax.models.hf import export_drafter, load_drafter
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
 from dflash_jax.training.domino_loss import base_loss_weight, domino_terms
+from support.blocks import scored_blocks
 from support.decoding_models import MASK_ID, make_drafter, perturbed, target_config
 
 # Not in the `test` extra: specforge==0.2.0 pins torch, transformers and sglang exactly.
@@ -102,16 +103,7 @@ def test_loss_terms_equal_specforges_in_float64(models, step, lam):
         ours_lam = float(base_loss_weight(cfg, step))
         assert ours_lam == pytest.approx(linear_lambda_base(step, 10, 1.0, 0.5), rel=1e-7)
         assert ours_lam == pytest.approx(lam, rel=1e-7)
-        blocks = objective.Blocks(
-            tokens=None,
-            positions=None,
-            labels=jnp.asarray(labels),
-            label_mask=jnp.asarray(mask),
-            valid=None,
-            ctx_mask=None,
-            documents=None,
-            realised_embeds=target.embed(jnp.asarray(realised)),
-        )
+        blocks = scored_blocks(labels, mask, realised_embeds=target.embed(jnp.asarray(realised)))
         ours, weights, hits = domino_terms(drafter, target.unembed, jnp.asarray(hidden), blocks, cfg, step)
         assert ours.dtype == jnp.float64
 
