@@ -25,7 +25,7 @@ class GgufArchitecture:
 
     hf_architecture: str
     model_type: str
-    interleaved_qk: bool  # llama.cpp permuted the rows of each q/k head (`gguf._uninterleave`)
+    interleaved_qk: bool  # llama.cpp permuted the rows of each q/k head (`gguf.uninterleave_qk`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,8 @@ LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -218,16 +220,23 @@ class GgufTensors:
         values = values.reshape(shape)
         module = name.removesuffix(".weight").split(".", 3)[-1]  # 'self_attn.q_proj' of model.layers.3.
         if self.file.architecture.interleaved_qk and module in self._heads:
-            values = _uninterleave(values, self._heads[module])
+            values = uninterleave_qk(values, self._heads[module])
         return values
 
 
-def _uninterleave(weight: np.ndarray, heads: int) -> np.ndarray:
+def uninterleave_qk(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: per head it stores row pairs (r, r + D/2) next to each
     other; the Hugging Face order is all first-half rows of the head, then all second-half rows."""
     out_features = weight.shape[0]
     pairs = weight.reshape(heads, out_features // heads // 2, 2, *weight.shape[1:])
     return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+def interleave_qk(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order from the Hugging Face one (`uninterleave_qk` undoes it)."""
+    out_features = weight.shape[0]
+    halves = weight.reshape(heads, 2, out_features // heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
 def _hf_name(gguf_name: str) -> str | None:

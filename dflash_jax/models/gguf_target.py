@@ -1,16 +1,18 @@
-"""A Hugging Face Qwen3 target as the GGUF file llama.cpp serves, for targets llama.cpp's own
-converter refuses: it hashes the tokenizer's pre-tokenizer against a list of published ones,
+"""A Hugging Face Qwen3 or Llama target as the GGUF file llama.cpp serves, for targets llama.cpp's
+own converter refuses: it hashes the tokenizer's pre-tokenizer against a list of published ones,
 so a tokenizer trained here (the bundled tiny-qwen3's) is 'not recognized'.
 
     served_gguf(model_dir, out_file)    a GGUF target's own file, else write_target_gguf's
     write_target_gguf(model_dir, out_file)
     widened_gguf(gguf_file, out_file)   a quantized GGUF with every tensor dequantized to float32
 
-writes what `convert_hf_to_gguf.py` (Qwen3Model, build b11434) writes for a dense Qwen3 with a
-byte-level BPE tokenizer: architecture `qwen3`, its hyper-parameters, the tensors in float32
-under llama.cpp's names (no q/k reordering: Qwen3 is a NeoX-RoPE model), and the vocabulary as
-`tokenizer.ggml.*` (`gpt2` model; `pre` named from the tokenizer's split: GPT-2's own regex, or
-Qwen2's / Llama 3's, models/gguf_tokenizer.py), with the chat template and special tokens.
+writes what `convert_hf_to_gguf.py` (Qwen3Model, LlamaModel, build b11434) writes for a dense
+model with a byte-level BPE tokenizer: the architecture its family names (`Family.gguf`: `qwen3`,
+`llama`), its hyper-parameters, the tensors in float32 under llama.cpp's names (a Llama's q/k rows
+interleaved per head for llama.cpp's RoPE, as the converter does; Qwen3 is a NeoX-RoPE model), and
+the vocabulary as `tokenizer.ggml.*` (`gpt2` model; `pre` named from the tokenizer's split:
+GPT-2's own regex, or Qwen2's / Llama 3's, models/gguf_tokenizer.py), with the chat template and
+special tokens.
 """
 
 from __future__ import annotations
@@ -22,23 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from dflash_jax.errors import UserError
-from dflash_jax.models.gguf import copy_field, weights_file, write_file
+from dflash_jax.models import families
+from dflash_jax.models.gguf import LAYER_TENSORS, copy_field, interleave_qk, weights_file, write_file
 from dflash_jax.models.gguf_tokenizer import CONTROL, PRE_TOKENIZER_SPLITS, USER_DEFINED
 
 NORMAL = 1  # gguf.constants.TokenType
-LAYER_TENSORS = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# Hugging Face architecture -> (GGUF architecture, how llama.cpp reads it), from the families.
+WRITTEN = {arch.hf_architecture: (name, arch) for name, arch in families.GGUF_ARCHITECTURES.items()}
 
 
 def served_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
@@ -75,19 +67,32 @@ def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike)
 
     model_dir, out_file = Path(model_dir), Path(out_file)
     cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("architectures") != ["Qwen3ForCausalLM"]:
-        raise UserError(f"{model_dir}: only Qwen3ForCausalLM targets are written to GGUF here (convert_hf_to_gguf.py)")
-    writer = gguf.GGUFWriter(str(out_file), "qwen3")
+    hf_arch = (cfg.get("architectures") or [None])[0]
+    if hf_arch not in WRITTEN:
+        raise UserError(
+            f"{model_dir}: {hf_arch} targets are not written to GGUF here (only {', '.join(WRITTEN)}): "
+            "convert it with llama.cpp's convert_hf_to_gguf.py"
+        )
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise UserError(
+            f"{model_dir}: RoPE scaling ({rope.get('rope_type', rope.get('type'))}) is not written to GGUF here"
+        )
+    name, arch = WRITTEN[hf_arch]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(out_file), name)
     writer.add_name(model_dir.resolve().name)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocabulary(writer, model_dir, cfg)
@@ -100,10 +105,17 @@ def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike)
         names["lm_head.weight"] = "output.weight"
     for i in range(cfg["num_hidden_layers"]):
         names |= {
-            f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in LAYER_TENSORS.items()
+            f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for theirs, ours in LAYER_TENSORS.items()
         }
-    for name, gguf_name in names.items():
-        writer.add_tensor(gguf_name, np.ascontiguousarray(weights[name], dtype=np.float32))
+    interleaved = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if arch.interleaved_qk else {}
+    for hf_name, gguf_name in names.items():
+        if hf_name not in weights:  # the q/k norms of a family without them
+            continue
+        weight = np.asarray(weights[hf_name], dtype=np.float32)
+        module = hf_name.removesuffix(".weight").split(".", 3)[-1]
+        if module in interleaved:
+            weight = interleave_qk(weight, interleaved[module])
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
     return write_file(writer, out_file)
 
 

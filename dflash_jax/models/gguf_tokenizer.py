@@ -40,6 +40,7 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     None: None,
     "default": None,
     "gpt2": None,
+    "gpt-2": None,  # llama.cpp's name for it (convert_hf_to_gguf.py)
     "smollm": None,
     "llama-bpe": _LLAMA3_SPLIT,
     "llama3": _LLAMA3_SPLIT,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
@@ -24,6 +25,7 @@ from dflash_jax.models.hf import export_drafter, load_drafter, load_target
 from dflash_jax.models.hub import resolve_model
 from support.decoding_models import make_drafter, perturbed
 from support.gguf_checkpoint import CORPUS, write_tiny_gguf
+from support.hf_reference import with_tiny_qwen3_tokenizer, write_hf_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -104,17 +106,24 @@ def _draft_tokens(completions, vocab_size: int) -> np.ndarray:
     return np.asarray((emitted[::2] + rest)[:DRAFT_VOCAB], np.int32)
 
 
-def test_the_bundled_qwen3_target_written_as_gguf_decodes_as_ours(server_binary, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_hugging_face_target_written_as_gguf_decodes_as_ours(arch, server_binary, tmp_path):
     """models/gguf_target.py: the default run's tiny-qwen3, which llama.cpp's converter refuses
-    (its tokenizer is not a published one), served with our tokenizer's ids and greedy tokens."""
-    model_dir = os.path.join(ASSETS, "tiny-qwen3")
+    (its tokenizer is not a published one), and a tiny Llama transformers writes (its q/k rows
+    interleaved for llama.cpp's RoPE), served with our tokenizer's ids and greedy tokens."""
+    if arch == "qwen3":
+        model_dir = os.path.join(ASSETS, "tiny-qwen3")
+    else:
+        plain_rope = {"rope_type": "default", "rope_theta": 10000.0}
+        checkpoint = write_hf_checkpoint(tmp_path / "llama", arch="llama", vocab_size=4096, rope_parameters=plain_rope)
+        model_dir = with_tiny_qwen3_tokenizer(checkpoint)
     chat = ChatTokenizer(model_dir)
     prompts = [chat.prompt_ids(row[0]) for row in load_prompt_set("heldout_prompts", chat, limit=4).rows]
-    target_gguf = write_target_gguf(model_dir, tmp_path / "tiny-qwen3.gguf")
+    target_gguf = write_target_gguf(model_dir, tmp_path / f"{arch}.gguf")
     with LlamaServer(server_binary, target_gguf, threads=1, extra_args=EXACT) as server:
         served = run_prompts(server, prompts, 2 * MAX_NEW_TOKENS)
     ours = TargetDecoder(
-        load_target(model_dir),
+        load_target(model_dir, param_dtype=jnp.float32, compute_dtype=jnp.float32),  # as the GGUF holds it
         max_prompt_len=max(map(len, prompts)),
         max_new_tokens=2 * MAX_NEW_TOKENS,
         stop_tokens=chat.stop_tokens,

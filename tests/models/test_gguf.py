@@ -3,6 +3,7 @@ template, logits and greedy tokens; a file that cannot serve is one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -20,6 +21,7 @@ from dflash_jax.errors import ModelError, UserError
 from dflash_jax.models.hf import load_target
 from dflash_jax.models.hub import resolve_model
 from support.gguf_checkpoint import write_tiny_gguf
+from support.hf_reference import with_tiny_qwen3_tokenizer, write_hf_checkpoint
 
 TEXTS = (
     "Hello world 12345 <|im_start|>  x",
@@ -139,7 +141,7 @@ Q8_1_ROWS = np.zeros((4, 2 * GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1][1]), np
         ),
         (
             lambda p, g: write_tiny_gguf(p, architecture="falcon"),
-            r"bad\.gguf: GGUF architecture 'falcon' is not supported \(supported: llama\)",
+            r"bad\.gguf: GGUF architecture 'falcon' is not supported \(supported: llama, qwen3\)",
         ),
         (
             lambda p, g: write_tiny_gguf(p, pre="deepseek-llm"),
@@ -190,3 +192,40 @@ def test_a_widened_gguf_holds_the_weights_our_loader_dequantizes(tiny_gguf, tmp_
     leaves = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in ours]
     assert len(leaves[0]) == len(leaves[1]) > 0
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*leaves))
+
+
+# A Llama with the default RoPE (llama.cpp's file would need rope_freqs for llama3 scaling).
+PLAIN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_hugging_face_target_written_as_gguf_reads_back_as_the_same_model(arch, tmp_path):
+    """gguf_target.write_target_gguf: every parameter and the logits as the checkpoint's, through
+    our GGUF reader (whose Llama q/k order matches transformers'): a Llama's q/k rows not
+    interleaved for llama.cpp's RoPE, or a norm left out, would differ."""
+    from dflash_jax.models.gguf_target import write_target_gguf
+
+    overrides = PLAIN_ROPE if arch == "llama" else {}
+    hf_dir = with_tiny_qwen3_tokenizer(write_hf_checkpoint(tmp_path / arch, arch=arch, vocab_size=4096, **overrides))
+    gguf_file = write_target_gguf(hf_dir, tmp_path / f"{arch}.gguf")
+    kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    ours, served = load_target(hf_dir, **kw), load_target(str(gguf_file), **kw)
+    # GGUF holds the norms' epsilon as a float32.
+    assert served.cfg == dataclasses.replace(ours.cfg, rms_norm_eps=float(np.float32(ours.cfg.rms_norm_eps)))
+    for (path, a), (_, b) in zip(*(jax.tree.leaves_with_path(nnx.state(m, nnx.Param)) for m in (ours, served))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 4096, (2, 12)), jnp.int32)
+    segments, positions = jnp.ones_like(tokens), jnp.broadcast_to(jnp.arange(12), tokens.shape)
+    logits = [model(tokens, segments, positions)[0] for model in (ours, served)]
+    np.testing.assert_allclose(*logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_target_gguf_cannot_be_written_for_is_one_line(tmp_path):
+    from dflash_jax.models.gguf_target import write_target_gguf
+
+    llama3 = with_tiny_qwen3_tokenizer(write_hf_checkpoint(tmp_path / "llama3", arch="llama", vocab_size=4096))
+    with pytest.raises(UserError, match=r"RoPE scaling \(llama3\) is not written to GGUF here$"):
+        write_target_gguf(llama3, tmp_path / "llama3.gguf")
+    moe = with_tiny_qwen3_tokenizer(write_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe"))
+    with pytest.raises(UserError, match=r"Qwen3MoeForCausalLM targets are not written to GGUF here \(only "):
+        write_target_gguf(moe, tmp_path / "moe.gguf")

@@ -7,6 +7,9 @@ weights, so our loader is checked against the real format rather than against it
 from __future__ import annotations
 
 import os
+import shutil
+
+from dflash_jax.bundled import ASSETS
 
 # The linear-attention and MoE sizes of the tiny hybrid and MoE checkpoints.
 LINEAR = dict(
@@ -122,17 +125,15 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: str = "qwen3", seed
         config = transformers.Qwen3Config(rope_theta=10000.0, **common)
         model = transformers.Qwen3ForCausalLM(config)
     elif arch == "llama":
-        config = transformers.LlamaConfig(
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            **common,
-        )
+        llama3_rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        config = transformers.LlamaConfig(**{"rope_parameters": llama3_rope, **common})
         model = transformers.LlamaForCausalLM(config)
     elif arch in FAMILIES:
         config_class, model_class, fields = FAMILIES[arch]
@@ -165,6 +166,14 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: str = "qwen3", seed
     if arch == "kimi_k25":
         _rename_tensors(out_dir, "language_model.model.blocks.", "language_model.model.layers.")
     return str(out_dir)
+
+
+def with_tiny_qwen3_tokenizer(model_dir: str | os.PathLike) -> str:
+    """`model_dir` with the bundled tiny-qwen3's tokenizer and chat template (4,096 tokens: write
+    the checkpoint with vocab_size=4096)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(ASSETS, "tiny-qwen3", name), os.path.join(model_dir, name))
+    return str(model_dir)
 
 
 def _rename_tensors(out_dir, old: str, new: str) -> None:

@@ -4,7 +4,7 @@ SwiGLU MLPs, no biases. Every tensor is named as its parameter (the generic weig
 from __future__ import annotations
 
 from dflash_jax.models.architecture import TransformerConfig
-from dflash_jax.models.family import Family, decoder, reject
+from dflash_jax.models.family import Family, GgufArchitecture, decoder, reject
 
 
 def config(hf: dict) -> TransformerConfig:
@@ -12,4 +12,10 @@ def config(hf: dict) -> TransformerConfig:
     return TransformerConfig(**decoder(hf))
 
 
-FAMILY = Family("qwen3", {"Qwen3ForCausalLM": "model."}, config)
+FAMILY = Family(
+    "qwen3",
+    {"Qwen3ForCausalLM": "model."},
+    config,
+    # NeoX RoPE: llama.cpp keeps the q/k rows in the Hugging Face order.
+    gguf={"qwen3": GgufArchitecture("Qwen3ForCausalLM", "qwen3", interleaved_qk=False)},
+)
