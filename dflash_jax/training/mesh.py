@@ -56,7 +56,13 @@ def make_mesh(data: int, fsdp: int, tensor: int = 1, *, devices=None) -> Mesh:
             raise ValueError(f"mesh data={shape[0]} must be a multiple of the {slices} slices")
         grid = mesh_utils.create_hybrid_device_mesh((shape[0] // slices, *shape[1:]), (slices, 1, 1), devices)
         return Mesh(grid, MESH_AXES, axis_types=axis_types)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU torus whose axes no product of mesh axes matches (fsdp=8 on a v6e-16's 4x4): a mesh
+        # axis then spans parts of two physical ones, which costs link bandwidth but runs.
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -109,6 +109,17 @@ def test_a_mesh_over_two_tpu_slices_spans_them_with_its_data_axis():
     assert [d.slice_index for d in mesh.devices.reshape(-1)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+@pytest.mark.slow
+def test_a_mesh_axis_no_physical_axes_multiply_to_splits_them():
+    """gpt-oss-120b's fsdp=8 on a TPU v6e-16 (a 4x4 torus): no product of physical axes is 8."""
+    from dflash_jax.training.mesh import make_mesh
+
+    devices = compilers.devices(compilers.ACCELERATORS["tpu-v6e"], 16)
+    mesh = make_mesh(2, 8, 1, devices=devices)
+    assert mesh.devices.shape == (2, 8, 1)
+    assert sorted(d.id for d in mesh.devices.reshape(-1)) == sorted(d.id for d in devices)
+
+
 def test_a_tpu_out_of_memory_refusal_is_a_plan_that_does_not_fit():
     """libtpu refuses a step over its HBM; the plan reads the figures from its message."""
     gib = compilers.GIB
