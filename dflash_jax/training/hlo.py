@@ -324,10 +324,22 @@ def _flops(module: Module, computation: str, ins: Instruction) -> float:
         return 2.0 * math.prod(_dims(ins.type)) * math.prod(lhs[d] for d in dims)  # first result: the product
     if ins.opcode == "convolution":
         return _convolution_flops(module, computation, ins)
+    if _is_ragged_dot(ins):
+        # Each row of lhs [M, K] times its group's [K, N] of rhs [G, K, N]: 2·M·N·K.
+        lhs = next((d for d in (_dims(module.operand_type(computation, o)) for o in ins.operands) if len(d) == 2), [])
+        return 2.0 * math.prod(_dims(ins.type)) * (lhs[-1] if lhs else 0)
     if ins.opcode == "fusion":
         body = dict(_CALLED.findall(ins.attributes)).get("calls")
         return sum(_flops(module, body, inner) for inner in module.computations.get(body, []))
     return 0.0
+
+
+def _is_ragged_dot(ins: Instruction) -> bool:
+    """The MoE's grouped matmul (`jax.lax.ragged_dot`): XLA's op, or the Mosaic kernel XLA:TPU
+    calls for it (a custom call named after it, beside the one computing its metadata)."""
+    if ins.opcode == "ragged-dot":
+        return True
+    return ins.opcode == "custom-call" and ins.name.startswith("ragged-dot") and "metadata" not in ins.name
 
 
 def _convolution_flops(module: Module, computation: str, ins: Instruction) -> float:

@@ -120,6 +120,25 @@ def test_a_mesh_axis_no_physical_axes_multiply_to_splits_them():
     assert sorted(d.id for d in mesh.devices.reshape(-1)) == sorted(d.id for d in devices)
 
 
+@pytest.mark.slow
+def test_the_moe_grouped_matmul_counts_its_flops_on_tpu():
+    """XLA:TPU calls a Mosaic kernel for `jax.lax.ragged_dot`: the roofline counts 2·M·K·N for it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    device = compilers.devices(compilers.ACCELERATORS["tpu-v5e"], 4)[:1]
+    placed = NamedSharding(Mesh(device, ("x",)), PartitionSpec())
+    rows, k, n, groups = 512, 256, 384, 8
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+        for shape, dtype in (((rows, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32))
+    ]
+    text = jax.jit(jax.lax.ragged_dot).lower(*args).compile().as_text()
+    assert "tpu_custom_call" in text
+    assert sum(kernel.flops * kernel.count for kernel in hlo.kernels(text)) == 2 * rows * k * n
+
+
 def test_a_tpu_out_of_memory_refusal_is_a_plan_that_does_not_fit():
     """libtpu refuses a step over its HBM; the plan reads the figures from its message."""
     gib = compilers.GIB
