@@ -181,8 +181,9 @@ def make_train_step(
 
 
 def _micro_batch_gradients(drafter_graphdef: nnx.GraphDef, cfg: objective.ObjectiveConfig) -> Callable:
-    """`(params, target, micro-batch, row keys) -> (sums, gradient of Σ w·CE)`: the frozen
-    target's inputs to the drafter, then the drafter's loss and its gradient."""
+    """`(params, target, micro-batch, row keys, step) -> (sums, gradient of Σ w·CE)`: the frozen
+    target's inputs to the drafter, then the drafter's loss (at optimizer step `step`) and its
+    gradient."""
 
     def loss_fn(params, target, features, block_embeds, positions, blocks, step):
         drafter = nnx.merge(drafter_graphdef, params)
