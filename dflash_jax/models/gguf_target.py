@@ -109,10 +109,10 @@ def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike)
         }
     interleaved = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if arch.interleaved_qk else {}
     for hf_name, gguf_name in names.items():
-        if hf_name not in weights:  # the q/k norms of a family without them
-            continue
-        weight = np.asarray(weights[hf_name], dtype=np.float32)
         module = hf_name.removesuffix(".weight").split(".", 3)[-1]
+        if module in ("self_attn.q_norm", "self_attn.k_norm") and hf_name not in weights:
+            continue  # a family without q/k norms (Llama)
+        weight = np.asarray(weights[hf_name], dtype=np.float32)
         if module in interleaved:
             weight = interleave_qk(weight, interleaved[module])
         writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
