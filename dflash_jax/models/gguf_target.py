@@ -31,6 +31,8 @@ from dflash_jax.models.gguf_tokenizer import CONTROL, PRE_TOKENIZER_SPLITS, USER
 NORMAL = 1  # gguf.constants.TokenType
 # Hugging Face architecture -> (GGUF architecture, how llama.cpp reads it), from the families.
 WRITTEN = {arch.hf_architecture: (name, arch) for name, arch in families.GGUF_ARCHITECTURES.items()}
+# The metadata key a widened file keeps its source in (`widened_gguf`).
+WIDENED_FROM = "dflash_jax.widened_from"
 
 
 def served_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
@@ -42,13 +44,21 @@ def served_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Pa
 def widened_gguf(gguf_file: str | os.PathLike, out_file: str | os.PathLike) -> Path:
     """`gguf_file` with every tensor dequantized to float32 and its metadata as it is: the weights
     our decoder runs from a quantized GGUF target (it dequantizes at load), served without the
-    engine's quantized kernels (which also round the activations to 8 bits)."""
+    engine's quantized kernels (which also round the activations to 8 bits). An `out_file`
+    already widened from the same file (its path, size and modification time, kept in its
+    metadata) is reused: SmolLM2's is 540 MB."""
     import gguf
 
-    reader, out_file = gguf.GGUFReader(gguf_file), Path(out_file)
+    source = Path(gguf_file).resolve()
+    stat = source.stat()
+    key, out_file = f"{source}:{stat.st_size}:{stat.st_mtime_ns}", Path(out_file)
+    if out_file.is_file() and _field(out_file, WIDENED_FROM) == key:
+        return out_file
+    reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(out_file), reader.fields["general.architecture"].contents())
+    writer.add_string(WIDENED_FROM, key)
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":  # the writer's own
+        if name.startswith("GGUF.") or name in ("general.architecture", WIDENED_FROM):  # the writer's own
             continue
         if name == "general.file_type":
             writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -59,6 +69,17 @@ def widened_gguf(gguf_file: str | os.PathLike, out_file: str | os.PathLike) -> P
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         writer.add_tensor(tensor.name, np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
     return write_file(writer, out_file)
+
+
+def _field(gguf_file: Path, name: str):
+    """One metadata field of a GGUF file (None if absent or unreadable)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(gguf_file).fields.get(name)
+    except (ValueError, IndexError, OSError):
+        return None
+    return None if field is None else field.contents()
 
 
 def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:

@@ -177,7 +177,7 @@ def test_a_widened_gguf_holds_the_weights_our_loader_dequantizes(tiny_gguf, tmp_
     our loader reads from the quantized file."""
     from gguf import GGUFReader
 
-    from dflash_jax.models.gguf_target import widened_gguf
+    from dflash_jax.models.gguf_target import WIDENED_FROM, widened_gguf
 
     wide = widened_gguf(tiny_gguf, tmp_path / "wide" / "tiny.F32.gguf")
     quantized, widened = GGUFReader(tiny_gguf), GGUFReader(wide)
@@ -185,9 +185,15 @@ def test_a_widened_gguf_holds_the_weights_our_loader_dequantizes(tiny_gguf, tmp_
     assert {t.tensor_type for t in widened.tensors} == {GGMLQuantizationType.F32}
     assert [(t.name, list(t.shape)) for t in widened.tensors] == [(t.name, list(t.shape)) for t in quantized.tensors]
     changed = {k for k, f in quantized.fields.items() if k.startswith("GGUF.") or k == "general.file_type"}
-    assert {k: f.contents() for k, f in widened.fields.items() if k not in changed} == {
+    assert {k: f.contents() for k, f in widened.fields.items() if k not in changed | {WIDENED_FROM}} == {
         k: f.contents() for k, f in quantized.fields.items() if k not in changed
     }
+    # Widened again from the same file: reused; from a changed one: written again.
+    written = wide.stat().st_mtime_ns
+    assert widened_gguf(tiny_gguf, wide) == wide and wide.stat().st_mtime_ns == written
+    os.utime(tiny_gguf, ns=(written + 10**9, written + 10**9))
+    widened_gguf(tiny_gguf, wide)
+    assert wide.stat().st_mtime_ns != written
     ours = [load_target(path, param_dtype=jnp.float32, compute_dtype=jnp.float32) for path in (tiny_gguf, wide)]
     leaves = [jax.tree.leaves(nnx.state(m, nnx.Param)) for m in ours]
     assert len(leaves[0]) == len(leaves[1]) > 0
