@@ -7,7 +7,7 @@ reads the latest (or given) checkpoint of a training run and writes `config.json
 `model.safetensors` to `<workdir>/export/` (or --output). Training does the same at its end.
 --format=gguf also writes `drafter.gguf` there, the file llama.cpp's `llama-server` loads beside
 the GGUF --target (`--spec-type draft-dflash` or `draft-dspark`, models/gguf_export.py), with
-that target's vocabulary (default --target: the run's own); a Hugging Face Qwen3 target (the
+that target's vocabulary (default --target: the run's own); a Hugging Face Qwen3 or Llama target (the
 default run's tiny-qwen3) is first written beside it as `target.gguf` (models/gguf_target.py).
 --draft_vocab=N gives that file its own LM head of the N tokens training used most (the export's
 token_frequencies.json) and llama.cpp's `d2t` map: the engine drafts as `evaluate --draft_vocab=N`.
@@ -47,7 +47,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "target",
         None,
-        "--format=gguf: the target's GGUF file, or a Qwen3 model written as GGUF (default: the run's target).",
+        "--format=gguf: the target's GGUF file, or a Qwen3 or Llama model written as GGUF (default: the run's target).",
         **fv,
     )
     flags.DEFINE_integer(
