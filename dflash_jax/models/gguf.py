@@ -202,11 +202,7 @@ class GgufTensors:
 
     def __init__(self, path: str | os.PathLike):
         self.file = GgufFile(path)
-        config = self.file.hf_config()
-        self._heads = {
-            "self_attn.q_proj": config["num_attention_heads"],
-            "self_attn.k_proj": config["num_key_value_heads"],
-        }
+        self._heads = qk_heads(self.file.hf_config())
 
     def names(self) -> set[str]:
         return set(self.file.tensors)
@@ -218,10 +214,22 @@ class GgufTensors:
         values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest axis first
         values = values.reshape(shape)
-        module = name.removesuffix(".weight").split(".", 3)[-1]  # 'self_attn.q_proj' of model.layers.3.
+        module = layer_module(name)
         if self.file.architecture.interleaved_qk and module in self._heads:
             values = uninterleave_qk(values, self._heads[module])
         return values
+
+
+def qk_heads(config: dict[str, Any]) -> dict[str, int]:
+    """The projections whose rows llama.cpp reorders per head in a llama model, with their head
+    counts from a config.json."""
+    heads = config["num_attention_heads"]
+    return {"self_attn.q_proj": heads, "self_attn.k_proj": config.get("num_key_value_heads", heads)}
+
+
+def layer_module(hf_name: str) -> str:
+    """'self_attn.q_proj' of 'model.layers.3.self_attn.q_proj.weight'."""
+    return hf_name.removesuffix(".weight").split(".", 3)[-1]
 
 
 def uninterleave_qk(weight: np.ndarray, heads: int) -> np.ndarray:

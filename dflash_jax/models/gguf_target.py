@@ -25,7 +25,15 @@ import numpy as np
 
 from dflash_jax.errors import UserError
 from dflash_jax.models import families
-from dflash_jax.models.gguf import LAYER_TENSORS, copy_field, interleave_qk, weights_file, write_file
+from dflash_jax.models.gguf import (
+    LAYER_TENSORS,
+    copy_field,
+    interleave_qk,
+    layer_module,
+    qk_heads,
+    weights_file,
+    write_file,
+)
 from dflash_jax.models.gguf_tokenizer import CONTROL, PRE_TOKENIZER_SPLITS, USER_DEFINED
 
 NORMAL = 1  # gguf.constants.TokenType
@@ -128,9 +136,9 @@ def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike)
         names |= {
             f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for theirs, ours in LAYER_TENSORS.items()
         }
-    interleaved = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if arch.interleaved_qk else {}
+    interleaved = qk_heads(cfg) if arch.interleaved_qk else {}
     for hf_name, gguf_name in names.items():
-        module = hf_name.removesuffix(".weight").split(".", 3)[-1]
+        module = layer_module(hf_name)
         if module in ("self_attn.q_norm", "self_attn.k_norm") and hf_name not in weights:
             continue  # a family without q/k norms (Llama)
         weight = np.asarray(weights[hf_name], dtype=np.float32)
