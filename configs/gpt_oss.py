@@ -23,8 +23,8 @@ from dflash_jax.training.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {
-    "20b": dict(plan_config="gpt-oss-20b.json", data=-1, fsdp=4, block_size=16),
-    "120b": dict(plan_config="gpt-oss-120b.json", data=1, fsdp=-1, block_size=10),
+    "20b": dict(plan_config="gpt-oss-20b.json", mesh=dict(fsdp=4), block_size=16),
+    "120b": dict(plan_config="gpt-oss-120b.json", mesh=dict(data=1, fsdp=-1), block_size=10),
 }
 RESERVED_MASK_TOKEN = 200017
 
@@ -38,5 +38,5 @@ def get_config(variants: str = ""):
     c = hub_target_config(
         os.path.join(TARGETS, size["plan_config"]), block_size=block_size, mask_token_id=RESERVED_MASK_TOKEN
     )
-    c.mesh.data, c.mesh.fsdp = size["data"], size["fsdp"]
+    c.mesh.update(size["mesh"])
     return c
