@@ -37,8 +37,9 @@ What it measures, in this order:
 --tiny shrinks every shape so the script runs anywhere in a few minutes (the kernels run in
 Pallas interpret mode off GPU); its figures only show that the script works. --parts runs a
 subset (parity, step, decode), e.g. to split the check into two calls if compiling the 8B step
-twice takes longer than expected. Not yet run on a GPU: its first run there goes into
-docs/performance.md's ledger and the README.
+twice takes longer than expected; `--parts=predict --compile_for=h200` on a CPU machine with the
+gpu-compile extra gives the prediction alone, for a GPU whose environment lacks that compiler.
+A part that fails is reported as its one-line error and the others still run.
 """
 
 from __future__ import annotations
@@ -244,30 +245,54 @@ def compiled_prediction(setup, acc: compilers.Accelerator | None) -> dict:
     }
 
 
-def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline.Hardware | None, acc=None) -> dict:
+def predictions(setup, acc: compilers.Accelerator | None) -> dict:
+    """The `predict` part: `compiled_prediction` for both attention paths, without running a step
+    (run it where `acc`'s compiler is installed, e.g. `--compile_for=h200` on a CPU machine)."""
     out = {}
     for impl in ("fused", "xla"):
-        log(f"train step ({impl} attention): compiling and timing {steps} steps")
-        chosen = setup.with_run(attention=impl)
-        r = train_step.bench(chosen, steps, hardware=hardware)
-        flops = r["flops_per_step"]
-        predicted = r.get("predicted")
-        out[impl] = {
-            "tokens_per_s": round(r["tokens_per_s"], 1),
-            "step_s": round(1 / r["steps_per_s"], 4),
-            "compile_s": round(r["compile_s"], 1),
-            "model_tflop_per_step": _significant(flops / 1e12),
-            "achieved_tflops": _significant(r["flops_per_s"] / 1e12),
-            "mfu": None if peak_tflops is None else round(r["flops_per_s"] / (peak_tflops * 1e12), 4),
-            "peak_memory_gb": peak_memory_gb(),
-            # the roofline estimate of the compiled step (training/roofline.py) against the measured time
-            "predicted_step_s": None if predicted is None else round(predicted.step_s, 4),
-            "predicted_over_measured": None if predicted is None else round(predicted.step_s * r["steps_per_s"], 3),
-            "predicted_uncounted_kernel_runs": None if predicted is None else predicted.opaque_runs,
-            # the same step compiled for this part by its own compiler, without it (plan --hardware)
-            **compiled_prediction(chosen, acc),
-        }
-        log(f"train step ({impl}): {out[impl]}")
+        log(f"predict ({impl} attention): compiling for {acc.name if acc else None}")
+        out[impl] = _or_error(lambda: compiled_prediction(setup.with_run(attention=impl), acc))
+        log(f"predict ({impl}): {out[impl]}")
+    return out
+
+
+def _or_error(measure) -> dict:
+    """`measure()`, or the one-line error it raised: one path failing leaves the others measured."""
+    try:
+        return measure()
+    except Exception as e:  # a check script reports every failure and carries on
+        log(f"failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]}
+
+
+def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline.Hardware | None, acc=None) -> dict:
+    return {
+        impl: _or_error(lambda: train_step_of(setup, impl, steps, peak_tflops, hardware, acc)) for impl in ("fused", "xla")
+    }
+
+
+def train_step_of(setup, impl: str, steps: int, peak_tflops, hardware, acc) -> dict:
+    log(f"train step ({impl} attention): compiling and timing {steps} steps")
+    chosen = setup.with_run(attention=impl)
+    r = train_step.bench(chosen, steps, hardware=hardware)
+    flops = r["flops_per_step"]
+    predicted = r.get("predicted")
+    out = {
+        "tokens_per_s": round(r["tokens_per_s"], 1),
+        "step_s": round(1 / r["steps_per_s"], 4),
+        "compile_s": round(r["compile_s"], 1),
+        "model_tflop_per_step": _significant(flops / 1e12),
+        "achieved_tflops": _significant(r["flops_per_s"] / 1e12),
+        "mfu": None if peak_tflops is None else round(r["flops_per_s"] / (peak_tflops * 1e12), 4),
+        "peak_memory_gb": peak_memory_gb(),
+        # the roofline estimate of the compiled step (training/roofline.py) against the measured time
+        "predicted_step_s": None if predicted is None else round(predicted.step_s, 4),
+        "predicted_over_measured": None if predicted is None else round(predicted.step_s * r["steps_per_s"], 3),
+        "predicted_uncounted_kernel_runs": None if predicted is None else predicted.opaque_runs,
+        # the same step compiled for this part by its own compiler, without it (plan --hardware)
+        **compiled_prediction(chosen, acc),
+    }
+    log(f"train step ({impl}): {out}")
     return out
 
 
@@ -297,7 +322,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, tests)")
     parser.add_argument("--steps", type=int, default=0, help="timed train steps per attention path (default 5, tiny 2)")
-    parser.add_argument("--parts", default="parity,step,decode", help="comma-separated subset to run")
+    parser.add_argument(
+        "--parts",
+        default="parity,step,decode",
+        help="comma-separated subset to run: parity, step, decode, and predict (what --compile_for's compiler "
+        "predicts for the step, without running it: for a CPU machine with that compiler)",
+    )
     parser.add_argument(
         "--compile_for",
         default="",
@@ -308,6 +338,7 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     start = time.perf_counter()
+    log(f"jax {jax.__version__} imported; initializing the backend")
     device = jax.devices()[0]
     kind = device.device_kind
     tiny = args.tiny
@@ -322,12 +353,13 @@ def main() -> None:
         "attention_auto": attention.resolve_implementation("auto"),
     }
     if "parity" in parts and tiny:
-        result["parity"] = parity(TINY, rows=2, seq_len=96, num_blocks=6, block_size=8)
+        result["parity"] = _or_error(lambda: parity(TINY, rows=2, seq_len=96, num_blocks=6, block_size=8))
     elif "parity" in parts:
-        result["parity"] = parity(PARITY, rows=2, seq_len=1024, num_blocks=64, block_size=16)
-    result["matmul_peak_tflops"] = _significant(
-        train_step.matmul_peak(jnp.dtype(dtype), n=512 if tiny else 8192) / 1e12
-    )
+        result["parity"] = _or_error(lambda: parity(PARITY, rows=2, seq_len=1024, num_blocks=64, block_size=16))
+    if "step" in parts:
+        result["matmul_peak_tflops"] = _significant(
+            train_step.matmul_peak(jnp.dtype(dtype), n=512 if tiny else 8192) / 1e12
+        )
     result["peak_tflops"] = peak
     target = TINY if tiny else QWEN3_8B
     acc = compilers.ACCELERATORS[args.compile_for] if args.compile_for else compilers.for_device_kind(kind)
@@ -350,14 +382,18 @@ def main() -> None:
             "dtype": dtype,
             **train_steps(setup, steps, peak, roofline_hardware(kind), acc),
         }
+    if "predict" in parts:
+        result["predict"] = predictions(setup, acc)
     if "decode" in parts:
-        result["decode"] = decode_cost(
-            target,
-            dtype=dtype,
-            drafter_layers=1 if tiny else 5,
-            block_size=8 if tiny else 16,
-            context=64 if tiny else 2048,
-            steps=5 if tiny else 20,
+        result["decode"] = _or_error(
+            lambda: decode_cost(
+                target,
+                dtype=dtype,
+                drafter_layers=1 if tiny else 5,
+                block_size=8 if tiny else 16,
+                context=64 if tiny else 2048,
+                steps=5 if tiny else 20,
+            )
         )
     result["wall_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result), flush=True)

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_device_check_tiny_prints_one_json_line():
     result = subprocess.run(
-        ["bash", str(ROOT / "bench" / "device_check.sh"), "--tiny", "--compile_for=h200"],
+        ["bash", str(ROOT / "bench" / "device_check.sh"), "--tiny", "--compile_for=h200", "--parts=parity,step,predict,decode"],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -41,5 +41,9 @@ def test_device_check_tiny_prints_one_json_line():
         # what XLA:GPU, compiling the same step for an H200 without one, predicts beside it
         assert step[impl]["compiled_for"] == "h200"
         assert step[impl]["compiled_peak_memory_gb"] > 0 and step[impl]["compiled_step_s"] > 0
+    # the predict part (no step run) compiles the same two programs: the same figures
+    for impl in ("fused", "xla"):
+        predicted = report["predict"][impl]
+        assert predicted == {k: step[impl][k] for k in predicted}, (predicted, step[impl])
     assert report["matmul_peak_tflops"] > 0
     assert report["decode"]["cost_ratio"] > 0
