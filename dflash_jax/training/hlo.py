@@ -45,6 +45,8 @@ _PAREN = re.compile(r"[()]")
 _CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SCALAR_INTEGERS = ("s32[]", "u32[]", "s64[]", "u64[]")
+_INDEX = re.compile(r"\bindex=(\d+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
@@ -144,7 +146,7 @@ class Module:
                     continue
                 callee = dict(_CALLED.findall(ins.attributes))
                 if ins.opcode == "while":
-                    trips = _trip_count(ins.attributes, self.computations.get(callee.get("condition"), []))
+                    trips = self._trip_count(name, ins, callee)
                     calls[name].append((callee["body"], trips or 1, trips is None))
                     calls[name].append((callee["condition"], (trips or 0) + 1, trips is None))
                     continue
@@ -166,6 +168,50 @@ class Module:
         if self.entry is not None:
             visit(self.entry, 1, False)
         return runs
+
+    def _trip_count(self, computation: str, loop: Instruction, callee: dict[str, str]) -> int | None:
+        """Iterations of `loop` (a while in `computation`): the compiler's annotation, else read
+        from a counted loop `i < N` whose body adds a constant step to i (XLA:TPU's windowed
+        matmul loops step by 2, counting in u32) from a constant start (0 when not one)."""
+        known = _TRIP_COUNT.search(loop.attributes)
+        if known:
+            return int(known.group(1))
+        condition = {i.name: i for i in self.computations.get(callee.get("condition"), [])}
+        for compare in condition.values():
+            if compare.opcode != "compare" or "direction=LT" not in compare.attributes:
+                continue
+            counter, limit = (condition.get(o) for o in (*compare.operands, "", "")[:2])
+            if counter is None or limit is None or counter.opcode != "get-tuple-element":
+                continue
+            if limit.opcode != "constant" or not limit.type.startswith(_SCALAR_INTEGERS):
+                continue
+            index = _tuple_index(counter)
+            step = self._counter_element(callee.get("body"), index, of_root=True) or 1
+            start = self._counter_element(computation, index, of_tuple=loop.operands[0] if loop.operands else "") or 0
+            return max(0, -(-(int(limit.arguments) - start) // step))
+        # Else a loop whose condition holds one integer constant and compares less-than: i < N from 0.
+        constants = [i for i in condition.values() if i.opcode == "constant" and i.type.startswith(_SCALAR_INTEGERS)]
+        compares = [i for i in condition.values() if i.opcode == "compare" and "direction=LT" in i.attributes]
+        if len(constants) == 1 and compares and constants[0].arguments.isdigit():
+            return int(constants[0].arguments)
+        return None
+
+    def _counter_element(self, computation: str, index: int, *, of_root: bool = False, of_tuple: str = "") -> int | None:
+        """The constant at element `index` of a tuple in `computation` (`of_tuple`, an operand of a
+        loop: the counter's start), or the constant its root tuple adds to that element (`of_root`,
+        a loop body: the counter's step); None when it is not one."""
+        body = {i.name: i for i in self.computations.get(computation, [])}
+        root = next((i for i in body.values() if i.is_root), None) if of_root else body.get(of_tuple)
+        if root is None or root.opcode != "tuple" or index >= len(root.operands):
+            return None
+        element = body.get(root.operands[index])
+        if of_root:
+            if element is None or element.opcode != "add":
+                return None
+            element = next((body.get(o) for o in element.operands if getattr(body.get(o), "opcode", "") == "constant"), None)
+        if element is None or element.opcode != "constant" or not element.arguments.lstrip("-").isdigit():
+            return None
+        return int(element.arguments)
 
     def operand_type(self, computation: str, name: str) -> str:
         return self.types[computation].get(name, "")
@@ -197,16 +243,8 @@ def _parse_instruction(line: str) -> Instruction | None:
     )
 
 
-def _trip_count(attributes: str, condition: list[Instruction]) -> int | None:
-    known = _TRIP_COUNT.search(attributes)
-    if known:
-        return int(known.group(1))
-    # A counted loop `i < N` with i from 0: the condition compares with one integer constant.
-    constants = [i for i in condition if i.opcode == "constant" and i.type.startswith("s32[]")]
-    compares = [i for i in condition if i.opcode == "compare" and "direction=LT" in i.attributes]
-    if len(constants) == 1 and compares and constants[0].arguments.isdigit():
-        return int(constants[0].arguments)
-    return None
+def _tuple_index(ins: Instruction) -> int:
+    return int(_INDEX.search(ins.attributes).group(1))
 
 
 def type_bytes(text: str) -> int:

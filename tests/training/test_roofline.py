@@ -90,6 +90,22 @@ def test_kernels_count_loops_slices_and_updates_in_place():
     }
 
 
+@pytest.mark.parametrize(
+    "counter, start, step, runs",
+    [("s32", 0, 1, 16), ("u32", 0, 2, 8), ("u32", 4, 2, 6), ("s32", 3, 5, 3)],
+)
+def test_a_loops_trip_count_follows_its_counters_start_and_step(counter, start, step, runs):
+    """`i < 16` from `start` by `step`: XLA:TPU's windowed matmul loops count in u32 by 2 (a
+    loop taken for 16 runs made its matmuls count twice)."""
+    text = (
+        LOOP_HLO.replace("%z = s32[] constant(0)", f"%z = s32[] constant({start})")
+        .replace("%one = s32[] constant(1)", f"%one = s32[] constant({step})")
+        .replace("s32[]", f"{counter}[]")
+    )
+    found = {k.opcode: k.count for k in hlo.kernels(text) if k.flops and k.opcode == "fusion"}
+    assert found == {"fusion": runs}
+
+
 # What XLA:GPU makes of a dot: a cuBLAS call whose dimensions are in its backend config, and a
 # scratch buffer beside the product; a Pallas kernel (its FLOPs unknown).
 GPU_HLO = textwrap.dedent(
