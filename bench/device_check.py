@@ -39,7 +39,8 @@ Pallas interpret mode off GPU); its figures only show that the script works. --p
 subset (parity, step, decode), e.g. to split the check into two calls if compiling the 8B step
 twice takes longer than expected; `--parts=predict --compile_for=h200` on a CPU machine with the
 gpu-compile extra gives the prediction alone, for a GPU whose environment lacks that compiler.
-A part that fails is reported as its one-line error and the others still run.
+A part that fails is reported as its one-line error and the others still run; the exit status
+is then 1.
 """
 
 from __future__ import annotations
@@ -397,6 +398,12 @@ def main() -> None:
         )
     result["wall_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result), flush=True)
+    sys.exit(1 if _failed(result) else 0)
+
+
+def _failed(report) -> bool:
+    """Whether any part of the report is an error (`_or_error`)."""
+    return isinstance(report, dict) and ("error" in report or any(_failed(v) for v in report.values()))
 
 
 if __name__ == "__main__":
