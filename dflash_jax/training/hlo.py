@@ -108,6 +108,7 @@ class Kernel:
     flops: float  # matmul FLOPs (dot, convolution) per run
     bytes: float  # memory read and written per run
     count: int  # runs per step
+    in_unknown_loop: bool = False  # inside a loop whose trip count could not be read: count is per iteration
 
 
 class Module:
@@ -317,15 +318,15 @@ def kernels(text: str | Module) -> list[Kernel]:
     """
     module = text if isinstance(text, Module) else Module(text)
     merged: dict[tuple, int] = defaultdict(int)
-    for name, (runs, _) in module.runs.items():
+    for name, (runs, unknown) in module.runs.items():
         for ins in module.computations[name]:
             if ins.opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVE_KINDS:
                 continue
             flops = _flops(module, name, ins)
             traffic = 0 if ins.opcode in _NO_TRAFFIC else _traffic(module, name, ins)
             if flops or traffic:
-                merged[(ins.opcode, flops, traffic)] += runs
-    return [Kernel(op, f, b, c) for (op, f, b), c in merged.items()]
+                merged[(ins.opcode, flops, traffic, unknown)] += runs
+    return [Kernel(op, f, b, c, u) for (op, f, b, u), c in merged.items()]
 
 
 # Ops whose result is no buffer of its own: aliases of another's, or a tuple of them.

@@ -106,6 +106,18 @@ def test_a_loops_trip_count_follows_its_counters_start_and_step(counter, start, 
     assert found == {"fusion": runs}
 
 
+def test_a_loop_of_data_dependent_length_is_counted_once_and_said_so():
+    """`i < n` with n carried by the loop (the MoE's chunks of routed pairs): one iteration is
+    counted, and the estimate names the FLOPs counted so."""
+    text = LOOP_HLO.replace("%n = s32[] constant(16)", "%n = s32[] get-tuple-element(%p), index=0")
+    kernels = hlo.kernels(text)
+    in_loop = [k for k in kernels if k.in_unknown_loop and k.flops]
+    assert [(k.flops, k.count) for k in in_loop] == [(2.0 * 32 * 64, 1)]
+    hw = roofline.Hardware("test", matmul_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10)
+    assert roofline.estimate(kernels, [], hw).once_flops == 2.0 * 32 * 64
+    assert roofline.estimate(hlo.kernels(LOOP_HLO), [], hw).once_flops == 0
+
+
 # What XLA:GPU makes of a dot: a cuBLAS call whose dimensions are in its backend config, and a
 # scratch buffer beside the product; a Pallas kernel (its FLOPs unknown).
 GPU_HLO = textwrap.dedent(
