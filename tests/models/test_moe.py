@@ -283,6 +283,7 @@ EXPERT_PARALLEL = textwrap.dedent(
     from dflash_jax.models import sharding
     from dflash_jax.models.architecture import MoeConfig
     from dflash_jax.models.moe import MoE
+    from dflash_jax.training import hlo as hlo_lib
     from dflash_jax.training.mesh import make_mesh
 
     # The layouts of (data, fsdp, tensor): experts over fsdp with tokens gathered over it; over
@@ -321,6 +322,14 @@ EXPERT_PARALLEL = textwrap.dedent(
             hlo = step.as_text()
             gathered = [line for line in hlo.splitlines() if "all-gather(" in line and "f32[16," in line]
             assert not gathered, (name, shape, gathered[:2])
+            # Each token is routed (logits [rows, 16 experts]) and put through the shared expert
+            # ([rows, 48]) on one device: no dot has more rows than a device's share of the 320.
+            module = hlo_lib.Module(hlo)
+            for body in module.computations.values():
+                for ins in body:
+                    dims = hlo_lib._dims(ins.type) if ins.opcode == "dot" else []
+                    if len(dims) == 2 and dims[1] in (16, 48):
+                        assert dims[0] <= 320 // 8, (name, shape, ins.type)
     print("OK")
     """
 )
