@@ -252,24 +252,23 @@ def predictions(setup, acc: compilers.Accelerator | None) -> dict:
     out = {}
     for impl in ("fused", "xla"):
         log(f"predict ({impl} attention): compiling for {acc.name if acc else None}")
-        out[impl] = _or_error(lambda: compiled_prediction(setup.with_run(attention=impl), acc))
+        out[impl] = _or_error(compiled_prediction, setup.with_run(attention=impl), acc)
         log(f"predict ({impl}): {out[impl]}")
     return out
 
 
-def _or_error(measure) -> dict:
-    """`measure()`, or the one-line error it raised: one path failing leaves the others measured."""
+def _or_error(measure, *args, **kwargs) -> dict:
+    """`measure(*args, **kwargs)`, or the one-line error it raised: one part failing leaves the
+    others measured."""
     try:
-        return measure()
+        return measure(*args, **kwargs)
     except Exception as e:  # a check script reports every failure and carries on
         log(f"failed: {type(e).__name__}: {e}")
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]}
 
 
 def train_steps(setup, steps: int, peak_tflops: float | None, hardware: roofline.Hardware | None, acc=None) -> dict:
-    return {
-        impl: _or_error(lambda: train_step_of(setup, impl, steps, peak_tflops, hardware, acc)) for impl in ("fused", "xla")
-    }
+    return {impl: _or_error(train_step_of, setup, impl, steps, peak_tflops, hardware, acc) for impl in ("fused", "xla")}
 
 
 def train_step_of(setup, impl: str, steps: int, peak_tflops, hardware, acc) -> dict:
@@ -354,9 +353,9 @@ def main() -> None:
         "attention_auto": attention.resolve_implementation("auto"),
     }
     if "parity" in parts and tiny:
-        result["parity"] = _or_error(lambda: parity(TINY, rows=2, seq_len=96, num_blocks=6, block_size=8))
+        result["parity"] = _or_error(parity, TINY, rows=2, seq_len=96, num_blocks=6, block_size=8)
     elif "parity" in parts:
-        result["parity"] = _or_error(lambda: parity(PARITY, rows=2, seq_len=1024, num_blocks=64, block_size=16))
+        result["parity"] = _or_error(parity, PARITY, rows=2, seq_len=1024, num_blocks=64, block_size=16)
     if "step" in parts:
         result["matmul_peak_tflops"] = _significant(
             train_step.matmul_peak(jnp.dtype(dtype), n=512 if tiny else 8192) / 1e12
@@ -387,14 +386,13 @@ def main() -> None:
         result["predict"] = predictions(setup, acc)
     if "decode" in parts:
         result["decode"] = _or_error(
-            lambda: decode_cost(
-                target,
-                dtype=dtype,
-                drafter_layers=1 if tiny else 5,
-                block_size=8 if tiny else 16,
-                context=64 if tiny else 2048,
-                steps=5 if tiny else 20,
-            )
+            decode_cost,
+            target,
+            dtype=dtype,
+            drafter_layers=1 if tiny else 5,
+            block_size=8 if tiny else 16,
+            context=64 if tiny else 2048,
+            steps=5 if tiny else 20,
         )
     result["wall_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result), flush=True)

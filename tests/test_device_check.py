@@ -15,7 +15,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_device_check_tiny_prints_one_json_line():
     result = subprocess.run(
-        ["bash", str(ROOT / "bench" / "device_check.sh"), "--tiny", "--compile_for=h200", "--parts=parity,step,predict,decode"],
+        [
+            "bash",
+            str(ROOT / "bench" / "device_check.sh"),
+            "--tiny",
+            "--compile_for=h200",
+            "--parts=parity,step,predict,decode",
+        ],
         capture_output=True,
         text=True,
         timeout=1200,

@@ -274,9 +274,7 @@ class MoE(nnx.Module):
         others = tuple(a for a in expert_axes if a not in token_axes)  # devices holding the same tokens
         routing = _split_rows(self.route, mine, others)
         if token_axes:
-            tokens, weights, experts = (
-                jax.lax.all_gather(a, token_axes, axis=0, tiled=True) for a in (mine, *routing)
-            )
+            tokens, weights, experts = (jax.lax.all_gather(a, token_axes, axis=0, tiled=True) for a in (mine, *routing))
         else:
             tokens, (weights, experts) = mine, routing
         count = self.experts.gate_proj[...].shape[0]

@@ -197,7 +197,9 @@ class Module:
             return int(constants[0].arguments)
         return None
 
-    def _counter_element(self, computation: str, index: int, *, of_root: bool = False, of_tuple: str = "") -> int | None:
+    def _counter_element(
+        self, computation: str, index: int, *, of_root: bool = False, of_tuple: str = ""
+    ) -> int | None:
         """The constant at element `index` of a tuple in `computation` (`of_tuple`, an operand of a
         loop: the counter's start), or the constant its root tuple adds to that element (`of_root`,
         a loop body: the counter's step); None when it is not one."""
@@ -209,7 +211,9 @@ class Module:
         if of_root:
             if element is None or element.opcode != "add":
                 return None
-            element = next((body.get(o) for o in element.operands if getattr(body.get(o), "opcode", "") == "constant"), None)
+            element = next(
+                (body.get(o) for o in element.operands if getattr(body.get(o), "opcode", "") == "constant"), None
+            )
         if element is None or element.opcode != "constant" or not element.arguments.lstrip("-").isdigit():
             return None
         return int(element.arguments)
