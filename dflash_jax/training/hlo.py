@@ -134,7 +134,7 @@ class Module:
             instruction = _parse_instruction(line)
             if instruction is not None:
                 self.computations[current].append(instruction)
-        self.types = {c: {i.name: i.type for i in body} for c, body in self.computations.items()}
+        self.named = {c: {i.name: i for i in body} for c, body in self.computations.items()}
         self.runs = self._runs()
 
     def _runs(self) -> dict[str, tuple[int, bool]]:
@@ -177,7 +177,7 @@ class Module:
         known = _TRIP_COUNT.search(loop.attributes)
         if known:
             return int(known.group(1))
-        condition = {i.name: i for i in self.computations.get(callee.get("condition"), [])}
+        condition = self.named.get(callee.get("condition"), {})
         for compare in condition.values():
             if compare.opcode != "compare" or "direction=LT" not in compare.attributes:
                 continue
@@ -187,8 +187,12 @@ class Module:
             if limit.opcode != "constant" or not limit.type.startswith(_SCALAR_INTEGERS):
                 continue
             index = _tuple_index(counter)
-            step = self._counter_element(callee.get("body"), index, of_root=True) or 1
-            start = self._counter_element(computation, index, of_tuple=loop.operands[0] if loop.operands else "") or 0
+            body = self.named.get(callee.get("body"), {})
+            root = next((i.name for i in body.values() if i.is_root), "")
+            update = _tuple_element(body, root, index)  # i + step
+            steps = [_constant(body.get(o)) for o in update.operands] if update and update.opcode == "add" else []
+            step = next((c for c in steps if c is not None), None) or 1
+            start = _constant(_tuple_element(self.named[computation], (*loop.operands, "")[0], index)) or 0
             return max(0, -(-(int(limit.arguments) - start) // step))
         # Else a loop whose condition holds one integer constant and compares less-than: i < N from 0.
         constants = [i for i in condition.values() if i.opcode == "constant" and i.type.startswith(_SCALAR_INTEGERS)]
@@ -197,29 +201,9 @@ class Module:
             return int(constants[0].arguments)
         return None
 
-    def _counter_element(
-        self, computation: str, index: int, *, of_root: bool = False, of_tuple: str = ""
-    ) -> int | None:
-        """The constant at element `index` of a tuple in `computation` (`of_tuple`, an operand of a
-        loop: the counter's start), or the constant its root tuple adds to that element (`of_root`,
-        a loop body: the counter's step); None when it is not one."""
-        body = {i.name: i for i in self.computations.get(computation, [])}
-        root = next((i for i in body.values() if i.is_root), None) if of_root else body.get(of_tuple)
-        if root is None or root.opcode != "tuple" or index >= len(root.operands):
-            return None
-        element = body.get(root.operands[index])
-        if of_root:
-            if element is None or element.opcode != "add":
-                return None
-            element = next(
-                (body.get(o) for o in element.operands if getattr(body.get(o), "opcode", "") == "constant"), None
-            )
-        if element is None or element.opcode != "constant" or not element.arguments.lstrip("-").isdigit():
-            return None
-        return int(element.arguments)
-
     def operand_type(self, computation: str, name: str) -> str:
-        return self.types[computation].get(name, "")
+        operand = self.named[computation].get(name)
+        return operand.type if operand else ""
 
 
 def _parse_instruction(line: str) -> Instruction | None:
@@ -250,6 +234,21 @@ def _parse_instruction(line: str) -> Instruction | None:
 
 def _tuple_index(ins: Instruction) -> int:
     return int(_INDEX.search(ins.attributes).group(1))
+
+
+def _tuple_element(named: dict[str, Instruction], tuple_name: str, index: int) -> Instruction | None:
+    """Element `index` of the tuple instruction `tuple_name`; None when it is not one."""
+    tup = named.get(tuple_name)
+    if tup is None or tup.opcode != "tuple" or index >= len(tup.operands):
+        return None
+    return named.get(tup.operands[index])
+
+
+def _constant(ins: Instruction | None) -> int | None:
+    """The value of an integer scalar constant, else None."""
+    if ins is None or ins.opcode != "constant" or not ins.arguments.lstrip("-").isdigit():
+        return None
+    return int(ins.arguments)
 
 
 def type_bytes(text: str) -> int:
