@@ -310,7 +310,10 @@ class MoE(nnx.Module):
             return out.at[pair // a].add(y.astype(jnp.float32) * w[:, None])
 
         out = jnp.zeros(tokens.shape, jnp.float32)
-        return jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, run_chunk, out)
+        # The chunks balanced routing needs: the roofline counts the loop so (training/hlo.py reads the scope).
+        balanced = max(1, math.ceil(rows * count / self.config.num_experts / chunk))
+        with jax.named_scope(f"expected_trips={balanced}"):
+            return jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, run_chunk, out)
 
     def _shared(self, tokens: jax.Array) -> jax.Array | float:
         """The shared expert's output for tokens [T, D] (gated where the family gates it), or 0."""

@@ -48,6 +48,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SCALAR_INTEGERS = ("s32[]", "u32[]", "s64[]", "u64[]")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_EXPECTED_TRIPS = re.compile(r"\bexpected_trips=(\d+)")  # a named scope around a loop (models/moe.py)
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
@@ -80,6 +81,16 @@ _NO_TRAFFIC = {
 }
 _SLICING = ("dynamic-slice", "slice", "gather")  # read only what they output
 
+# How the trip counts of the loops around an op were found, surest first: read from the program;
+# EXPECTED for a loop of data-dependent length, at the trips its `expected_trips=N` scope states
+# (an expert-parallel MoE's chunks of routed pairs under balanced routing); UNKNOWN, counted once.
+READ, EXPECTED, UNKNOWN = "read", "expected", "unknown"
+
+
+def least_sure(*hows: str) -> str:
+    """The least sure of some ways trip counts were found (an op inside loops found several ways)."""
+    return max(hows, key=(READ, EXPECTED, UNKNOWN).index)
+
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
@@ -99,7 +110,7 @@ class Collective:
     group_size: int  # devices taking part in each group (0 = unknown, e.g. collective-permute)
     bytes: int  # per device and occurrence: the full buffer (gathered, reduced or sent)
     count: int  # occurrences per step (trip counts of the loops around it multiplied in)
-    in_unknown_loop: bool  # inside a loop whose trip count could not be read: count is per iteration
+    trips: str = READ  # how those trip counts were found: READ, EXPECTED or UNKNOWN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +119,7 @@ class Kernel:
     flops: float  # matmul FLOPs (dot, convolution) per run
     bytes: float  # memory read and written per run
     count: int  # runs per step
-    in_unknown_loop: bool = False  # inside a loop whose trip count could not be read: count is per iteration
+    trips: str = READ  # how the trip counts of the loops around it were found: READ, EXPECTED or UNKNOWN
 
 
 class Module:
@@ -137,43 +148,54 @@ class Module:
         self.named = {c: {i.name: i for i in body} for c, body in self.computations.items()}
         self.runs = self._runs()
 
-    def _runs(self) -> dict[str, tuple[int, bool]]:
-        """(runs per step, inside a loop of unknown trip count) of each computation that runs as a
-        program (the entry, loop bodies and conditions, called computations, branches)."""
-        calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    def _runs(self) -> dict[str, tuple[int, str]]:
+        """(runs per step, how the trip counts around it were found) of each computation that runs
+        as a program (the entry, loop bodies and conditions, called computations, branches)."""
+        calls: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
         for name, body in self.computations.items():
             for ins in body:
                 if ins.opcode not in _CONTROL_FLOW:
                     continue
                 callee = dict(_CALLED.findall(ins.attributes))
                 if ins.opcode == "while":
-                    trips = self._trip_count(name, ins, callee)
-                    calls[name].append((callee["body"], trips or 1, trips is None))
-                    calls[name].append((callee["condition"], (trips or 0) + 1, trips is None))
+                    trips, how = self._trip_count(name, ins, callee)
+                    calls[name].append((callee["body"], trips, how))
+                    calls[name].append((callee["condition"], trips + 1, how))
                     continue
                 for key in ("to_apply", "calls", "true_computation", "false_computation"):
                     if key in callee:
-                        calls[name].append((callee[key], 1, False))
+                        calls[name].append((callee[key], 1, READ))
                 for group in _BRANCHES.findall(ins.attributes):
-                    calls[name].extend((c.strip().lstrip("%"), 1, False) for c in group.split(","))
-        runs: dict[str, tuple[int, bool]] = {}
+                    calls[name].extend((c.strip().lstrip("%"), 1, READ) for c in group.split(","))
+        runs: dict[str, tuple[int, str]] = {}
 
-        def visit(name: str, mult: int, unknown: bool, depth: int = 0) -> None:
+        def visit(name: str, mult: int, how: str, depth: int = 0) -> None:
             if depth > 64 or name not in self.computations:
                 return
-            old = runs.get(name, (0, False))
-            runs[name] = (old[0] + mult, old[1] or unknown)
-            for callee, m, u in calls.get(name, []):
-                visit(callee, mult * m, unknown or u, depth + 1)
+            old = runs.get(name, (0, READ))
+            runs[name] = (old[0] + mult, least_sure(old[1], how))
+            for callee, m, h in calls.get(name, []):
+                visit(callee, mult * m, least_sure(how, h), depth + 1)
 
         if self.entry is not None:
-            visit(self.entry, 1, False)
+            visit(self.entry, 1, READ)
         return runs
 
-    def _trip_count(self, computation: str, loop: Instruction, callee: dict[str, str]) -> int | None:
-        """Iterations of `loop` (a while in `computation`): the compiler's annotation, else read
-        from a counted loop `i < N` whose body adds a constant step to i (XLA:TPU's windowed
-        matmul loops step by 2, counting in u32) from a constant start (0 when not one)."""
+    def _trip_count(self, computation: str, loop: Instruction, callee: dict[str, str]) -> tuple[int, str]:
+        """(iterations of `loop`, a while in `computation`; how they were found): READ from the
+        compiler's annotation or a counted loop (`_counted_trips`); else EXPECTED from the
+        loop's `expected_trips=N` scope; else 1, UNKNOWN."""
+        trips = self._counted_trips(computation, loop, callee)
+        if trips is not None:
+            return trips, READ
+        op_name = _OP_NAME.search(loop.attributes)
+        expected = _EXPECTED_TRIPS.search(op_name.group(1)) if op_name else None
+        return (int(expected.group(1)), EXPECTED) if expected else (1, UNKNOWN)
+
+    def _counted_trips(self, computation: str, loop: Instruction, callee: dict[str, str]) -> int | None:
+        """The compiler's annotation, else read from a counted loop `i < N` whose body adds a
+        constant step to i (XLA:TPU's windowed matmul loops step by 2, counting in u32) from a
+        constant start (0 when not one); None when the trip count is not in the program."""
         known = _TRIP_COUNT.search(loop.attributes)
         if known:
             return int(known.group(1))
@@ -291,7 +313,7 @@ def collectives(text: str | Module) -> list[Collective]:
     """
     module = text if isinstance(text, Module) else Module(text)
     merged: dict[tuple, int] = defaultdict(int)
-    for name, (runs, unknown) in module.runs.items():
+    for name, (runs, how) in module.runs.items():
         for ins in module.computations[name]:
             kind = ins.opcode.removesuffix("-start")
             if kind not in COLLECTIVE_KINDS or ins.opcode.endswith("-done"):
@@ -306,9 +328,9 @@ def collectives(text: str | Module) -> list[Collective]:
             op_name = _OP_NAME.search(ins.attributes)
             scopes = op_name.group(1).split("/") if op_name else []
             region = next((r for r in REGIONS if r in scopes), "other")
-            merged[(kind, region, group, size, unknown)] += runs
+            merged[(kind, region, group, size, how)] += runs
     ordered = sorted(merged.items(), key=lambda kv: -kv[0][3] * kv[1])
-    return [Collective(k, r, g, s, c, u) for (k, r, g, s, u), c in ordered]
+    return [Collective(k, r, g, s, c, h) for (k, r, g, s, h), c in ordered]
 
 
 def kernels(text: str | Module) -> list[Kernel]:
@@ -321,15 +343,15 @@ def kernels(text: str | Module) -> list[Kernel]:
     """
     module = text if isinstance(text, Module) else Module(text)
     merged: dict[tuple, int] = defaultdict(int)
-    for name, (runs, unknown) in module.runs.items():
+    for name, (runs, how) in module.runs.items():
         for ins in module.computations[name]:
             if ins.opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVE_KINDS:
                 continue
             flops = _flops(module, name, ins)
             traffic = 0 if ins.opcode in _NO_TRAFFIC else _traffic(module, name, ins)
             if flops or traffic:
-                merged[(ins.opcode, flops, traffic, unknown)] += runs
-    return [Kernel(op, f, b, c, u) for (op, f, b, u), c in merged.items()]
+                merged[(ins.opcode, flops, traffic, how)] += runs
+    return [Kernel(op, f, b, c, h) for (op, f, b, h), c in merged.items()]
 
 
 # Ops whose result is no buffer of its own: aliases of another's, or a tuple of them.

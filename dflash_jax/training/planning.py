@@ -321,6 +321,13 @@ def _gib(n: float) -> str:
     return f"{n / GIB:7.2f} GiB"
 
 
+# What a collective's count means when a loop around it has a data-dependent length.
+_TRIPS_NOTES = {
+    hlo.EXPECTED: " (count at the trips balanced routing needs)",
+    hlo.UNKNOWN: " (count per loop iteration: trip count unknown)",
+}
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:8.2f} GB"
 
@@ -395,7 +402,7 @@ def format_plan(
         groups[(c.region, c.kind, c.group_size)].append(c)
     for (region, kind, group), ops in sorted(groups.items(), key=lambda kv: -sum(c.bytes * c.count for c in kv[1])):
         biggest = max(ops, key=lambda c: c.bytes * c.count)
-        unknown = " (count per loop iteration: trip count unknown)" if any(c.in_unknown_loop for c in ops) else ""
+        unknown = _TRIPS_NOTES.get(hlo.least_sure(*(c.trips for c in ops)), "")
         over = f"over {group}" if group else ""
         lines.append(
             f"    {region:<8s} {kind:<18s} {over:<7s} {_gb(sum(c.bytes * c.count for c in ops))}"

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dflash_jax.training.hlo import Collective, Kernel
+from dflash_jax.training.hlo import EXPECTED, UNKNOWN, Collective, Kernel
 
 if TYPE_CHECKING:
     from dflash_jax.training.planning import Plan
@@ -139,7 +139,8 @@ class Estimate:
     collectives_s: float
     opaque_runs: int  # runs of custom calls other than GEMMs (Pallas kernels): FLOPs not counted
     # matmul FLOPs inside loops of data-dependent length (an expert-parallel MoE's chunks of routed
-    # pairs), counted for one iteration: the step is longer by their other iterations
+    # pairs): counted at the trips the model expects (balanced routing), or once where it states none
+    expected_flops: float = 0.0
     once_flops: float = 0.0
 
     @property
@@ -165,7 +166,8 @@ def estimate(kernels: Sequence[Kernel], collectives: Sequence[Collective], hw: H
         compute_bound_s=compute_bound_s,
         collectives_s=wire / hw.link_bandwidth,
         opaque_runs=sum(k.count for k in kernels if k.opcode == "custom-call" and not k.flops),
-        once_flops=sum(k.flops * k.count for k in kernels if k.in_unknown_loop),
+        expected_flops=sum(k.flops * k.count for k in kernels if k.trips == EXPECTED),
+        once_flops=sum(k.flops * k.count for k in kernels if k.trips == UNKNOWN),
     )
 
 
@@ -203,14 +205,17 @@ def format_speed(plan: Plan, hw: Hardware, *, epoch_tokens: float) -> str:
         est, model_flops=plan.model_flops, tokens=plan.tokens, devices=plan.num_devices, epoch_tokens=epoch_tokens
     )
     peak = f"{hw.matmul_flops / 1e12:,.1f} TFLOP/s, {hw.memory_bandwidth / 1e12:,.2f} TB/s memory"
-    once = (
-        [
-            f"    {est.once_flops / 1e12:,.1f} TFLOP of the matmuls are in loops of data-dependent length (an"
-            " expert-parallel MoE's routed pairs), counted for one iteration: the step is longer by the others"
-        ]
-        if est.once_flops
-        else []
-    )
+    loops = []
+    if est.expected_flops:
+        loops.append(
+            f"    {est.expected_flops / 1e12:,.1f} TFLOP of the matmuls are in loops of data-dependent length (an"
+            " expert-parallel MoE's routed pairs), counted at the trips balanced routing needs"
+        )
+    if est.once_flops:
+        loops.append(
+            f"    {est.once_flops / 1e12:,.1f} TFLOP of the matmuls are in loops of data-dependent length counted"
+            " for one iteration: the step is longer by the others"
+        )
     return "\n".join(
         [
             f"  speed on {hw.name} (roofline: {peak}, {hw.link_bandwidth / 1e9:,.0f} GB/s links), per device:",
@@ -220,6 +225,6 @@ def format_speed(plan: Plan, hw: Hardware, *, epoch_tokens: float) -> str:
             f" + collectives {est.collectives_s:.3f} s = step {s.step_s:.3f} s",
             f"    {s.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * s.mfu:.1f}%;"
             f" {epoch_tokens:,.0f} tokens per epoch: {_duration(s.epoch_s)}",
-            *once,
+            *loops,
         ]
     )

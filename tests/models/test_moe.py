@@ -325,6 +325,10 @@ EXPERT_PARALLEL = textwrap.dedent(
             # Each token is routed (logits [rows, 16 experts]) and put through the shared expert
             # ([rows, 48]) on one device: no dot has more rows than a device's share of the 320.
             module = hlo_lib.Module(hlo)
+            # The loop over routed pairs has a data-dependent length: the roofline counts it at the
+            # trips the model states for balanced routing, never as an unknown loop.
+            trips = {k.trips for k in hlo_lib.kernels(module) if k.flops}
+            assert hlo_lib.EXPECTED in trips and hlo_lib.UNKNOWN not in trips, (name, shape, trips)
             for body in module.computations.values():
                 for ins in body:
                     dims = hlo_lib._dims(ins.type) if ins.opcode == "dot" else []

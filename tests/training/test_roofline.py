@@ -106,16 +106,36 @@ def test_a_loops_trip_count_follows_its_counters_start_and_step(counter, start, 
     assert found == {"fusion": runs}
 
 
-def test_a_loop_of_data_dependent_length_is_counted_once_and_said_so():
-    """`i < n` with n carried by the loop (the MoE's chunks of routed pairs): one iteration is
-    counted, and the estimate names the FLOPs counted so."""
+def test_a_loop_of_data_dependent_length_is_counted_at_its_expected_trips_else_once():
+    """`i < n` with n carried by the loop (the MoE's chunks of routed pairs): counted at the trips
+    its `expected_trips=N` scope states, else once, and the estimate names the FLOPs counted so."""
     text = LOOP_HLO.replace("%n = s32[] constant(16)", "%n = s32[] get-tuple-element(%p), index=0")
-    kernels = hlo.kernels(text)
-    in_loop = [k for k in kernels if k.in_unknown_loop and k.flops]
-    assert [(k.flops, k.count) for k in in_loop] == [(2.0 * 32 * 64, 1)]
     hw = roofline.Hardware("test", matmul_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10)
-    assert roofline.estimate(kernels, [], hw).once_flops == 2.0 * 32 * 64
-    assert roofline.estimate(hlo.kernels(LOOP_HLO), [], hw).once_flops == 0
+    dot = 2.0 * 32 * 64
+
+    def in_loop(program):
+        return [(k.flops, k.count, k.trips) for k in hlo.kernels(program) if k.flops and k.opcode == "fusion"]
+
+    assert in_loop(text) == [(dot, 1, hlo.UNKNOWN)]
+    est = roofline.estimate(hlo.kernels(text), [], hw)
+    assert (est.once_flops, est.expected_flops) == (dot, 0)
+
+    scoped = text.replace(
+        "condition=%cond, body=%body",
+        'condition=%cond, body=%body, metadata={op_name="jit(step)/target/expected_trips=6/while"}',
+    )
+    assert in_loop(scoped) == [(dot, 6, hlo.EXPECTED)]
+    est = roofline.estimate(hlo.kernels(scoped), [], hw)
+    assert (est.once_flops, est.expected_flops) == (0, 6 * dot)
+
+    assert in_loop(LOOP_HLO) == [(dot, 16, hlo.READ)]  # a counted loop's trips are read, whatever its scope
+    assert in_loop(
+        LOOP_HLO.replace(
+            "condition=%cond, body=%body", 'condition=%cond, body=%body, metadata={op_name="expected_trips=6"}'
+        )
+    ) == [(dot, 16, hlo.READ)]
+    est = roofline.estimate(hlo.kernels(LOOP_HLO), [], hw)
+    assert (est.once_flops, est.expected_flops) == (0, 0)
 
 
 # What XLA:GPU makes of a dot: a cuBLAS call whose dimensions are in its backend config, and a
