@@ -57,7 +57,7 @@ from study import KINDS, apply_variant  # bench/study.py
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
-from dflash_jax.training import hlo, roofline
+from dflash_jax.training import hlo, hlo_text, roofline
 from dflash_jax.training.flops import model_flops_per_step
 from dflash_jax.training.optimizer import OPTIMIZERS
 from dflash_jax.training.presets import load_config_file
@@ -195,7 +195,7 @@ def bench(
     compiled = compile_step(setup, steps + 1)
     program = {}
     if hardware is not None:
-        module = hlo.Module(compiled.step.as_text())
+        module = hlo_text.Module(compiled.step.as_text())
         program = {"kernels": hlo.kernels(module), "collectives": hlo.collectives(module)}
         program["predicted"] = roofline.estimate(program["kernels"], program["collectives"], hardware)
     rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len

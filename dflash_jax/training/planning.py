@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from dflash_jax.data.packing import FIELDS
 from dflash_jax.models import kernels, sharding
-from dflash_jax.training import hlo
+from dflash_jax.training import hlo, hlo_text
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.hlo import Collective, Kernel, collectives
@@ -159,7 +159,7 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
     if hlo_path:
         with open(hlo_path, "w", encoding="utf-8") as f:
             f.write(text)
-    program = hlo.Module(text)
+    program = hlo_text.Module(text)
     peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
     derived = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
     derived += memory.temp_size_in_bytes
@@ -323,8 +323,8 @@ def _gib(n: float) -> str:
 
 # What a collective's count means when a loop around it has a data-dependent length.
 _TRIPS_NOTES = {
-    hlo.EXPECTED: " (count at the trips balanced routing needs)",
-    hlo.UNKNOWN: " (count per loop iteration: trip count unknown)",
+    hlo_text.EXPECTED: " (count at the trips balanced routing needs)",
+    hlo_text.UNKNOWN: " (count per loop iteration: trip count unknown)",
 }
 
 
@@ -402,7 +402,7 @@ def format_plan(
         groups[(c.region, c.kind, c.group_size)].append(c)
     for (region, kind, group), ops in sorted(groups.items(), key=lambda kv: -sum(c.bytes * c.count for c in kv[1])):
         biggest = max(ops, key=lambda c: c.bytes * c.count)
-        unknown = _TRIPS_NOTES.get(hlo.least_sure(*(c.trips for c in ops)), "")
+        unknown = _TRIPS_NOTES.get(hlo_text.least_sure(*(c.trips for c in ops)), "")
         over = f"over {group}" if group else ""
         lines.append(
             f"    {region:<8s} {kind:<18s} {over:<7s} {_gb(sum(c.bytes * c.count for c in ops))}"

@@ -20,7 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dflash_jax.training.hlo import EXPECTED, UNKNOWN, Collective, Kernel
+from dflash_jax.training.hlo import Collective, Kernel
+from dflash_jax.training.hlo_text import EXPECTED, UNKNOWN
 
 if TYPE_CHECKING:
     from dflash_jax.training.planning import Plan

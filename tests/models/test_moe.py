@@ -284,6 +284,7 @@ EXPERT_PARALLEL = textwrap.dedent(
     from dflash_jax.models.architecture import MoeConfig
     from dflash_jax.models.moe import MoE
     from dflash_jax.training import hlo as hlo_lib
+    from dflash_jax.training import hlo_text
     from dflash_jax.training.mesh import make_mesh
 
     # The layouts of (data, fsdp, tensor): experts over fsdp with tokens gathered over it; over
@@ -324,14 +325,14 @@ EXPERT_PARALLEL = textwrap.dedent(
             assert not gathered, (name, shape, gathered[:2])
             # Each token is routed (logits [rows, 16 experts]) and put through the shared expert
             # ([rows, 48]) on one device: no dot has more rows than a device's share of the 320.
-            module = hlo_lib.Module(hlo)
+            module = hlo_text.Module(hlo)
             # The loop over routed pairs has a data-dependent length: the roofline counts it at the
             # trips the model states for balanced routing, never as an unknown loop.
             trips = {k.trips for k in hlo_lib.kernels(module) if k.flops}
-            assert hlo_lib.EXPECTED in trips and hlo_lib.UNKNOWN not in trips, (name, shape, trips)
+            assert hlo_text.EXPECTED in trips and hlo_text.UNKNOWN not in trips, (name, shape, trips)
             for body in module.computations.values():
                 for ins in body:
-                    dims = hlo_lib._dims(ins.type) if ins.opcode == "dot" else []
+                    dims = hlo_text.dims(ins.type) if ins.opcode == "dot" else []
                     if len(dims) == 2 and dims[1] in (16, 48):
                         assert dims[0] <= 320 // 8, (name, shape, ins.type)
     print("OK")

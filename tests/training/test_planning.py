@@ -13,7 +13,7 @@ import pytest
 
 from dflash_jax.errors import ConfigError
 from dflash_jax.training import hlo as hlo_lib
-from dflash_jax.training import planning
+from dflash_jax.training import hlo_text, planning
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
 from dflash_jax.training.mesh import make_mesh
@@ -73,7 +73,7 @@ def test_collectives_are_counted_through_loops():
     # all-reduce inside a 3-iteration loop (trip count read from its condition) inside a loop the
     # compiler annotated with 16 iterations
     reduce = found[("all-reduce", "lm_head")]
-    assert (reduce.count, reduce.bytes, reduce.group_size, reduce.trips) == (48, 8 * 4 * 4, 4, hlo_lib.READ)
+    assert (reduce.count, reduce.bytes, reduce.group_size, reduce.trips) == (48, 8 * 4 * 4, 4, hlo_text.READ)
     gather = found[("all-gather", "target")]
     assert (gather.count, gather.bytes, gather.group_size) == (16, 1024 * 64 * 2, 4)
     scatter = found[("reduce-scatter", "other")]  # the whole buffer: one device's share x 4

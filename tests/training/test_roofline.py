@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.training import hlo, roofline
+from dflash_jax.training import hlo, hlo_text, roofline
 
 # A loop of 16 iterations: slice row i of x, a matmul of it (fused with exp), and x updated in place
 # at row i; then one matmul of the result.
@@ -116,7 +116,7 @@ def test_a_loop_of_data_dependent_length_is_counted_at_its_expected_trips_else_o
     def in_loop(program):
         return [(k.flops, k.count, k.trips) for k in hlo.kernels(program) if k.flops and k.opcode == "fusion"]
 
-    assert in_loop(text) == [(dot, 1, hlo.UNKNOWN)]
+    assert in_loop(text) == [(dot, 1, hlo_text.UNKNOWN)]
     est = roofline.estimate(hlo.kernels(text), [], hw)
     assert (est.once_flops, est.expected_flops) == (dot, 0)
 
@@ -124,16 +124,16 @@ def test_a_loop_of_data_dependent_length_is_counted_at_its_expected_trips_else_o
         "condition=%cond, body=%body",
         'condition=%cond, body=%body, metadata={op_name="jit(step)/target/expected_trips=6/while"}',
     )
-    assert in_loop(scoped) == [(dot, 6, hlo.EXPECTED)]
+    assert in_loop(scoped) == [(dot, 6, hlo_text.EXPECTED)]
     est = roofline.estimate(hlo.kernels(scoped), [], hw)
     assert (est.once_flops, est.expected_flops) == (0, 6 * dot)
 
-    assert in_loop(LOOP_HLO) == [(dot, 16, hlo.READ)]  # a counted loop's trips are read, whatever its scope
+    assert in_loop(LOOP_HLO) == [(dot, 16, hlo_text.READ)]  # a counted loop's trips are read, whatever its scope
     assert in_loop(
         LOOP_HLO.replace(
             "condition=%cond, body=%body", 'condition=%cond, body=%body, metadata={op_name="expected_trips=6"}'
         )
-    ) == [(dot, 16, hlo.READ)]
+    ) == [(dot, 16, hlo_text.READ)]
     est = roofline.estimate(hlo.kernels(LOOP_HLO), [], hw)
     assert (est.once_flops, est.expected_flops) == (0, 0)
 
