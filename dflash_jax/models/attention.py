@@ -130,6 +130,7 @@ def packed_causal_pairs(seq_len: int, sliding_window: int = 0) -> int:
     return sum((hi - lo) * (hi - window_start(lo, sliding_window)) for lo, hi in packed_causal_tiles(seq_len))
 
 
+@jax.named_scope("attention")  # the plan's time per part of the step (training/hlo.py `region`)
 def packed_causal_attention(
     q: jax.Array,
     k: jax.Array,

@@ -51,6 +51,7 @@ def own_block_mask(block_len: int, window: int, causal: bool) -> np.ndarray | No
     return visible & (key > query - window) if window else visible
 
 
+@jax.named_scope("attention")  # the plan's time per part of the step (training/hlo.py `region`)
 def block_attention(
     q: jax.Array,
     k_ctx: jax.Array,

@@ -21,6 +21,8 @@ from dflash_jax.training.hlo_text import READ, Instruction, Module, type_bytes
 
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 REGIONS = ("lm_head", "drafter", "target")  # named scopes of the step, innermost first
+ATTENTION = "attention"  # the named scope of the attention kernels (models/attention.py, block_attention.py)
+_TRANSFORM = re.compile(r"^(?:[\w.\-]+\()+|\)+$")  # 'transpose(jvp(drafter))': what autodiff wraps a scope in
 
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
@@ -55,7 +57,7 @@ _SLICING = ("dynamic-slice", "slice", "gather")  # read only what they output
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str  # one of COLLECTIVE_KINDS
-    region: str  # the named scope it came from: target, drafter, lm_head, or other
+    region: str  # the part of the step it came from (`region`)
     group_size: int  # devices taking part in each group (0 = unknown, e.g. collective-permute)
     bytes: int  # per device and occurrence: the full buffer (gathered, reduced or sent)
     count: int  # occurrences per step (trip counts of the loops around it multiplied in)
@@ -69,6 +71,7 @@ class Kernel:
     bytes: float  # memory read and written per run
     count: int  # runs per step
     trips: str = READ  # how the trip counts of the loops around it were found: READ, EXPECTED or UNKNOWN
+    region: str = "other"  # the part of the step it computes for (`region`)
 
 
 def _group_size(attributes: str) -> int:
@@ -84,6 +87,17 @@ def _group_size(attributes: str) -> int:
     if iota:
         return int(iota.group(1).split(",")[-1])
     return 0
+
+
+def region(attributes: str) -> str:
+    """The part of the step an op computes for, from its named scopes (its metadata's op_name,
+    autodiff's wrappers removed): the innermost of `REGIONS` ('other' outside them), with
+    ' attention' added inside the attention scope ('drafter attention'). A fusion carries the
+    scopes of the op at its root."""
+    op_name = hlo_text.OP_NAME.search(attributes)
+    scopes = [_TRANSFORM.sub("", s) for s in op_name.group(1).split("/")] if op_name else []
+    part = next((r for r in REGIONS if r in scopes), "other")
+    return f"{part} {ATTENTION}" if ATTENTION in scopes else part
 
 
 def collectives(text: str | Module) -> list[Collective]:
@@ -107,10 +121,7 @@ def collectives(text: str | Module) -> list[Collective]:
             group = _group_size(ins.attributes)
             if kind == "reduce-scatter":  # the result is one device's share of the reduced buffer
                 size *= max(group, 1)
-            op_name = hlo_text.OP_NAME.search(ins.attributes)
-            scopes = op_name.group(1).split("/") if op_name else []
-            region = next((r for r in REGIONS if r in scopes), "other")
-            merged[(kind, region, group, size, how)] += runs
+            merged[(kind, region(ins.attributes), group, size, how)] += runs
     ordered = sorted(merged.items(), key=lambda kv: -kv[0][3] * kv[1])
     return [Collective(k, r, g, s, c, h) for (k, r, g, s, h), c in ordered]
 
@@ -132,8 +143,8 @@ def kernels(text: str | Module) -> list[Kernel]:
             flops = _flops(module, name, ins)
             traffic = 0 if ins.opcode in _NO_TRAFFIC else _traffic(module, name, ins)
             if flops or traffic:
-                merged[(ins.opcode, flops, traffic, how)] += runs
-    return [Kernel(op, f, b, c, h) for (op, f, b, h), c in merged.items()]
+                merged[(ins.opcode, flops, traffic, how, region(ins.attributes))] += runs
+    return [Kernel(op, f, b, c, trips=h, region=r) for (op, f, b, h, r), c in merged.items()]
 
 
 # Ops whose result is no buffer of its own: aliases of another's, or a tuple of them.

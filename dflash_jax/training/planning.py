@@ -405,7 +405,7 @@ def format_plan(
         unknown = _TRIPS_NOTES.get(hlo_text.least_sure(*(c.trips for c in ops)), "")
         over = f"over {group}" if group else ""
         lines.append(
-            f"    {region:<8s} {kind:<18s} {over:<7s} {_gb(sum(c.bytes * c.count for c in ops))}"
+            f"    {region:<17s} {kind:<18s} {over:<7s} {_gb(sum(c.bytes * c.count for c in ops))}"
             f" {sum(c.count for c in ops):5d} ops, largest {biggest.bytes / 1e6:,.1f} MB x {biggest.count}{unknown}"
         )
     return "\n".join(lines)

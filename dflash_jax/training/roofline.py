@@ -172,6 +172,15 @@ def estimate(kernels: Sequence[Kernel], collectives: Sequence[Collective], hw: H
     )
 
 
+def seconds_by_region(kernels: Sequence[Kernel], hw: Hardware) -> dict[str, float]:
+    """The kernels' time on `hw` per part of the step (`hlo.region`), longest first."""
+    parts: dict[str, list[Kernel]] = {}
+    for k in kernels:
+        parts.setdefault(k.region, []).append(k)
+    seconds = {region: estimate(ks, [], hw).kernels_s for region, ks in parts.items()}
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Speed:
     step_s: float
@@ -224,6 +233,11 @@ def format_speed(plan: Plan, hw: Hardware, *, epoch_tokens: float) -> str:
             f" collectives {est.wire_bytes / 1e9:,.2f} GB on the wire",
             f"    kernels {est.kernels_s:.3f} s ({est.compute_bound_s:.3f} s of it compute-bound)"
             f" + collectives {est.collectives_s:.3f} s = step {s.step_s:.3f} s",
+            "    kernels by part: "
+            + ", ".join(
+                f"{region} {t:.3f} s ({100 * t / max(est.kernels_s, 1e-12):.0f}%)"
+                for region, t in seconds_by_region(plan.kernels, hw).items()
+            ),
             f"    {s.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * s.mfu:.1f}%;"
             f" {epoch_tokens:,.0f} tokens per epoch: {_duration(s.epoch_s)}",
             *loops,

@@ -206,8 +206,16 @@ def test_plan_command_on_the_tiny_config(tmp_path):
     setup = resolve(load_config_file(str(testing.REPO / "configs" / "default.py")), num_devices=1)
     rows, seq_len = setup.data.global_batch_rows, setup.data.seq_len
     analytic = (model_flops_per_step(setup, rows, seq_len) + remat_flops_per_step(setup, rows, seq_len)) / 2
-    compiled_flops = sum(k.flops * k.count for k in hlo_lib.kernels(hlo.read_text()))
+    kernels = hlo_lib.kernels(hlo.read_text())
+    compiled_flops = sum(k.flops * k.count for k in kernels)
     assert 0.9 < compiled_flops / analytic < 1.1, (compiled_flops, analytic)
+    # Each part's kernels are found by their named scopes, the drafter's through autodiff's wrappers
+    # (`transpose(jvp(drafter))`): every part computes matmuls, the LM head and the drafter in both passes.
+    flops = {r: sum(k.flops * k.count for k in kernels if k.region == r) for r in {k.region for k in kernels}}
+    parts = ("target", "target attention", "drafter", "drafter attention", "lm_head")
+    assert all(flops.get(p, 0) > 0 for p in parts), flops
+    assert sum(flops[p] for p in parts) > 0.95 * compiled_flops, flops
+    assert "kernels by part: " in out and "drafter attention" in out, out
     # the tiny target ties its embeddings: LM head = embedding table, vocab 4096 x hidden 256
     lm_head_bytes = 4096 * 256 * 4
     lm_head_gathers = [

@@ -138,6 +138,34 @@ def test_a_loop_of_data_dependent_length_is_counted_at_its_expected_trips_else_o
     assert (est.once_flops, est.expected_flops) == (0, 0)
 
 
+@pytest.mark.parametrize(
+    "op_name, part",
+    [
+        ("jit(step)/target/dot_general", "target"),
+        ("jit(step)/target/attention/exp", "target attention"),
+        ("jit(step)/jvp(drafter)/attention/dot_general", "drafter attention"),
+        ("jit(step)/transpose(jvp(drafter))/mul", "drafter"),  # the backward pass
+        ("jit(step)/transpose(jvp(drafter))/lm_head/dot_general", "lm_head"),  # innermost of the parts
+        ("jit(step)/optimizer/add", "other"),
+        (None, "other"),
+    ],
+)
+def test_an_ops_part_of_the_step_comes_from_its_named_scopes(op_name, part):
+    attributes = f', metadata={{op_name="{op_name}" source_file="x.py"}}' if op_name else ""
+    assert hlo.region(attributes) == part
+
+
+def test_kernel_time_is_split_by_part_of_the_step():
+    hw = roofline.Hardware("test", matmul_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10)
+    kernels = [
+        hlo.Kernel("fusion", flops=2e9, bytes=1e6, count=3, region="target"),  # 2 ms each, compute-bound
+        hlo.Kernel("fusion", flops=0.0, bytes=5e8, count=1, region="drafter attention"),  # 5 ms, memory-bound
+        hlo.Kernel("fusion", flops=1e9, bytes=1e6, count=1, region="target"),
+    ]
+    assert roofline.seconds_by_region(kernels, hw) == pytest.approx({"target": 7e-3, "drafter attention": 5e-3})
+    assert list(roofline.seconds_by_region(kernels, hw)) == ["target", "drafter attention"]  # longest first
+
+
 # What XLA:GPU makes of a dot: a cuBLAS call whose dimensions are in its backend config, and a
 # scratch buffer beside the product; a Pallas kernel (its FLOPs unknown).
 GPU_HLO = textwrap.dedent(
