@@ -299,20 +299,23 @@ class MoE(nnx.Module):
         starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
         chunk = min(rows, EP_CHUNK_ROWS)
         pair_weights = weights.reshape(-1)
+        # What balanced routing expects, for the roofline (training/hlo.py reads these scopes): the
+        # chunks this device's pairs fill, and the experts a chunk's sorted pairs reach.
+        trips = max(1, math.ceil(rows * count / self.config.num_experts / chunk))
+        groups = min(count, math.ceil(chunk * self.config.num_experts / rows) + 1)
 
         def run_chunk(c, out):
             slots = c * chunk + jnp.arange(chunk)
             pair = order[jnp.minimum(slots, rows - 1)]
             sizes = jnp.clip(ends, c * chunk, (c + 1) * chunk) - jnp.clip(starts, c * chunk, (c + 1) * chunk)
             sizes = sizes.at[-1].add(chunk - sizes.sum())  # the chunk's tail past the last pair: weight 0
-            y = self._experts(tokens[pair // a], jnp.minimum(key[pair], count - 1), sizes.astype(jnp.int32))
+            with jax.named_scope(f"expected_groups={groups}"):
+                y = self._experts(tokens[pair // a], jnp.minimum(key[pair], count - 1), sizes.astype(jnp.int32))
             w = jnp.where(slots < ends[-1], pair_weights[pair], 0.0)
             return out.at[pair // a].add(y.astype(jnp.float32) * w[:, None])
 
         out = jnp.zeros(tokens.shape, jnp.float32)
-        # The chunks balanced routing needs: the roofline counts the loop so (training/hlo.py reads the scope).
-        balanced = max(1, math.ceil(rows * count / self.config.num_experts / chunk))
-        with jax.named_scope(f"expected_trips={balanced}"):
+        with jax.named_scope(f"expected_trips={trips}"):
             return jax.lax.fori_loop(0, (ends[-1] + chunk - 1) // chunk, run_chunk, out)
 
     def _shared(self, tokens: jax.Array) -> jax.Array | float:

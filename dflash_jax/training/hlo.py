@@ -30,6 +30,8 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([^_]*)_([^-]*)->([\w]*)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
+# A named scope around a grouped matmul: how many of its groups get rows (models/moe.py `_routed`).
+_EXPECTED_GROUPS = re.compile(r"\bexpected_groups=(\d+)")
 # A matmul a GPU compiler handed to a library (cuBLAS, cuBLASLt): its dimensions in backend_config.
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
@@ -52,6 +54,7 @@ _NO_TRAFFIC = {
     "async-done",
 }
 _SLICING = ("dynamic-slice", "slice", "gather")  # read only what they output
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # ops updating operand 0 in place: their update's operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +251,8 @@ def _traffic(module: Module, computation: str, ins: Instruction) -> float:
         return 2 * operand_bytes(1)
     if ins.opcode == "scatter":
         return 2 * operand_bytes(2) + operand_bytes(1)
+    if _is_ragged_dot(ins):
+        return _ragged_dot_traffic(module, computation, ins)
     if ins.opcode == "fusion":
         body = dict(hlo_text.CALLED.findall(ins.attributes)).get("calls")
         if body in module.computations:
@@ -256,6 +261,22 @@ def _traffic(module: Module, computation: str, ins: Instruction) -> float:
     if ins.opcode == "custom-call" and _GEMM_CONTRACTING.search(ins.attributes):
         return read + type_bytes(hlo_text.SHAPE.search(ins.type).group(0))  # (product, scratch): the product
     return read + type_bytes(ins.type)
+
+
+def _ragged_dot_traffic(module: Module, computation: str, ins: Instruction) -> float:
+    """A grouped matmul reads its rows and the weights [G, K, N] of the groups that get rows, and
+    writes its product: all G groups' weights, or the share its `expected_groups=k` scope states
+    (an expert-parallel MoE's chunk of sorted pairs reaches a few of a device's experts)."""
+    op_name = hlo_text.OP_NAME.search(ins.attributes)
+    expected = _EXPECTED_GROUPS.search(op_name.group(1)) if op_name else None
+    read = 0.0
+    for operand in ins.operands:
+        kind = module.operand_type(computation, operand)
+        size, shape = type_bytes(kind), hlo_text.dims(kind)
+        if len(shape) == 3 and expected:  # the weights: the share of groups that get rows
+            size *= min(1.0, int(expected.group(1)) / shape[0])
+        read += size
+    return read + type_bytes(hlo_text.SHAPE.search(ins.type).group(0))
 
 
 def _fusion_traffic(module: Module, body: str) -> float:
@@ -284,12 +305,14 @@ def _fusion_traffic(module: Module, body: str) -> float:
 
     root = next((i for i in reversed(instructions) if i.is_root), instructions[-1])
     outputs = [by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
-    in_place: set[str] = set()  # parameters updated in place by a dynamic-update-slice output
+    in_place: set[str] = set()  # parameters updated in place by a dynamic-update-slice or scatter output
     written = 0
     for out in outputs:
-        if out.opcode == "dynamic-update-slice" and parameter_of(out.operands[0]):
+        if out.opcode in _IN_PLACE and parameter_of(out.operands[0]):
             in_place.add(parameter_of(out.operands[0]))
-            written += type_bytes(module.operand_type(body, out.operands[1]))
+            # the update; a scatter also reads the rows it combines the update with
+            update = module.operand_type(body, out.operands[_IN_PLACE[out.opcode]])
+            written += type_bytes(update) * (2 if out.opcode == "scatter" else 1)
         else:
             written += type_bytes(out.type)
 
@@ -301,8 +324,7 @@ def _fusion_traffic(module: Module, body: str) -> float:
         uses = final_users(param.name)
         updated = param.name in in_place
         if uses and all(
-            slice_read(u, via) or (updated and u.opcode == "dynamic-update-slice" and u.operands[0] == via)
-            for u, via in uses
+            slice_read(u, via) or (updated and u.opcode in _IN_PLACE and u.operands[0] == via) for u, via in uses
         ):
             read += sum(type_bytes(u.type) for u, via in uses if slice_read(u, via))
         else:

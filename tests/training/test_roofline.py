@@ -138,6 +138,52 @@ def test_a_loop_of_data_dependent_length_is_counted_at_its_expected_trips_else_o
     assert (est.once_flops, est.expected_flops) == (0, 0)
 
 
+# An expert-parallel MoE's loop body, as XLA:TPU compiles it: a grouped matmul (a Mosaic kernel)
+# of a chunk of 2,048 sorted pairs over a device's 32 experts, whose products are scatter-added
+# into the token rows in place.
+MOE_CHUNK_HLO = textwrap.dedent(
+    """
+    HloModule jit_step, entry_computation_layout={()->()}
+
+    %add (a: f32[], b: f32[]) -> f32[] {
+      %a = f32[] parameter(0)
+      %b = f32[] parameter(1)
+      ROOT %s = f32[] add(%a, %b)
+    }
+
+    %fused_scatter (param_0: f32[8192,64], param_1: s32[2048], param_2: f32[2048,64]) -> f32[8192,64] {
+      %param_0 = f32[8192,64]{1,0} parameter(0)
+      %param_1 = s32[2048]{0} parameter(1)
+      %param_2 = f32[2048,64]{1,0} parameter(2)
+      ROOT %scatter = f32[8192,64]{1,0} scatter(%param_0, %param_1, %param_2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+    }
+
+    ENTRY %main (x: f32[8192,64], i: s32[2048], t: bf16[2048,64], w: bf16[32,64,64], g: s32[32]) -> f32[8192,64] {
+      %x = f32[8192,64]{1,0} parameter(0)
+      %i = s32[2048]{0} parameter(1)
+      %t = bf16[2048,64]{1,0} parameter(2)
+      %w = bf16[32,64,64]{2,1,0} parameter(3)
+      %g = s32[32]{0} parameter(4)
+      %ragged-dot.1 = bf16[2048,64]{1,0} custom-call(%t, %w, %g), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/expected_trips=4/while/body/expected_groups=SCOPE/ragged_dot_general"}
+      %y = f32[2048,64]{1,0} convert(%ragged-dot.1)
+      ROOT %out = f32[8192,64]{1,0} fusion(%x, %i, %y), kind=kCustom, calls=%fused_scatter
+    }
+    """
+)
+
+
+@pytest.mark.parametrize("groups, weights_read", [("3", 3 * 64 * 64 * 2), ("", 32 * 64 * 64 * 2)])
+def test_a_moe_chunk_reads_the_experts_it_reaches_and_updates_rows_in_place(groups, weights_read):
+    """The grouped matmul reads the weights of the `expected_groups=k` experts its scope states
+    (all 32 without it); the scatter-add fusion reads and writes the 2,048 rows it updates, not
+    the 8,192-row buffer it updates in place."""
+    text = MOE_CHUNK_HLO.replace("expected_groups=SCOPE/", f"expected_groups={groups}/" if groups else "")
+    found = {k.opcode: (k.flops, k.bytes) for k in hlo.kernels(text)}
+    chunk_bf16, chunk_f32 = 2048 * 64 * 2, 2048 * 64 * 4
+    assert found["custom-call"] == (2.0 * 2048 * 64 * 64, chunk_bf16 + weights_read + 32 * 4 + chunk_bf16)
+    assert found["fusion"] == (0.0, 2048 * 4 + chunk_f32 + 2 * chunk_f32)  # indices, updates; rows read and written
+
+
 @pytest.mark.parametrize(
     "op_name, part",
     [
