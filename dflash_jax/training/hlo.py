@@ -52,8 +52,10 @@ _NO_TRAFFIC = {
     "add-dependency",
     "async-start",
     "async-done",
+    "copy-done",  # its copy-start moves the data
 }
 _SLICING = ("dynamic-slice", "slice", "gather")  # read only what they output
+_LAYOUT = re.compile(r"\{[^}]*\}")
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # ops updating operand 0 in place: their update's operand
 
 
@@ -253,6 +255,10 @@ def _traffic(module: Module, computation: str, ins: Instruction) -> float:
         return 2 * operand_bytes(2) + operand_bytes(1)
     if _is_ragged_dot(ins):
         return _ragged_dot_traffic(module, computation, ins)
+    if ins.opcode == "copy-start":  # (destination, source, context): an asynchronous copy
+        # Memory space S(n) in a layout is on-chip (a TPU's VMEM): only the other side is HBM.
+        on_chip = any("S(" in layout for layout in _LAYOUT.findall(ins.type)[:2])
+        return operand_bytes(0) * (1 if on_chip else 2)
     if ins.opcode == "fusion":
         body = dict(hlo_text.CALLED.findall(ins.attributes)).get("calls")
         if body in module.computations:

@@ -172,6 +172,26 @@ MOE_CHUNK_HLO = textwrap.dedent(
 )
 
 
+def test_an_asynchronous_copy_moves_its_buffer_once():
+    """XLA:TPU's copy-start/copy-done pair is one copy: HBM to HBM reads and writes the buffer,
+    HBM to on-chip memory (a layout's memory space S(1)) reads it once; copy-done moves nothing."""
+    hbm = "(f32[256,64]{1,0}, f32[256,64]{1,0}, u32[]{:S(2)})"
+    vmem = "(f32[256,64]{1,0:T(8,128)S(1)}, f32[256,64]{1,0:T(8,128)}, u32[]{:S(2)})"
+    for result, moved in ((hbm, 2), (vmem, 1)):
+        text = textwrap.dedent(
+            f"""
+            HloModule jit_step, entry_computation_layout={{()->()}}
+
+            ENTRY %main (x: f32[256,64]) -> f32[256,64] {{
+              %x = f32[256,64]{{1,0}} parameter(0)
+              %cs = {result} copy-start(%x)
+              ROOT %cd = f32[256,64]{{1,0}} copy-done(%cs)
+            }}
+            """
+        )
+        assert {k.opcode: k.bytes for k in hlo.kernels(text)} == {"copy-start": moved * 256 * 64 * 4}
+
+
 @pytest.mark.parametrize("groups, weights_read", [("3", 3 * 64 * 64 * 2), ("", 32 * 64 * 64 * 2)])
 def test_a_moe_chunk_reads_the_experts_it_reaches_and_updates_rows_in_place(groups, weights_read):
     """The grouped matmul reads the weights of the `expected_groups=k` experts its scope states
