@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from dflash_jax.errors import UserError
 from dflash_jax.models.gguf_export import gguf_kind, write_drafter_gguf
@@ -175,13 +176,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_prompts(server: LlamaServer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Completion]:
+def run_prompts(
+    server: LlamaServer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, desc: str = ""
+) -> list[Completion]:
     """One completion per prompt, in order (the loop is bounded by len(prompts), each request by
     the server's request_timeout); the first prompt is sent twice, the first time untimed
-    (warm-up, as our decoder compiles first)."""
+    (warm-up, as our decoder compiles first). With `desc`, a progress bar on stderr."""
     if prompts:
         server.complete(prompts[0], max_new_tokens)
-    return [server.complete(p, max_new_tokens) for p in prompts]
+    return [server.complete(p, max_new_tokens) for p in tqdm(prompts, desc=desc, unit="prompt", disable=not desc)]
 
 
 def forward_cost(
@@ -264,7 +267,10 @@ def evaluate_engine(
     """`engine_figures` of every prompt set: one server of the target alone (which also times a
     verify-sized forward on the first `cost_prompts` prompts of each set), then one with the drafter."""
     with LlamaServer(binary, target_gguf, threads=threads) as server:
-        alone = {name: run_prompts(server, prompts, max_new_tokens) for name, prompts in prompt_sets.items()}
+        alone = {
+            name: run_prompts(server, prompts, max_new_tokens, desc=f"llama.cpp, target alone: {name}")
+            for name, prompts in prompt_sets.items()
+        }
         forward = {
             name: forward_cost(
                 server,
@@ -275,5 +281,8 @@ def evaluate_engine(
             for name, prompts in prompt_sets.items()
         }
     with LlamaServer(binary, target_gguf, drafting, threads=threads) as server:
-        drafted = {name: run_prompts(server, prompts, max_new_tokens) for name, prompts in prompt_sets.items()}
+        drafted = {
+            name: run_prompts(server, prompts, max_new_tokens, desc=f"llama.cpp with the drafter: {name}")
+            for name, prompts in prompt_sets.items()
+        }
     return {name: engine_figures(alone[name], drafted[name], forward[name]) for name in prompt_sets}
