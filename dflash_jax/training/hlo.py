@@ -30,8 +30,6 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([^_]*)_([^-]*)->([\w]*)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
-# A named scope around a grouped matmul: how many of its groups get rows (models/moe.py `_routed`).
-_EXPECTED_GROUPS = re.compile(r"\bexpected_groups=(\d+)")
 # A matmul a GPU compiler handed to a library (cuBLAS, cuBLASLt): its dimensions in backend_config.
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
@@ -273,14 +271,13 @@ def _ragged_dot_traffic(module: Module, computation: str, ins: Instruction) -> f
     """A grouped matmul reads its rows and the weights [G, K, N] of the groups that get rows, and
     writes its product: all G groups' weights, or the share its `expected_groups=k` scope states
     (an expert-parallel MoE's chunk of sorted pairs reaches a few of a device's experts)."""
-    op_name = hlo_text.OP_NAME.search(ins.attributes)
-    expected = _EXPECTED_GROUPS.search(op_name.group(1)) if op_name else None
+    expected = hlo_text.stated(ins.attributes, "expected_groups")
     read = 0.0
     for operand in ins.operands:
         kind = module.operand_type(computation, operand)
         size, shape = type_bytes(kind), hlo_text.dims(kind)
         if len(shape) == 3 and expected:  # the weights: the share of groups that get rows
-            size *= min(1.0, int(expected.group(1)) / shape[0])
+            size *= min(1.0, expected / shape[0])
         read += size
     return read + type_bytes(hlo_text.SHAPE.search(ins.type).group(0))
 

@@ -43,7 +43,6 @@ OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SCALAR_INTEGERS = ("s32[]", "u32[]", "s64[]", "u64[]")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_EXPECTED_TRIPS = re.compile(r"\bexpected_trips=(\d+)")  # a named scope around a loop (models/moe.py)
 
 # Ops whose callees run as programs of their own (loops, calls, branches); any other op's callee
 # is a fusion's body (`calls=` of a fusion) or a scalar function applied elementwise (`to_apply=`).
@@ -137,9 +136,8 @@ class Module:
         trips = self._counted_trips(computation, loop, callee)
         if trips is not None:
             return trips, READ
-        op_name = OP_NAME.search(loop.attributes)
-        expected = _EXPECTED_TRIPS.search(op_name.group(1)) if op_name else None
-        return (int(expected.group(1)), EXPECTED) if expected else (1, UNKNOWN)
+        expected = stated(loop.attributes, "expected_trips")
+        return (expected, EXPECTED) if expected is not None else (1, UNKNOWN)
 
     def _counted_trips(self, computation: str, loop: Instruction, callee: dict[str, str]) -> int | None:
         """The compiler's annotation, else read from a counted loop `i < N` whose body adds a
@@ -201,6 +199,14 @@ def _parse_instruction(line: str) -> Instruction | None:
         attributes=rhs[end:],
         is_root=bool(match.group(1)),
     )
+
+
+def stated(attributes: str, key: str) -> int | None:
+    """N of a `key=N` named scope around an op (what a model states the program cannot show:
+    models/moe.py's `expected_trips`, `expected_groups`), or None."""
+    op_name = OP_NAME.search(attributes)
+    value = re.search(rf"\b{key}=(\d+)", op_name.group(1)) if op_name else None
+    return int(value.group(1)) if value else None
 
 
 def _tuple_index(ins: Instruction) -> int:
