@@ -25,11 +25,13 @@ it to every call, like maxtext's `AttentionOp` holds its kernel:
   context position, masked, each chunk rematerialized in the backward pass.
 * "fused": Pallas kernels (`models/kernels/`) that visit only the keys the mask lets a query
   see: the target's queries the key tiles of their document up to the diagonal, the drafter's
-  blocks the context tiles of their span and their own block. GPUs only (interpret mode, for
-  tests, elsewhere).
-  On TPUs "fused" is jax's splash attention for the target (`kernels/tpu_packed_causal.py`)
-  and the XLA code for the drafter's blocks.
-* "auto" (the config's default) resolves to "fused" on GPU, "xla" otherwise.
+  blocks the context tiles of their span and their own block: Triton kernels on GPUs; on TPUs
+  jax's splash attention for the target (`kernels/tpu_packed_causal.py`) and Mosaic kernels for
+  the blocks (`kernels/tpu_block.py`). Interpret mode, for tests, elsewhere.
+* "auto" (the config's default) resolves per pattern: "fused" for both on GPUs; on TPUs
+  "fused" for the drafter's blocks (a quarter of XLA's roofline time for Qwen3-30B-A3B's
+  drafter on a v5p, `bench/attention.py`) and "xla" for the target (splash's cost is not in
+  its program, so no compiler figure has compared the two); "xla" on CPUs.
 
 Decoding (`attend` with a cache mask, `block_attention.block_attention_cached`) always uses XLA.
 """
@@ -48,13 +50,17 @@ from dflash_jax.models.kernels import MASKED, target_backend
 IMPLEMENTATIONS = ("auto", "xla", "fused")
 
 
-def resolve_implementation(name: str, backend: str | None = None) -> str:
-    """'auto', 'xla' or 'fused' -> the code that runs on `backend` (default: JAX's): 'xla' or
-    'fused'."""
+PATTERNS = ("packed", "blocks")  # the target's packed causal attention, the drafter's block attention
+_AUTO_FUSED = {"gpu": PATTERNS, "tpu": ("blocks",)}  # where "auto" runs the kernels (module docstring)
+
+
+def resolve_implementation(name: str, backend: str | None = None, pattern: str = "packed") -> str:
+    """'auto', 'xla' or 'fused' -> the code that runs `pattern` on `backend` (default: JAX's):
+    'xla' or 'fused'."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     if name == "auto":
-        return "fused" if (backend or target_backend()) == "gpu" else "xla"
+        return "fused" if pattern in _AUTO_FUSED.get(backend or target_backend(), ()) else "xla"
     return name
 
 

@@ -42,6 +42,15 @@ def block_context_mask(
     return mask
 
 
+def context_spans(ctx_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The fused kernels' form of the mask: [B, N, S] (one contiguous run per block, what
+    `block_context_mask` gives for contiguous documents) ->
+    (start, end) [B, N] int32; a block that sees no context gets (0, 0)."""
+    count = ctx_mask.sum(-1, dtype=jnp.int32)
+    start = jnp.where(count > 0, jnp.argmax(ctx_mask, axis=-1).astype(jnp.int32), 0)
+    return start, start + count
+
+
 def own_block_mask(block_len: int, window: int, causal: bool) -> np.ndarray | None:
     """[L, L] which keys of its own block (by offset, last axis) a query offset sees; None: all."""
     if not causal and not 0 < window < block_len:
@@ -82,14 +91,13 @@ def block_attention(
     `block_context_mask` gives for contiguous documents) and visits only those keys; it has no
     window or causal pattern, so such layers run the XLA path.
     """
-    # No TPU kernel for the blocks (kernels/tpu_packed_causal.py says why): XLA's code there.
-    on_tpu = target_backend() == "tpu"
-    if implementation == "fused" and attention.fused_supported(q) and not window and not causal and not on_tpu:
-        from dflash_jax.models.kernels import block as fused_block
+    if implementation == "fused" and attention.fused_supported(q) and not window and not causal:
+        from dflash_jax.models.kernels import block, tpu_block
 
-        start, end = fused_block.context_spans(ctx_mask)
+        fused = tpu_block if target_backend() == "tpu" else block
+        start, end = context_spans(ctx_mask)
         return attention.per_shard(
-            fused_block.block_attention_in_spans,
+            fused.block_attention_in_spans,
             (q, k_ctx, v_ctx, k_blk, v_blk, start, end),
             (
                 attention.HEADS_SPEC,

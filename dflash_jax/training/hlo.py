@@ -32,6 +32,10 @@ _DIM_LABELS = re.compile(r"dim_labels=([^_]*)_([^-]*)->([\w]*)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 # A matmul a GPU compiler handed to a library (cuBLAS, cuBLASLt): its dimensions in backend_config.
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+# A Pallas TPU kernel's own CostEstimate in its backend_config: XLA cannot see inside a kernel,
+# and the drafter's block attention states the work its data-dependent walk is expected to do.
+_KERNEL_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*"flops":\s*"?(\d+)')
+_KERNEL_BYTES = re.compile(r'"cost_estimate":\s*\{[^}]*"bytes_accessed":\s*"?(\d+)')
 
 # Ops that move no data of their own: aliases, tuples, control flow (their bodies are counted).
 _NO_TRAFFIC = {
@@ -175,7 +179,8 @@ def buffer_band(text: str | Module) -> tuple[int, int]:
 
 
 def _flops(module: Module, computation: str, ins: Instruction) -> float:
-    """Matmul FLOPs of a dot, a library GEMM call or a convolution, or of those a fusion computes."""
+    """Matmul FLOPs of a dot, a library GEMM call, a convolution or a kernel stating its cost, or of
+    those a fusion computes."""
     gemm = _GEMM_CONTRACTING.search(ins.attributes) if ins.opcode == "custom-call" else None
     if ins.opcode == "dot" or gemm:
         contracting = gemm or _CONTRACTING.search(ins.attributes)
@@ -190,6 +195,9 @@ def _flops(module: Module, computation: str, ins: Instruction) -> float:
             (d for d in (hlo_text.dims(module.operand_type(computation, o)) for o in ins.operands) if len(d) == 2), []
         )
         return 2.0 * math.prod(hlo_text.dims(ins.type)) * (lhs[-1] if lhs else 0)
+    kernel = _KERNEL_FLOPS.search(ins.attributes) if ins.opcode == "custom-call" else None
+    if kernel:
+        return float(kernel.group(1))
     if ins.opcode == "fusion":
         body = dict(hlo_text.CALLED.findall(ins.attributes)).get("calls")
         return sum(_flops(module, body, inner) for inner in module.computations.get(body, []))
@@ -253,6 +261,9 @@ def _traffic(module: Module, computation: str, ins: Instruction) -> float:
         return 2 * operand_bytes(2) + operand_bytes(1)
     if _is_ragged_dot(ins):
         return _ragged_dot_traffic(module, computation, ins)
+    kernel = _KERNEL_BYTES.search(ins.attributes) if ins.opcode == "custom-call" else None
+    if kernel:
+        return float(kernel.group(1))
     if ins.opcode == "copy-start":  # (destination, source, context): an asynchronous copy
         # Memory space S(n) in a layout is on-chip (a TPU's VMEM): only the other side is HBM.
         on_chip = any("S(" in layout for layout in _LAYOUT.findall(ins.type)[:2])

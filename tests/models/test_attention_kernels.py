@@ -21,15 +21,10 @@ from flax import nnx
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention, block_attention, kernels
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
-from dflash_jax.models.kernels import block as fused_block
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import objective
+from support import block_cases
 from support.reference_attention import packed_causal_mask
 from support.simulated_devices import run_script
-
-
-def _normal(key, shape, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(key), shape).astype(dtype)
 
 
 def _packed(rows, seq_len, doc_len, seed=0):
@@ -39,9 +34,9 @@ def _packed(rows, seq_len, doc_len, seed=0):
 
 def _qkv(rows, seq_len, heads, kv_heads, head_dim, dtype=jnp.float32):
     return (
-        _normal(1, (rows, seq_len, heads, head_dim), dtype),
-        _normal(2, (rows, seq_len, kv_heads, head_dim), dtype),
-        _normal(3, (rows, seq_len, kv_heads, head_dim), dtype),
+        block_cases.normal(1, (rows, seq_len, heads, head_dim), dtype),
+        block_cases.normal(2, (rows, seq_len, kv_heads, head_dim), dtype),
+        block_cases.normal(3, (rows, seq_len, kv_heads, head_dim), dtype),
     )
 
 
@@ -100,37 +95,6 @@ def test_fused_packed_causal_equals_xla(seq_len, heads, kv_heads, dtype, atol):
     assert np.isfinite(np.asarray(fused)).all()
 
 
-def _blocks(rows, seq_len, num_blocks, seed=0):
-    """Segment ids and a context mask from the objective's own anchor sampling, with an invalid
-    block and a block anchored at a document start (both see no context)."""
-    batch = _packed(rows, seq_len, (12, 70), seed)
-    keys = objective.row_keys(jax.random.key(seed), jnp.arange(rows))
-    index, valid = objective.sample_anchors(keys, batch["segment_ids"], batch["loss_mask"], num_blocks, "row")
-    index, valid = index.at[0, 0].set(0), valid.at[0, 1].set(False)
-    return block_attention.block_context_mask(batch["segment_ids"], index, valid)
-
-
-def _block_inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, head_dim, dtype):
-    shapes = [
-        (rows, num_blocks, block_len, heads, head_dim),
-        (rows, seq_len, kv_heads, head_dim),
-        (rows, seq_len, kv_heads, head_dim),
-        (rows, num_blocks, block_len, kv_heads, head_dim),
-        (rows, num_blocks, block_len, kv_heads, head_dim),
-    ]
-    return tuple(_normal(10 + i, shape, dtype) for i, shape in enumerate(shapes))
-
-
-def _block_loss_and_grads(impl, args, mask, cotangent):
-    def loss(args):
-        out = block_attention.block_attention(*args, mask, blocks_per_chunk=3, implementation=impl)
-        return jnp.sum(out.astype(jnp.float32) * cotangent), out
-
-    with jax.default_matmul_precision("highest"):
-        (_, out), grads = jax.value_and_grad(loss, has_aux=True)(args)
-    return out.astype(jnp.float32), [g.astype(jnp.float32) for g in grads]
-
-
 @pytest.mark.parametrize(
     ("seq_len", "block_len", "heads", "kv_heads", "dtype", "atol"),
     [
@@ -143,11 +107,11 @@ def _block_loss_and_grads(impl, args, mask, cotangent):
 )
 def test_fused_block_attention_equals_xla_with_gradients(seq_len, block_len, heads, kv_heads, dtype, atol):
     rows, num_blocks = 2, 9
-    mask = _blocks(rows, seq_len, num_blocks)
-    args = _block_inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, 32, dtype)
-    cotangent = _normal(30, args[0].shape)
-    out_xla, grads_xla = _block_loss_and_grads("xla", args, mask, cotangent)
-    out_fused, grads_fused = _block_loss_and_grads("fused", args, mask, cotangent)
+    mask = block_cases.context_mask(rows, seq_len, num_blocks)
+    args = block_cases.inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, 32, dtype)
+    cotangent = block_cases.normal(30, args[0].shape)
+    out_xla, grads_xla = block_cases.loss_and_grads("xla", args, mask, cotangent)
+    out_fused, grads_fused = block_cases.loss_and_grads("fused", args, mask, cotangent)
     np.testing.assert_allclose(out_fused, out_xla, atol=atol)
     scale = 1 if dtype == jnp.float32 else 4  # bf16 gradients sum many rounded terms
     for name, fused, xla in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads_fused, grads_xla):
@@ -156,8 +120,8 @@ def test_fused_block_attention_equals_xla_with_gradients(seq_len, block_len, hea
 
 
 def test_context_spans_are_the_mask():
-    mask = _blocks(3, 200, 16, seed=1)
-    start, end = fused_block.context_spans(mask)
+    mask = block_cases.context_mask(3, 200, 16, seed=1)
+    start, end = block_attention.context_spans(mask)
     positions = np.arange(mask.shape[-1])
     spans = (positions >= np.asarray(start)[..., None]) & (positions < np.asarray(end)[..., None])
     np.testing.assert_array_equal(spans, mask)
@@ -232,13 +196,13 @@ SHARDED_CHECK = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     from dflash_jax.models import block_attention, sharding
     from dflash_jax.training.mesh import make_mesh
-    import test_attention_kernels as t
+    import support.block_cases as t
 
     mesh = make_mesh(2, 1, 1)
-    mask = t._blocks(2, 96, 6)
-    args = t._block_inputs(2, 96, 6, 8, 4, 2, 32, jnp.float32)
-    cot = t._normal(30, args[0].shape)
-    out, grads = t._block_loss_and_grads("fused", args, mask, cot)
+    mask = t.context_mask(2, 96, 6)
+    args = t.inputs(2, 96, 6, 8, 4, 2, 32, jnp.float32)
+    cot = t.normal(30, args[0].shape)
+    out, grads = t.loss_and_grads("fused", args, mask, cot)
 
     def loss(args, mask):
         with sharding.activation_sharding(mesh):

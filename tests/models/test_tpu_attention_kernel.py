@@ -1,7 +1,8 @@
-"""The target's packed causal attention on TPUs (jax's splash attention, models/kernels/
-tpu_packed_causal.py) equals the XLA code, run in Pallas interpret mode on CPU: documents packed
-in rows, grouped-query heads, a sliding window and attention sinks (gpt-oss); and the target's
-attention traced for a TPU uses it."""
+"""The TPU attention kernels equal the XLA code, run in Pallas interpret mode on CPU: the target's
+packed causal attention (jax's splash attention, models/kernels/tpu_packed_causal.py) with
+documents packed in rows, grouped-query heads, a sliding window and attention sinks (gpt-oss);
+the drafter's block attention (models/kernels/tpu_block.py) with its gradients. Traced for a TPU,
+"fused" uses them, and "auto" the blocks' kernel."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models import attention, kernels
-from dflash_jax.models.kernels import tpu_packed_causal
+from dflash_jax.models import attention, block_attention, kernels
+from dflash_jax.models.kernels import tpu_block, tpu_packed_causal
+from support import block_cases
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,54 @@ def test_splash_packed_causal_equals_xla(window, with_sinks, dtype, atol):
     np.testing.assert_allclose(np.where(real, splash.astype(jnp.float32), 0), np.where(real, reference, 0), atol=atol)
 
 
+@pytest.mark.parametrize(
+    ("seq_len", "num_blocks", "block_len", "heads", "kv_heads", "dtype", "atol"),
+    [
+        (300, 19, 8, 4, 2, jnp.float32, 2e-5),  # 3 key tiles, 3 chunks (the last padded), G = 2
+        pytest.param(200, 9, 6, 6, 2, jnp.float32, 2e-5, marks=pytest.mark.slow),  # G = 3, L = 6
+        pytest.param(256, 16, 16, 2, 2, jnp.bfloat16, 5e-2, marks=pytest.mark.slow),
+    ],
+)
+def test_tpu_block_attention_equals_xla_with_gradients(
+    monkeypatch, seq_len, num_blocks, block_len, heads, kv_heads, dtype, atol
+):
+    """Key tiles of 128 (not 512), so short rows exercise the walk: chunks whose spans cross
+    tiles, chunks and tiles no span reaches, blocks that see no context (`_blocks`)."""
+    monkeypatch.setattr(tpu_block, "MAX_TILE", 128)
+    rows = 2
+    mask = block_cases.context_mask(rows, seq_len, num_blocks)
+    args = block_cases.inputs(rows, seq_len, num_blocks, block_len, heads, kv_heads, 32, dtype)
+    cotangent = block_cases.normal(30, args[0].shape)
+    out_xla, grads_xla = block_cases.loss_and_grads("xla", args, mask, cotangent)
+    spans = block_attention.context_spans(mask)
+
+    def loss(args):  # the kernels alone: off a TPU they run in interpret mode
+        out = tpu_block.block_attention_in_spans(*args, *spans)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    with jax.default_matmul_precision("highest"):
+        (_, out_tpu), grads_tpu = jax.value_and_grad(loss, has_aux=True)(args)
+    out_tpu, grads_tpu = out_tpu.astype(jnp.float32), [g.astype(jnp.float32) for g in grads_tpu]
+    np.testing.assert_allclose(out_tpu, out_xla, atol=atol)
+    scale = 1 if dtype == jnp.float32 else 4  # bf16 gradients sum many rounded terms
+    for name, tpu, xla in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads_tpu, grads_xla):
+        np.testing.assert_allclose(tpu, xla, atol=scale * atol, err_msg=name)
+
+
+def test_the_block_kernels_walk_only_the_tiles_spans_reach():
+    """Per chunk of CHUNK blocks, its spans' tiles; per tile, the chunks reaching it; the cost
+    the kernels state assumes one document a row: about half the (chunk, tile) pairs."""
+    tile = 128
+    start = jnp.array([[0, 0, 130, 130, 130, 300, 300, 0, *[0] * 8]], jnp.int32)  # 2 chunks of 8
+    end = jnp.array([[0, 5, 140, 200, 260, 310, 380, 0, *[0] * 8]], jnp.int32)
+    first, count = tpu_block._chunk_tiles(start, end, tile)
+    assert first.tolist() == [0, 0] and count.tolist() == [3, 0]  # tiles 0-2; the second sees none
+    first, count = tpu_block._tile_chunks(first.reshape(1, 2), count.reshape(1, 2), tiles=4)
+    assert first.tolist() == [0, 0, 0, 0] and count.tolist() == [1, 1, 1, 0]
+    assert tpu_block.expected_visits(chunks=64, tiles=6) == sum(-(-(c + 1) * 6 // 64) for c in range(64))
+    assert 0.5 < tpu_block.expected_visits(64, 6) / (64 * 6) < 0.6
+
+
 def test_fused_on_tpu_is_splash_for_the_target():
     q = jnp.zeros((1, 256, 4, 64))
     k = v = jnp.zeros((1, 256, 2, 64))
@@ -47,4 +97,12 @@ def test_fused_on_tpu_is_splash_for_the_target():
     target = traced(lambda q, k, v, s: attention.packed_causal_attention(q, k, v, s, implementation="fused"))
     assert "pallas_call" in target and "splash" in target
     assert attention.resolve_implementation("auto", "tpu") == "xla"
+    assert attention.resolve_implementation("auto", "tpu", pattern="blocks") == "fused"
+    q_blk, kv_blk, mask = jnp.zeros((1, 8, 4, 4, 64)), jnp.zeros((1, 8, 4, 2, 64)), jnp.ones((1, 8, 256), bool)
+
+    def drafter(q, k, v, kb, vb, mask):
+        return block_attention.block_attention(q, k, v, kb, vb, mask, blocks_per_chunk=4, implementation="fused")
+
+    with kernels.compiled_for("tpu"):
+        assert "dflash_block_attention_fwd_tpu" in str(jax.make_jaxpr(drafter)(q_blk, k, v, kv_blk, kv_blk, mask))
     assert not tpu_packed_causal.supported(200)  # then the XLA code runs

@@ -66,7 +66,8 @@ def _compile_tiny_step(name: str, num_devices: int) -> tuple[planning.Plan, str]
 @pytest.mark.parametrize("name", ["tpu-v5e", "h200"])
 def test_the_tiny_step_compiles_for_the_hardware(name):
     """Lowering or compiling errors fail; the plan is that compiler's, its temporaries within the
-    program's band (`hlo.buffer_band`), and on the GPU the fused attention kernels are in it."""
+    program's band (`hlo.buffer_band`), and the attention kernels "auto" picks are in it: on the
+    GPU the target's and the drafter's, on the TPU the drafter's (stating their cost)."""
     plan, text = _compile_tiny_step(name, 4)
     assert plan.platform == compilers.ACCELERATORS[name].platform.replace("cuda", "gpu")
     assert plan.num_devices == 4 and plan.fits(compilers.ACCELERATORS[name].hbm_bytes)
@@ -76,6 +77,10 @@ def test_the_tiny_step_compiles_for_the_hardware(name):
     if name == "h200":
         # the target's packed causal kernel and the drafter's block kernel, forward and backward
         assert text.count('custom_call_target="__gpu$xla.gpu.triton"') >= 3, "the Pallas kernels were not compiled"
+    else:
+        for part in ("fwd", "dq", "dkv"):  # the drafter's block attention, forward and backward
+            assert f"dflash_block_attention_{part}_tpu" in text, part
+        assert any(k.opcode == "custom-call" and k.flops > 0 for k in plan.kernels), "no kernel's cost was read"
 
 
 @pytest.mark.parametrize(

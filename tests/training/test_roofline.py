@@ -172,6 +172,27 @@ MOE_CHUNK_HLO = textwrap.dedent(
 )
 
 
+def test_a_kernel_stating_its_cost_is_counted_by_it():
+    """A Pallas TPU kernel's CostEstimate (in its backend_config: XLA cannot see inside) is its
+    FLOPs and bytes; a custom call stating none has no FLOPs and is counted opaque."""
+    cost = '"cost_estimate":{"flops":"5000000","transcendentals":"7","bytes_accessed":"123456"}'
+    text = textwrap.dedent(
+        f"""
+        HloModule jit_step, entry_computation_layout={{()->()}}
+
+        ENTRY %main (x: f32[256,64]) -> f32[256,64] {{
+          %x = f32[256,64]{{1,0}} parameter(0)
+          %stated = f32[256,64]{{1,0}} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config": {{"body": "TUxJUg==", {cost}}}}}
+          ROOT %silent = f32[256,64]{{1,0}} custom-call(%stated), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config": {{"body": "TUxJUg=="}}}}
+        }}
+        """
+    )
+    stated, silent = hlo.kernels(text)
+    assert (stated.flops, stated.bytes) == (5e6, 123456)
+    assert (silent.flops, silent.bytes) == (0, 2 * 256 * 64 * 4)
+    assert roofline.estimate([stated, silent], [], roofline.hardware("tpu-v5p")).opaque_runs == 1
+
+
 def test_an_asynchronous_copy_moves_its_buffer_once():
     """XLA:TPU's copy-start/copy-done pair is one copy: HBM to HBM reads and writes the buffer,
     HBM to on-chip memory (a layout's memory space S(1)) reads it once; copy-done moves nothing."""

@@ -1,5 +1,6 @@
-"""Fused attention kernels for GPUs (Pallas on Triton), one per attention pattern of training,
-and on TPUs the target's (`tpu_packed_causal`: jax's splash attention).
+"""Fused attention kernels, one per attention pattern of training: for GPUs (Pallas on Triton,
+below) and for TPUs (Pallas on Mosaic: `tpu_packed_causal`, jax's splash attention, for the
+target; `tpu_block` for the drafter's blocks, the same walk in chunks of blocks).
 
 * `packed_causal.packed_causal_attention`: the target's causal attention over packed rows,
   forward only (the target is frozen). Each tile of queries walks the key tiles from the start

@@ -33,14 +33,6 @@ BLOCK_K = 64  # context keys per tile
 _PARAMS = dict(num_warps=4, num_stages=2)
 
 
-def context_spans(ctx_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[B, N, S] context mask (one contiguous run per block, see `block_context_mask`) ->
-    (start, end) [B, N] int32; a block that sees no context gets (0, 0)."""
-    count = ctx_mask.sum(-1, dtype=jnp.int32)
-    start = jnp.where(count > 0, jnp.argmax(ctx_mask, axis=-1).astype(jnp.int32), 0)
-    return start, start + count
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernels. Shapes inside a program: q, do, o [M, H] (M = G query heads x Lp slots, padded to a
 # power of two); block keys [Lp, H] of which the first `block_len` are real; context tile

@@ -6,8 +6,8 @@ causal, or with a sliding window W the local mask i - W < j <= i; it skips the k
 mask and the segment ids leave empty, as `packed_causal.py` does on GPUs. Grouped-query heads are
 read in place (its multi-head kernel takes fewer kv heads); attention sinks join its softmax.
 Queries are scaled before the kernel (it does not scale). Off a TPU it runs in interpret mode
-(tests). The drafter's block attention has no TPU kernel: its mask depends on each batch's
-anchors, which splash's static masks cannot express, so it runs the XLA code there.
+(tests). The drafter's block attention cannot be a splash mask (its visible keys depend on
+each batch's anchors): it has its own kernels, `tpu_block.py`.
 """
 
 from __future__ import annotations
