@@ -71,17 +71,28 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     multiplied by its group's matrix.
 
     impl 'ragged_dot' is `jax.lax.ragged_dot`; 'tiled' cuts every group into tiles of
-    `TILE_ROWS` rows and multiplies tile by tile. 'auto' is 'tiled' on CPU, where ragged_dot is
-    lowered to a dense dot over every group (E times the work, and an [R, E*K] operand), and
-    'ragged_dot' elsewhere.
+    `TILE_ROWS` rows and multiplies tile by tile; 'fused' is a Pallas (Triton) kernel doing the
+    same on GPUs (`kernels/grouped_matmul.py`; interpret mode elsewhere). 'auto' is 'tiled' on
+    CPU and 'fused' on GPUs, where XLA lowers ragged_dot to a dense dot over every group (E times
+    the work, and on CPU an [R, E*K] operand), and 'ragged_dot' on TPUs (a Mosaic kernel).
     """
     if impl == "auto":
-        return jax.lax.platform_dependent(x, w, group_sizes, cpu=_tiled_grouped_matmul, default=jax.lax.ragged_dot)
+        return jax.lax.platform_dependent(
+            x, w, group_sizes, cpu=_tiled_grouped_matmul, cuda=_fused_grouped_matmul, default=jax.lax.ragged_dot
+        )
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
     if impl == "tiled":
         return _tiled_grouped_matmul(x, w, group_sizes)
-    raise ValueError(f"grouped matmul impl {impl!r} is not one of auto, ragged_dot, tiled")
+    if impl == "fused":
+        return _fused_grouped_matmul(x, w, group_sizes)
+    raise ValueError(f"grouped matmul impl {impl!r} is not one of auto, ragged_dot, tiled, fused")
+
+
+def _fused_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    from dflash_jax.models.kernels import grouped_matmul as kernel
+
+    return kernel.grouped_matmul(x, w, group_sizes)
 
 
 def _tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ import math
 import re
 from collections import defaultdict
 
+from dflash_jax.models.kernels import grouped_matmul
 from dflash_jax.training import hlo_text
 from dflash_jax.training.hlo_text import READ, Instruction, Module, type_bytes
 
@@ -205,11 +206,16 @@ def _flops(module: Module, computation: str, ins: Instruction) -> float:
 
 
 def _is_ragged_dot(ins: Instruction) -> bool:
-    """The MoE's grouped matmul (`jax.lax.ragged_dot`): XLA's op, or the Mosaic kernel XLA:TPU
-    calls for it (a custom call named after it, beside the one computing its metadata)."""
+    """The MoE's grouped matmul (`jax.lax.ragged_dot`): XLA's op, the Mosaic kernel XLA:TPU
+    calls for it (a custom call named after it, beside the one computing its metadata), or the
+    project's Triton kernel on GPUs (its name in the op's scopes)."""
     if ins.opcode == "ragged-dot":
         return True
-    return ins.opcode == "custom-call" and ins.name.startswith("ragged-dot") and "metadata" not in ins.name
+    if ins.opcode != "custom-call":
+        return False
+    op_name = hlo_text.OP_NAME.search(ins.attributes)
+    fused = op_name is not None and f"/{grouped_matmul.NAME}/" in op_name.group(1)
+    return fused or (ins.name.startswith("ragged-dot") and "metadata" not in ins.name)
 
 
 def _convolution_flops(module: Module, computation: str, ins: Instruction) -> float:

@@ -184,13 +184,14 @@ def test_dispatch_drops_nothing_when_every_token_picks_the_same_experts():
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["tiled", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "fused"])
 def test_grouped_matmul_equals_a_matmul_per_group(impl):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((90, 16)).astype(np.float32)
     w = rng.standard_normal((8, 16, 12)).astype(np.float32)
     matmul = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, impl=impl))
-    # Empty groups, a group of every row, groups below, at and above TILE_ROWS.
+    # Empty groups, a group of every row, groups below, at and above TILE_ROWS and the fused
+    # kernel's 64-row tiles (interpret mode on CPU), several groups in one tile.
     for sizes in ([0, 7, 0, 40, 1, 33, 0, 9], [0, 0, 0, 0, 0, 0, 0, 90], [1, 1, 1, 32, 0, 0, 55, 0]):
         starts = np.cumsum([0, *sizes])
         expected = np.concatenate([x[a:b] @ w[g] for g, (a, b) in enumerate(zip(starts[:-1], starts[1:]))])

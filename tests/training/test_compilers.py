@@ -144,6 +144,30 @@ def test_the_moe_grouped_matmul_counts_its_flops_on_tpu():
     assert sum(kernel.flops * kernel.count for kernel in hlo.kernels(text)) == 2 * rows * k * n
 
 
+@pytest.mark.slow
+def test_the_moe_grouped_matmul_is_a_triton_kernel_counted_by_its_rows_on_gpu():
+    """XLA:GPU would multiply every row by every expert's matrix (a dense dot); 'auto' runs the
+    project's Triton kernel there, and the roofline counts it 2·M·K·N, like a ragged_dot."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dflash_jax.models import kernels
+    from dflash_jax.models.moe import grouped_matmul
+
+    device = compilers.devices(compilers.ACCELERATORS["h200"], 8)[:1]
+    placed = NamedSharding(Mesh(device, ("x",)), PartitionSpec())
+    rows, k, n, groups = 512, 256, 384, 8
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+        for shape, dtype in (((rows, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32))
+    ]
+    with kernels.compiled_for_gpu():
+        text = jax.jit(grouped_matmul).lower(*args).compile().as_text()
+    assert 'custom_call_target="__gpu$xla.gpu.triton"' in text
+    assert sum(kernel.flops * kernel.count for kernel in hlo.kernels(text)) == 2 * rows * k * n
+
+
 def test_a_tpu_out_of_memory_refusal_is_a_plan_that_does_not_fit():
     """libtpu refuses a step over its HBM; the plan reads the figures from its message."""
     gib = compilers.GIB

@@ -11,6 +11,8 @@ target; `tpu_block` for the drafter's blocks, the same walk in chunks of blocks)
   keys before the anchor) and then its own block; the backward pass computes dq and the block's
   own dk/dv per block, and the context dk/dv per context tile by visiting only the blocks whose
   span covers that tile (blocks sorted by span end, so that set is one contiguous range).
+* `grouped_matmul.grouped_matmul`: the MoE's grouped matmul on GPUs (forward only), each tile of
+  rows sorted by expert multiplied by the experts its rows belong to, not by every expert.
 
 `models/attention.py` decides when these run (`implementation`); its XLA code is the reference
 they are tested against (tests/models/test_attention_kernels.py, Pallas interpret mode on CPU).
