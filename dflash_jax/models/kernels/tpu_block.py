@@ -253,15 +253,22 @@ def _per_chunk(x):
     return pl.BlockSpec((None, None, None, *x.shape[3:]), lambda b, k, c, j, *_: (b, k, c, 0, 0))
 
 
-def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
-    b, kv, chunks, rows, h = q.shape
-    tile, tiles = _tile(kc.shape[2]), kc.shape[2] // _tile(kc.shape[2])
+def _chunk_walk(q, kc, start, end):
+    """What the forward and dq calls share: (tile, tiles, first tile and tile count per chunk,
+    the BlockSpec of the context tile each grid step (b, k, chunk, step) reads)."""
+    chunks, h = q.shape[2], q.shape[4]
+    tile = _tile(kc.shape[2])
     first, count = _chunk_tiles(start, end, tile)
 
-    def context_tile(b_, k, c, j, first_ref, count_ref, *_):
-        return b_, k, _clamped(first_ref, count_ref, b_ * chunks + c, j), 0
+    def context_tile(b, k, c, j, first_ref, count_ref, *_):
+        return b, k, _clamped(first_ref, count_ref, b * chunks + c, j), 0
 
-    ctx = pl.BlockSpec((None, None, tile, h), context_tile)
+    return tile, kc.shape[2] // tile, first, count, pl.BlockSpec((None, None, tile, h), context_tile)
+
+
+def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
+    b, kv, chunks, rows, h = q.shape
+    tile, tiles, first, count, ctx = _chunk_walk(q, kc, start, end)
     lse_shape = jax.ShapeDtypeStruct((b, kv, chunks, 1, rows), jnp.float32)
     kernel = functools.partial(
         _forward_kernel, scale=h**-0.5, rows_per_block=rows // CHUNK, block_len=block_len, tile=tile
@@ -291,13 +298,7 @@ def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
 
 def _dq_call(q, kc, vc, kb, vb, start, end, do, lse, delta, block_len):
     b, kv, chunks, rows, h = q.shape
-    tile, tiles = _tile(kc.shape[2]), kc.shape[2] // _tile(kc.shape[2])
-    first, count = _chunk_tiles(start, end, tile)
-
-    def context_tile(b_, k, c, j, first_ref, count_ref, *_):
-        return b_, k, _clamped(first_ref, count_ref, b_ * chunks + c, j), 0
-
-    ctx = pl.BlockSpec((None, None, tile, h), context_tile)
+    tile, tiles, first, count, ctx = _chunk_walk(q, kc, start, end)
     kernel = functools.partial(_dq_kernel, scale=h**-0.5, rows_per_block=rows // CHUNK, block_len=block_len, tile=tile)
     return pl.pallas_call(
         kernel,
