@@ -125,23 +125,30 @@ def test_a_mesh_axis_no_physical_axes_multiply_to_splits_them():
     assert sorted(d.id for d in mesh.devices.reshape(-1)) == sorted(d.id for d in devices)
 
 
-@pytest.mark.slow
-def test_the_moe_grouped_matmul_counts_its_flops_on_tpu():
-    """XLA:TPU calls a Mosaic kernel for `jax.lax.ragged_dot`: the roofline counts 2·M·K·N for it."""
+_ROWS, _K, _N, _GROUPS = 512, 256, 384, 8
+_GROUPED_MATMUL_FLOPS = 2 * _ROWS * _K * _N
+
+
+def _grouped_matmul_args(hardware: str, num_devices: int) -> list:
+    """x [R, K], w [E, K, N], group_sizes [E] placed on one device of `hardware`'s topology."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    device = compilers.devices(compilers.ACCELERATORS["tpu-v5e"], 4)[:1]
+    device = compilers.devices(compilers.ACCELERATORS[hardware], num_devices)[:1]
     placed = NamedSharding(Mesh(device, ("x",)), PartitionSpec())
-    rows, k, n, groups = 512, 256, 384, 8
-    args = [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
-        for shape, dtype in (((rows, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32))
-    ]
-    text = jax.jit(jax.lax.ragged_dot).lower(*args).compile().as_text()
+    shapes = (((_ROWS, _K), jnp.bfloat16), ((_GROUPS, _K, _N), jnp.bfloat16), ((_GROUPS,), jnp.int32))
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
+
+
+@pytest.mark.slow
+def test_the_moe_grouped_matmul_counts_its_flops_on_tpu():
+    """XLA:TPU calls a Mosaic kernel for `jax.lax.ragged_dot`: the roofline counts 2·M·K·N for it."""
+    import jax
+
+    text = jax.jit(jax.lax.ragged_dot).lower(*_grouped_matmul_args("tpu-v5e", 4)).compile().as_text()
     assert "tpu_custom_call" in text
-    assert sum(kernel.flops * kernel.count for kernel in hlo.kernels(text)) == 2 * rows * k * n
+    assert sum(kernel.flops * kernel.count for kernel in hlo.kernels(text)) == _GROUPED_MATMUL_FLOPS
 
 
 @pytest.mark.slow
@@ -149,23 +156,14 @@ def test_the_moe_grouped_matmul_is_a_triton_kernel_counted_by_its_rows_on_gpu():
     """XLA:GPU would multiply every row by every expert's matrix (a dense dot); 'auto' runs the
     project's Triton kernel there, and the roofline counts it 2·M·K·N, like a ragged_dot."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from dflash_jax.models import kernels
     from dflash_jax.models.moe import grouped_matmul
 
-    device = compilers.devices(compilers.ACCELERATORS["h200"], 8)[:1]
-    placed = NamedSharding(Mesh(device, ("x",)), PartitionSpec())
-    rows, k, n, groups = 512, 256, 384, 8
-    args = [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
-        for shape, dtype in (((rows, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32))
-    ]
     with kernels.compiled_for_gpu():
-        text = jax.jit(grouped_matmul).lower(*args).compile().as_text()
+        text = jax.jit(grouped_matmul).lower(*_grouped_matmul_args("h200", 8)).compile().as_text()
     assert 'custom_call_target="__gpu$xla.gpu.triton"' in text
-    assert sum(kernel.flops * kernel.count for kernel in hlo.kernels(text)) == 2 * rows * k * n
+    assert sum(kernel.flops * kernel.count for kernel in hlo.kernels(text)) == _GROUPED_MATMUL_FLOPS
 
 
 def test_a_tpu_out_of_memory_refusal_is_a_plan_that_does_not_fit():
