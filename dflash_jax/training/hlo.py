@@ -16,7 +16,7 @@ import math
 import re
 from collections import defaultdict
 
-from dflash_jax.models.kernels import grouped_matmul
+from dflash_jax.models.kernels import cost, grouped_matmul
 from dflash_jax.training import hlo_text
 from dflash_jax.training.hlo_text import READ, Instruction, Module, type_bytes
 
@@ -34,7 +34,8 @@ _WINDOW = re.compile(r"window=\{([^}]*)\}")
 # A matmul a GPU compiler handed to a library (cuBLAS, cuBLASLt): its dimensions in backend_config.
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 # A Pallas TPU kernel's own CostEstimate in its backend_config: XLA cannot see inside a kernel,
-# and the drafter's block attention states the work its data-dependent walk is expected to do.
+# and the attention kernels state the work their data-dependent walks are expected to do
+# (models/kernels/cost.py; a Triton call keeps none, so its FLOPs are in a named scope).
 _KERNEL_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*"flops":\s*"?(\d+)')
 _KERNEL_BYTES = re.compile(r'"cost_estimate":\s*\{[^}]*"bytes_accessed":\s*"?(\d+)')
 
@@ -180,8 +181,8 @@ def buffer_band(text: str | Module) -> tuple[int, int]:
 
 
 def _flops(module: Module, computation: str, ins: Instruction) -> float:
-    """Matmul FLOPs of a dot, a library GEMM call, a convolution or a kernel stating its cost, or of
-    those a fusion computes."""
+    """Matmul FLOPs of a dot, a library GEMM call, a convolution or a kernel stating its cost (in
+    its backend_config or a `kernel_flops=N` scope), or of those a fusion computes."""
     gemm = _GEMM_CONTRACTING.search(ins.attributes) if ins.opcode == "custom-call" else None
     if ins.opcode == "dot" or gemm:
         contracting = gemm or _CONTRACTING.search(ins.attributes)
@@ -196,9 +197,11 @@ def _flops(module: Module, computation: str, ins: Instruction) -> float:
             (d for d in (hlo_text.dims(module.operand_type(computation, o)) for o in ins.operands) if len(d) == 2), []
         )
         return 2.0 * math.prod(hlo_text.dims(ins.type)) * (lhs[-1] if lhs else 0)
-    kernel = _KERNEL_FLOPS.search(ins.attributes) if ins.opcode == "custom-call" else None
-    if kernel:
-        return float(kernel.group(1))
+    if ins.opcode == "custom-call":
+        kernel = _KERNEL_FLOPS.search(ins.attributes)
+        stated = float(kernel.group(1)) if kernel else hlo_text.stated(ins.attributes, cost.KERNEL_FLOPS)
+        if stated:
+            return float(stated)
     if ins.opcode == "fusion":
         body = dict(hlo_text.CALLED.findall(ins.attributes)).get("calls")
         return sum(_flops(module, body, inner) for inner in module.computations.get(body, []))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import textwrap
 
 import jax
@@ -21,6 +22,7 @@ from flax import nnx
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import attention, block_attention, kernels
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
+from dflash_jax.models.kernels import cost
 from dflash_jax.models.transformer import Transformer
 from support import block_cases
 from support.reference_attention import packed_causal_mask
@@ -162,7 +164,9 @@ def test_unsupported_head_dim_falls_back_to_xla():
 
 def test_kernels_lower_to_triton_for_gpu():
     """Qwen3-8B's head layout (32 query heads of 128 over 8 kv heads, block 16) at small lengths:
-    lowering for CUDA runs Pallas' Triton lowering, which rejects what Triton cannot compile."""
+    lowering for CUDA runs Pallas' Triton lowering, which rejects what Triton cannot compile.
+    Each call states the FLOPs its walk computes on a one-document row (Triton keeps no cost of
+    its own; the roofline reads the scope, training/hlo.py)."""
     rows, seq_len, num_blocks, block_len = 1, 256, 8, 16
     sds = jax.ShapeDtypeStruct
     q, kv = sds((rows, seq_len, 32, 128), jnp.bfloat16), sds((rows, seq_len, 8, 128), jnp.bfloat16)
@@ -182,12 +186,32 @@ def test_kernels_lower_to_triton_for_gpu():
 
     fused_target = functools.partial(attention.packed_causal_attention, implementation="fused")
     with kernels.compiled_for_gpu():
-        target = jax.jit(fused_target).trace(q, kv, kv, segment_ids)
-        drafter = jax.jit(drafter_grads).trace(q_blk, kv, kv, kv_blk, kv_blk, mask)
-        target_hlo = target.lower(lowering_platforms=("cuda",)).as_text()
-        drafter_hlo = drafter.lower(lowering_platforms=("cuda",)).as_text()
-    assert target_hlo.count("__gpu$xla.gpu.triton") == 1
-    assert drafter_hlo.count("__gpu$xla.gpu.triton") == 3  # forward, dq, context dk/dv
+        target = jax.jit(fused_target).trace(q, kv, kv, segment_ids).lower(lowering_platforms=("cuda",))
+        drafter = jax.jit(drafter_grads).trace(q_blk, kv, kv, kv_blk, kv_blk, mask).lower(lowering_platforms=("cuda",))
+    assert target.as_text().count("__gpu$xla.gpu.triton") == 1
+    assert drafter.as_text().count("__gpu$xla.gpu.triton") == 3  # forward, dq, context dk/dv
+
+    def stated(lowered):
+        return sorted(int(n) for n in set(re.findall(r"kernel_flops=(\d+)", lowered.as_text(debug_info=True))))
+
+    # Target: 4 tiles of 64; query tile i visits key tiles 0..i: 10 pairs of [64, 64] x 128, twice, per head.
+    assert stated(target) == [10 * 2 * (2 * 64 * 64 * 128) * 32]
+    # Drafter: 8 blocks over 4 tiles reach 1, 1, 2, 2, 3, 3, 4, 4 of them (20 pairs) per kv head; a
+    # block's 4 x 16 query rows against 64 context keys (scores, values; in the backward dq's
+    # scores, dp, dq and dk/dv's scores, dp, dk, dv) and against its own 16 keys (2; dq's 5).
+    row = 2 * 64 * 128
+    context, own = 8 * 20 * 64, 8 * 8 * 16
+    expected = [row * (2 * context + 2 * own), row * (3 * context + 5 * own), row * 4 * context]
+    assert stated(drafter) == sorted(expected)
+
+
+def test_a_causal_walk_visits_the_key_tiles_up_to_the_diagonal_within_its_window():
+    """Query tile i of a one-document row visits key tiles 0..i; with a window of one tile, the
+    tile holding its first query's window start and its own."""
+    assert cost.causal_visits(4, 64, 64) == 1 + 2 + 3 + 4
+    assert cost.causal_visits(4, 64, 64, sliding_window=64) == 1 + 2 + 2 + 2
+    assert cost.causal_visits(4, 64, 64, sliding_window=10_000) == 10
+    assert cost.expected_visits(chunks=4, tiles=4) == 1 + 2 + 3 + 4  # block c reaches (c + 1) / 4 of the row
 
 
 SHARDED_CHECK = textwrap.dedent(

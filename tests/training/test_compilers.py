@@ -67,7 +67,7 @@ def _compile_tiny_step(name: str, num_devices: int) -> tuple[planning.Plan, str]
 def test_the_tiny_step_compiles_for_the_hardware(name):
     """Lowering or compiling errors fail; the plan is that compiler's, its temporaries within the
     program's band (`hlo.buffer_band`), and the attention kernels "auto" picks are in it: on the
-    GPU the target's and the drafter's, on the TPU the drafter's (stating their cost)."""
+    GPU the target's and the drafter's, on the TPU the drafter's, each stating its cost."""
     plan, text = _compile_tiny_step(name, 4)
     assert plan.platform == compilers.ACCELERATORS[name].platform.replace("cuda", "gpu")
     assert plan.num_devices == 4 and plan.fits(compilers.ACCELERATORS[name].hbm_bytes)
@@ -80,7 +80,9 @@ def test_the_tiny_step_compiles_for_the_hardware(name):
     else:
         for part in ("fwd", "dq", "dkv"):  # the drafter's block attention, forward and backward
             assert f"dflash_block_attention_{part}_tpu" in text, part
-        assert any(k.opcode == "custom-call" and k.flops > 0 for k in plan.kernels), "no kernel's cost was read"
+    counted = {k.region for k in plan.kernels if k.opcode == "custom-call" and k.flops > 0}
+    expected = {"target attention", "drafter attention"} if name == "h200" else {"drafter attention"}
+    assert expected <= counted, f"no kernel's cost was read in {expected - counted}"
 
 
 @pytest.mark.parametrize(

@@ -174,8 +174,10 @@ MOE_CHUNK_HLO = textwrap.dedent(
 
 def test_a_kernel_stating_its_cost_is_counted_by_it():
     """A Pallas TPU kernel's CostEstimate (in its backend_config: XLA cannot see inside) is its
-    FLOPs and bytes; a custom call stating none has no FLOPs and is counted opaque."""
+    FLOPs and bytes; a Triton kernel keeps only its named scopes, and states its FLOPs in one; a
+    custom call stating neither has no FLOPs and is counted opaque."""
     cost = '"cost_estimate":{"flops":"5000000","transcendentals":"7","bytes_accessed":"123456"}'
+    scope = 'metadata={op_name="jit(step)/transpose(jvp(kernel_flops=7000000))/block_dq/pallas_call"}'
     text = textwrap.dedent(
         f"""
         HloModule jit_step, entry_computation_layout={{()->()}}
@@ -183,14 +185,16 @@ def test_a_kernel_stating_its_cost_is_counted_by_it():
         ENTRY %main (x: f32[256,64]) -> f32[256,64] {{
           %x = f32[256,64]{{1,0}} parameter(0)
           %stated = f32[256,64]{{1,0}} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config": {{"body": "TUxJUg==", {cost}}}}}
-          ROOT %silent = f32[256,64]{{1,0}} custom-call(%stated), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config": {{"body": "TUxJUg=="}}}}
+          %triton = f32[256,64]{{1,0}} custom-call(%stated), custom_call_target="__gpu$xla.gpu.triton", {scope}
+          ROOT %silent = f32[256,64]{{1,0}} custom-call(%triton), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config": {{"body": "TUxJUg=="}}}}
         }}
         """
     )
-    stated, silent = hlo.kernels(text)
+    stated, triton, silent = hlo.kernels(text)
     assert (stated.flops, stated.bytes) == (5e6, 123456)
+    assert (triton.flops, triton.bytes) == (7e6, 2 * 256 * 64 * 4)
     assert (silent.flops, silent.bytes) == (0, 2 * 256 * 64 * 4)
-    assert roofline.estimate([stated, silent], [], roofline.hardware("tpu-v5p")).opaque_runs == 1
+    assert roofline.estimate([stated, triton, silent], [], roofline.hardware("tpu-v5p")).opaque_runs == 1
 
 
 def test_an_asynchronous_copy_moves_its_buffer_once():

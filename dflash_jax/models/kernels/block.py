@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.models.kernels import LOG2_E, MASKED, interpret_mode, next_power_of_2
+from dflash_jax.models.kernels import LOG2_E, MASKED, cost, interpret_mode, next_power_of_2
 
 BLOCK_K = 64  # context keys per tile
 _PARAMS = dict(num_warps=4, num_stages=2)
@@ -166,9 +166,20 @@ def _operand_specs(q, kc, kb) -> list:
     return [_per_block(m, h), _context(sp, h), _context(sp, h), _per_block(lp, h), _per_block(lp, h), _SPAN, _SPAN]
 
 
+def _stated(q, kc, own_keys: int, *, context_matmuls: int, own_matmuls: int):
+    """The FLOPs a call's walk is expected to compute (`cost.stating_flops`): per visited (block,
+    context tile) pair `context_matmuls` [M, BLOCK_K] x H products, per block `own_matmuls`
+    [M, own_keys] x H ones."""
+    tiles = kc.shape[2] // BLOCK_K
+    flops = cost.block_walk_flops(
+        q.shape, BLOCK_K, tiles, own_keys, context_matmuls=context_matmuls, own_matmuls=own_matmuls
+    )
+    return cost.stating_flops(flops)
+
+
 def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
     b, kv, n, m, h = q.shape
-    return pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_forward_kernel, scale=h**-0.5, block_len=block_len),
         grid=(b, n, kv),
         in_specs=_operand_specs(q, kc, kb),
@@ -177,13 +188,15 @@ def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
         compiler_params=plgpu.CompilerParams(**_PARAMS),
         interpret=interpret_mode(),
         name="dflash_block_attention_fwd",
-    )(q, kc, vc, kb, vb, start, end)
+    )
+    with _stated(q, kc, kb.shape[3], context_matmuls=2, own_matmuls=2):  # scores, values
+        return call(q, kc, vc, kb, vb, start, end)
 
 
 def _dq_call(q, kc, vc, kb, vb, start, end, do, lse, delta, block_len):
     b, kv, n, m, h = q.shape
     lp = kb.shape[3]
-    return pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_dq_kernel, scale=h**-0.5, block_len=block_len),
         grid=(b, n, kv),
         in_specs=[*_operand_specs(q, kc, kb), _per_block(m, h), _per_block_rows(m), _per_block_rows(m)],
@@ -192,7 +205,9 @@ def _dq_call(q, kc, vc, kb, vb, start, end, do, lse, delta, block_len):
         compiler_params=plgpu.CompilerParams(**_PARAMS),
         interpret=interpret_mode(),
         name="dflash_block_attention_dq",
-    )(q, kc, vc, kb, vb, start, end, do, lse, delta)
+    )
+    with _stated(q, kc, kb.shape[3], context_matmuls=3, own_matmuls=5):  # scores, dp, dq (and own dk, dv)
+        return call(q, kc, vc, kb, vb, start, end, do, lse, delta)
 
 
 def _dkv_context_call(q, do, lse, delta, start, end, kc, vc):
@@ -213,7 +228,7 @@ def _dkv_context_call(q, do, lse, delta, start, end, kc, vc):
     spans = pl.BlockSpec((None, n), lambda r, t, g: (r, 0))
     per_tile = pl.BlockSpec((None, None), lambda r, t, g: (r, t))
     key_tile = pl.BlockSpec((None, None, BLOCK_K, h), lambda r, t, g: (r, g, t, 0))
-    return pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_dkv_context_kernel, scale=h**-0.5),
         grid=(b, tiles, kv),
         in_specs=[all_blocks, all_blocks, all_rows, all_rows, spans, spans, per_tile, per_tile, key_tile, key_tile],
@@ -222,7 +237,9 @@ def _dkv_context_call(q, do, lse, delta, start, end, kc, vc):
         compiler_params=plgpu.CompilerParams(**_PARAMS),
         interpret=interpret_mode(),
         name="dflash_block_attention_dkv",
-    )(q, do, lse, delta, start, end, first, last, kc, vc)
+    )
+    with _stated(q, kc, 0, context_matmuls=4, own_matmuls=0):  # scores, dp, dk, dv
+        return call(q, do, lse, delta, start, end, first, last, kc, vc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

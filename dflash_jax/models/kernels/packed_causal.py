@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.models.kernels import LOG2_E, MASKED, interpret_mode
+from dflash_jax.models.kernels import LOG2_E, MASKED, cost, interpret_mode
 
 BLOCK_Q = 64
 BLOCK_K = 64
@@ -123,7 +123,7 @@ def packed_causal_attention(
         # One row of BLOCK_Q copies per head: Triton loads power-of-two blocks, not scalars.
         inputs.append(jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (heads, BLOCK_Q)))
         in_specs.append(pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (h, 0)))
-    out = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         grid=(padded // BLOCK_Q, b, heads),
         in_specs=in_specs,
@@ -132,5 +132,8 @@ def packed_causal_attention(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret_mode(),
         name="packed_causal_attention",
-    )(*inputs)
+    )
+    visits = b * heads * cost.causal_visits(padded // BLOCK_Q, BLOCK_Q, BLOCK_K, sliding_window)
+    with cost.stating_flops(visits * 2 * (2 * BLOCK_Q * BLOCK_K * head_dim)):  # scores, values
+        out = call(*inputs)
     return out[:, :s]

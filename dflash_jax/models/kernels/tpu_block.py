@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dflash_jax.models.kernels import MASKED, target_backend
+from dflash_jax.models.kernels import MASKED, cost, target_backend
 
 CHUNK = 8  # blocks a grid step: 8 keeps the row count a multiple of the 8 sublanes of a tile
 MAX_TILE = 512  # context keys a grid step
@@ -221,22 +221,16 @@ def _params():
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
 
-def expected_visits(chunks: int, tiles: int) -> int:
-    """The (chunk, context tile) pairs a row's kernels visit when the row is one document and its
-    anchors are spread evenly: sorted chunk c reaches the first (c + 1)/C of the row. Rows of
-    several documents visit fewer. XLA's cost model cannot see data-dependent work, so the
-    kernels state this (the plan's roofline reads it, training/hlo.py)."""
-    return sum(-(-(c + 1) * tiles // chunks) for c in range(chunks))
-
-
 def _cost(q, kc, own_keys, *, context_matmuls, own_matmuls, reread):
-    """CostEstimate of one call: `context_matmuls` [R, T] x H products per visited pair,
-    `own_matmuls` [R, CHUNK·L] x H products per chunk (`own_keys` = CHUNK·L); each visit copies
-    in `reread` bytes, besides the operands and results read or written once."""
-    b, kv, chunks, rows, h = q.shape
+    """CostEstimate of one call: its FLOPs by `cost.block_walk_flops` (`own_keys` = CHUNK·L); each
+    visit copies in `reread` bytes, besides the operands and results read or written once."""
+    b, kv, chunks, rows, _ = q.shape
     tile = _tile(kc.shape[2])
-    visits = b * kv * expected_visits(chunks, kc.shape[2] // tile)
-    flops = 2 * rows * h * (visits * tile * context_matmuls + b * kv * chunks * own_keys * own_matmuls)
+    tiles = kc.shape[2] // tile
+    visits = b * kv * cost.expected_visits(chunks, tiles)
+    flops = cost.block_walk_flops(
+        q.shape, tile, tiles, own_keys, context_matmuls=context_matmuls, own_matmuls=own_matmuls
+    )
     operands = 2 * (q.size * q.dtype.itemsize + kc.size * kc.dtype.itemsize)  # q and k, v and o or gradients
     return pl.CostEstimate(
         flops=flops,
