@@ -22,9 +22,9 @@ What it measures, in this order:
   for a device not in it). A measured bf16 matmul peak is reported beside it.
   Beside each, the roofline estimate of the same compiled step (`dflash_jax/training/roofline.py`:
   its kernels' matmul FLOPs and memory traffic at the device's published peak and bandwidth; on
-  a CPU, measured): predicted step time and its ratio to the measured one. Custom calls (the
-  fused path's Pallas kernels) count by their operands only, not their FLOPs; their runs are
-  reported, and the fused path's prediction is low by their compute.
+  a CPU, measured): predicted step time and its ratio to the measured one. The fused path's
+  Pallas kernels count the FLOPs they state for rows of one document (models/kernels/cost.py);
+  their runs are reported.
 * peak device memory (bytes in use at the high-water mark, as the runtime reports it) after the
   fused step, and again after the XLA step; beside it and the step time, what `plan --hardware`
   predicts for the same step compiled for this part by its own compiler without it
