@@ -13,6 +13,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -40,6 +41,7 @@ _PAREN = re.compile(r"[()]")
 CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 _SCALAR_INTEGERS = ("s32[]", "u32[]", "s64[]", "u64[]")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -77,7 +79,7 @@ class Module:
         self.computations: dict[str, list[Instruction]] = {}
         self.entry: str | None = None
         current = None
-        for line in text.splitlines():
+        for line in _statements(text):
             header = _COMPUTATION.match(line)
             if header and "=" not in line.split("(")[0]:
                 current = header.group(1)
@@ -173,6 +175,32 @@ class Module:
     def operand_type(self, computation: str, name: str) -> str:
         operand = self.named[computation].get(name)
         return operand.type if operand else ""
+
+
+def _statements(text: str) -> Iterator[str]:
+    """The module's lines, each instruction on one: a kernel's attributes may span several lines
+    (XLA:TPU prints a Pallas call's `kernel_metadata` with newlines, its `metadata` after them)."""
+    pending = ""
+    for line in text.splitlines():
+        if pending:
+            pending += " " + line.strip()
+        elif _INSTRUCTION.match(line):
+            pending = line
+        else:
+            yield line
+            continue
+        if _open_braces(pending) <= 0:
+            yield pending
+            pending = ""
+    if pending:
+        yield pending
+
+
+def _open_braces(line: str) -> int:
+    """Braces opened and not closed in `line`, outside its quoted strings."""
+    if '"' in line:
+        line = _QUOTED.sub("", line)
+    return line.count("{") - line.count("}")
 
 
 def _parse_instruction(line: str) -> Instruction | None:

@@ -6,6 +6,8 @@ the drafter's block attention (models/kernels/tpu_block.py) with its gradients. 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,22 @@ def test_the_block_kernels_walk_only_the_tiles_spans_reach():
     first, count = tpu_block._tile_chunks(first.reshape(1, 2), count.reshape(1, 2), tiles=4)
     assert first.tolist() == [0, 0, 0, 0] and count.tolist() == [1, 1, 1, 0]
     assert 0.5 < cost.expected_visits(64, 6) / (64 * 6) < 0.6
+
+
+@pytest.mark.parametrize("sliding_window, visited", [(0, 1 + 2 + 3), (512, 1 + 2 + 2)])
+def test_splash_states_the_block_pairs_it_computes(sliding_window, visited):
+    """Splash computes every 512 x 512 block pair its static mask reaches, whole: 3 query blocks
+    visit 1, 2, 3 key blocks causally; with a window of 512 keys the last visits only 2."""
+    sds = jax.ShapeDtypeStruct
+    q, kv, seg = sds((2, 1536, 4, 64), jnp.bfloat16), sds((2, 1536, 2, 64), jnp.bfloat16), sds((2, 1536), jnp.int32)
+
+    def target(q, k, v, segment_ids):
+        return tpu_packed_causal.packed_causal_attention(q, k, v, segment_ids, sliding_window=sliding_window)
+
+    with kernels.compiled_for("tpu"):
+        lowered = jax.jit(target).trace(q, kv, kv, seg).lower(lowering_platforms=("tpu",))
+    stated = set(re.findall(r"kernel_flops=(\d+)", lowered.as_text(debug_info=True)))
+    assert stated == {str(2 * 4 * visited * 2 * (2 * 512 * 512 * 64))}  # rows x heads x pairs x (scores, values)
 
 
 def test_fused_on_tpu_is_splash_for_the_target():

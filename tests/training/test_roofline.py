@@ -197,6 +197,26 @@ def test_a_kernel_stating_its_cost_is_counted_by_it():
     assert roofline.estimate([stated, triton, silent], [], roofline.hardware("tpu-v5p")).opaque_runs == 1
 
 
+def test_an_instruction_printed_over_several_lines_is_read_whole():
+    """XLA:TPU prints a Pallas call's kernel metadata with newlines, its named scopes after them:
+    the kernel's stated FLOPs and part of the step are read, and the lines after it still parse."""
+    text = textwrap.dedent(
+        """
+        HloModule jit_step, entry_computation_layout={()->()}
+
+        ENTRY %main (x: f32[256,64]) -> f32[256,64] {
+          %x = f32[256,64]{1,0} parameter(0)
+          %splash = f32[256,64]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+        }}, metadata={op_name="jit(step)/target/attention/kernel_flops=9000/splash_mha_fwd/pallas_call"}, backend_config={"custom_call_config": {"body": "e30="}}
+          ROOT %sum = f32[256,64]{1,0} add(%splash, %x)
+        }
+        """
+    )
+    kernels = {k.opcode: k for k in hlo.kernels(text)}
+    assert (kernels["custom-call"].flops, kernels["custom-call"].region) == (9000, "target attention")
+    assert kernels["add"].bytes == 3 * 256 * 64 * 4
+
+
 def test_an_asynchronous_copy_moves_its_buffer_once():
     """XLA:TPU's copy-start/copy-done pair is one copy: HBM to HBM reads and writes the buffer,
     HBM to on-chip memory (a layout's memory space S(1)) reads it once; copy-done moves nothing."""

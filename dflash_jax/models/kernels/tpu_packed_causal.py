@@ -2,12 +2,14 @@
 forward only (the target is frozen).
 
 Splash attention takes segment ids (a query sees keys of its own document) and a static mask:
-causal, or with a sliding window W the local mask i - W < j <= i; it skips the key blocks the
-mask and the segment ids leave empty, as `packed_causal.py` does on GPUs. Grouped-query heads are
-read in place (its multi-head kernel takes fewer kv heads); attention sinks join its softmax.
-Queries are scaled before the kernel (it does not scale). Off a TPU it runs in interpret mode
-(tests). The drafter's block attention cannot be a splash mask (its visible keys depend on
-each batch's anchors): it has its own kernels, `tpu_block.py`.
+causal, or with a sliding window W the local mask i - W < j <= i. It skips the key blocks the
+static mask leaves empty and computes every other block pair whole: segment ids mask inside a
+block and skip none (`packed_causal.py` on GPUs starts each walk at the document's start). So its
+work is fixed by the shapes, and it states those FLOPs (`cost.py`). Grouped-query heads are read
+in place (its multi-head kernel takes fewer kv heads); attention sinks join its softmax. Queries
+are scaled before the kernel (it does not scale). Off a TPU it runs in interpret mode (tests).
+The drafter's block attention cannot be a splash mask (its visible keys depend on each batch's
+anchors): it has its own kernels, `tpu_block.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-from dflash_jax.models.kernels import target_backend
+from dflash_jax.models.kernels import cost, target_backend
 
 BLOCKS = (512, 256, 128)  # splash's tiles: the largest that divides the sequence
 
@@ -27,9 +29,13 @@ def supported(seq_len: int) -> bool:
     return any(seq_len % b == 0 for b in BLOCKS)
 
 
+def _block(seq_len: int) -> int:
+    return next(b for b in BLOCKS if seq_len % b == 0)
+
+
 @functools.cache
 def _kernel(seq_len: int, heads: int, sliding_window: int, interpret: bool):
-    block = next(b for b in BLOCKS if seq_len % b == 0)
+    block = _block(seq_len)
     shape = (seq_len, seq_len)
     one = masks.LocalMask(shape, (sliding_window - 1, 0), offset=0) if sliding_window else masks.CausalMask(shape)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
@@ -53,8 +59,12 @@ def packed_causal_attention(
     qh = (q * h**-0.5).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, K*G, S, H]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     ids = splash.SegmentIds(q=segment_ids, kv=segment_ids)
-    if sinks is None:
-        out = jax.vmap(kernel)(qh, kh, vh, ids)
-    else:
-        out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, ids, sinks.astype(jax.numpy.float32)))(qh, kh, vh, ids)
+    block = _block(s)
+    with cost.stating_flops(
+        b * heads * cost.causal_visits(s // block, block, block, sliding_window) * 4 * block**2 * h
+    ):
+        if sinks is None:
+            out = jax.vmap(kernel)(qh, kh, vh, ids)
+        else:
+            out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, ids, sinks.astype(jax.numpy.float32)))(qh, kh, vh, ids)
     return out.transpose(0, 2, 1, 3)
