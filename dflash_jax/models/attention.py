@@ -28,10 +28,10 @@ it to every call, like maxtext's `AttentionOp` holds its kernel:
   blocks the context tiles of their span and their own block: Triton kernels on GPUs; on TPUs
   jax's splash attention for the target (`kernels/tpu_packed_causal.py`) and Mosaic kernels for
   the blocks (`kernels/tpu_block.py`). Interpret mode, for tests, elsewhere.
-* "auto" (the config's default) resolves per pattern: "fused" for both on GPUs; on TPUs
-  "fused" for the drafter's blocks (a quarter of XLA's roofline time for Qwen3-30B-A3B's
-  drafter on a v5p, `bench/attention.py`) and "xla" for the target (splash's cost is not in
-  its program, so no compiler figure has compared the two); "xla" on CPUs.
+* "auto" (the config's default): "fused" on GPUs and TPUs, where the compilers' figures favour
+  the kernels for both patterns (docs/performance.md: on a v5p the drafter's block kernel takes a
+  quarter of XLA's roofline time for Qwen3-30B-A3B, `bench/attention.py`, and splash cuts its
+  target's attention from 0.164 s to 0.048 s a step); "xla" on CPUs.
 
 Decoding (`attend` with a cache mask, `block_attention.block_attention_cached`) always uses XLA.
 """
@@ -50,17 +50,15 @@ from dflash_jax.models.kernels import MASKED, target_backend
 IMPLEMENTATIONS = ("auto", "xla", "fused")
 
 
-PATTERNS = ("packed", "blocks")  # the target's packed causal attention, the drafter's block attention
-_AUTO_FUSED = {"gpu": PATTERNS, "tpu": ("blocks",)}  # where "auto" runs the kernels (module docstring)
+_AUTO_FUSED = ("gpu", "tpu")  # where "auto" runs the kernels (module docstring)
 
 
-def resolve_implementation(name: str, backend: str | None = None, pattern: str = "packed") -> str:
-    """'auto', 'xla' or 'fused' -> the code that runs `pattern` on `backend` (default: JAX's):
-    'xla' or 'fused'."""
+def resolve_implementation(name: str, backend: str | None = None) -> str:
+    """'auto', 'xla' or 'fused' -> the code that runs on `backend` (default: JAX's): 'xla' or 'fused'."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     if name == "auto":
-        return "fused" if pattern in _AUTO_FUSED.get(backend or target_backend(), ()) else "xla"
+        return "fused" if (backend or target_backend()) in _AUTO_FUSED else "xla"
     return name
 
 

@@ -66,8 +66,6 @@ class DFlashAttention(AttentionProjections):
     layer's own k/v projections of ctx) and from the block itself. `window` (0 = none) and
     `causal` narrow what a query sees (`block_attention`)."""
 
-    PATTERN = "blocks"
-
     def __init__(self, *, window: int = 0, causal: bool = False, **projections):
         super().__init__(**projections)
         self.window = window

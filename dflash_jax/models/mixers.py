@@ -51,8 +51,6 @@ class AttentionProjections(nnx.Module):
     The attention pattern itself lives in `attention.py`; target and drafter differ only there.
     """
 
-    PATTERN = "packed"  # the pattern training runs (`attention.PATTERNS`): its "auto" code
-
     def __init__(
         self,
         *,
@@ -91,7 +89,7 @@ class AttentionProjections(nnx.Module):
         self.head_dim = head_dim
         self.compute_dtype = compute_dtype
         # Training's attention code, 'xla' or 'fused' (resolved); decoding always runs XLA.
-        self.implementation = attention.resolve_implementation(implementation, pattern=self.PATTERN)
+        self.implementation = attention.resolve_implementation(implementation)
 
     def queries(self, x: jax.Array, tables: Rotary) -> tuple[jax.Array, jax.Array | None]:
         """x [..., T, D] -> (q [..., T, K*G, H] normalized and rotated, the output gate

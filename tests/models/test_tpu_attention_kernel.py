@@ -113,8 +113,7 @@ def test_fused_on_tpu_is_splash_for_the_target():
 
     target = traced(lambda q, k, v, s: attention.packed_causal_attention(q, k, v, s, implementation="fused"))
     assert "pallas_call" in target and "splash" in target
-    assert attention.resolve_implementation("auto", "tpu") == "xla"
-    assert attention.resolve_implementation("auto", "tpu", pattern="blocks") == "fused"
+    assert attention.resolve_implementation("auto", "tpu") == "fused"
     q_blk, kv_blk, mask = jnp.zeros((1, 8, 4, 4, 64)), jnp.zeros((1, 8, 4, 2, 64)), jnp.ones((1, 8, 256), bool)
 
     def drafter(q, k, v, kb, vb, mask):

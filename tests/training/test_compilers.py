@@ -66,8 +66,8 @@ def _compile_tiny_step(name: str, num_devices: int) -> tuple[planning.Plan, str]
 @pytest.mark.parametrize("name", ["tpu-v5e", "h200"])
 def test_the_tiny_step_compiles_for_the_hardware(name):
     """Lowering or compiling errors fail; the plan is that compiler's, its temporaries within the
-    program's band (`hlo.buffer_band`), and the attention kernels "auto" picks are in it: on the
-    GPU the target's and the drafter's, on the TPU the drafter's, each stating its cost."""
+    program's band (`hlo.buffer_band`), and the attention kernels "auto" picks are in it, the
+    target's and the drafter's, each stating its cost."""
     plan, text = _compile_tiny_step(name, 4)
     assert plan.platform == compilers.ACCELERATORS[name].platform.replace("cuda", "gpu")
     assert plan.num_devices == 4 and plan.fits(compilers.ACCELERATORS[name].hbm_bytes)
@@ -81,8 +81,7 @@ def test_the_tiny_step_compiles_for_the_hardware(name):
         for part in ("fwd", "dq", "dkv"):  # the drafter's block attention, forward and backward
             assert f"dflash_block_attention_{part}_tpu" in text, part
     counted = {k.region for k in plan.kernels if k.opcode == "custom-call" and k.flops > 0}
-    expected = {"target attention", "drafter attention"} if name == "h200" else {"drafter attention"}
-    assert expected <= counted, f"no kernel's cost was read in {expected - counted}"
+    assert {"target attention", "drafter attention"} <= counted, f"kernels stating their cost: {counted}"
 
 
 @pytest.mark.parametrize(
