@@ -35,7 +35,8 @@ _WINDOW = re.compile(r"window=\{([^}]*)\}")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 # A Pallas TPU kernel's own CostEstimate in its backend_config: XLA cannot see inside a kernel,
 # and the attention kernels state the work their data-dependent walks are expected to do
-# (models/kernels/cost.py; a Triton call keeps none, so its FLOPs are in a named scope).
+# (models/kernels/cost.py; a call that carries none, Triton's or splash's, states its FLOPs in a
+# named scope).
 _KERNEL_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*"flops":\s*"?(\d+)')
 _KERNEL_BYTES = re.compile(r'"cost_estimate":\s*\{[^}]*"bytes_accessed":\s*"?(\d+)')
 
@@ -199,7 +200,7 @@ def _flops(module: Module, computation: str, ins: Instruction) -> float:
         return 2.0 * math.prod(hlo_text.dims(ins.type)) * (lhs[-1] if lhs else 0)
     if ins.opcode == "custom-call":
         kernel = _KERNEL_FLOPS.search(ins.attributes)
-        stated = float(kernel.group(1)) if kernel else hlo_text.stated(ins.attributes, cost.KERNEL_FLOPS)
+        stated = int(kernel.group(1)) if kernel else hlo_text.stated(ins.attributes, cost.KERNEL_FLOPS)
         if stated:
             return float(stated)
     if ins.opcode == "fusion":

@@ -1,12 +1,13 @@
 """What an attention kernel's walk costs, stated for the plan's roofline (training/hlo.py).
 
-XLA cannot see inside a kernel, and these walks depend on the data (where documents and spans
-begin and end), so each call states its work for the common case: rows of one document each.
-Rows packed with several documents visit fewer tiles.
+XLA cannot see inside a kernel, so each call states its work. Our walks depend on the data
+(where documents and spans begin and end): they state the common case, rows of one document
+each (rows packed with several documents visit fewer tiles). Splash's walk is fixed by its
+static mask, so its figure is exact.
 
-How it is stated depends on the compiler: a Pallas TPU call carries a `pl.CostEstimate` in its
-backend_config; a Triton call (XLA:GPU) keeps no cost, only its op's named scopes, so a GPU kernel
-runs inside `stating_flops(N)`, a `kernel_flops=N` scope.
+How it is stated depends on the call: our Pallas TPU calls carry a `pl.CostEstimate` in their
+backend_config; a Triton call (XLA:GPU) keeps no cost, and splash takes none, so those run inside
+`stating_flops(N)`, a `kernel_flops=N` named scope, which the compiled call keeps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ KERNEL_FLOPS = "kernel_flops"  # the named scope's key (training/hlo.py reads it
 
 
 def stating_flops(flops: int):
-    """A named scope stating the FLOPs of the kernel called inside it (for Triton calls)."""
+    """A named scope stating the FLOPs of the kernel called inside it."""
     return jax.named_scope(f"{KERNEL_FLOPS}={int(flops)}")
 
 
