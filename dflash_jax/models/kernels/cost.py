@@ -46,3 +46,9 @@ def causal_visits(tiles: int, block_q: int, block_k: int, sliding_window: int = 
         first = max(0, i * block_q - sliding_window + 1) // block_k if sliding_window else 0
         total += -(-(i + 1) * block_q // block_k) - first
     return total
+
+
+def causal_walk_flops(tiles: int, block_q: int, block_k: int, head_dim: int, sliding_window: int = 0) -> int:
+    """Matmul FLOPs of one row and head of a causal walk (`causal_visits`): per visited tile pair,
+    the scores and the values, each a [block_q, block_k] x head_dim product."""
+    return causal_visits(tiles, block_q, block_k, sliding_window) * 2 * (2 * block_q * block_k * head_dim)

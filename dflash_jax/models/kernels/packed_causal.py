@@ -133,7 +133,7 @@ def packed_causal_attention(
         interpret=interpret_mode(),
         name="packed_causal_attention",
     )
-    visits = b * heads * cost.causal_visits(padded // BLOCK_Q, BLOCK_Q, BLOCK_K, sliding_window)
-    with cost.stating_flops(visits * 2 * (2 * BLOCK_Q * BLOCK_K * head_dim)):  # scores, values
+    walk = cost.causal_walk_flops(padded // BLOCK_Q, BLOCK_Q, BLOCK_K, head_dim, sliding_window)
+    with cost.stating_flops(b * heads * walk):
         out = call(*inputs)
     return out[:, :s]

@@ -60,9 +60,7 @@ def packed_causal_attention(
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     ids = splash.SegmentIds(q=segment_ids, kv=segment_ids)
     block = _block(s)
-    with cost.stating_flops(
-        b * heads * cost.causal_visits(s // block, block, block, sliding_window) * 4 * block**2 * h
-    ):
+    with cost.stating_flops(b * heads * cost.causal_walk_flops(s // block, block, block, h, sliding_window)):
         if sinks is None:
             out = jax.vmap(kernel)(qh, kh, vh, ids)
         else:
