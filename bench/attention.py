@@ -8,7 +8,7 @@ compiled by the hardware's own compiler without the hardware (libtpu or devicele
 One drafter layer's attention, forward and backward (what a train step runs per layer), at the
 per-device shapes of a preset: `--rows` rows of `--seq_len` context positions, `--blocks` blocks of
 `--block_len` per row. For each implementation: the compile time, the matmul TFLOP and GB the
-plan's roofline reads from the optimized program (training/hlo.py; a TPU kernel states its own
+plan's roofline reads from the optimized program (training/planning/hlo.py; a TPU kernel states its own
 cost, for rows that are one document each: rows packed with several visit fewer context tiles),
 the roofline time on that hardware, and the temporaries the compiler planned; then the kernel's
 time against XLA's. The defaults are Qwen3-30B-A3B's preset on a v5p-8 (16 rows of 3,072 over 4
@@ -28,9 +28,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from dflash_jax.models import block_attention, kernels  # noqa: E402
-from dflash_jax.models.chunking import BLOCKS_PER_CHUNK  # noqa: E402
-from dflash_jax.training import compilers, hlo, roofline  # noqa: E402
+from dflash_jax.models import kernels  # noqa: E402
+from dflash_jax.models.layers import block_attention
+from dflash_jax.models.layers.chunking import BLOCKS_PER_CHUNK  # noqa: E402
+from dflash_jax.training.planning import (
+    compilers,
+    hlo,
+    roofline,  # noqa: E402
+)
 
 
 def compile_layer(args, implementation: str, device) -> tuple[float, str, float]:

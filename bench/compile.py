@@ -7,9 +7,9 @@
 
 Each variant is planned on 8 simulated CPU devices with abstract weights and the plan's scheduler.
 `scan`: `train.scan_layers=False` (every layer of the target and the drafter in the program)
-against `True` (each run of a repeating layer pattern under one scan, models/layer_stack.py).
+against `True` (each run of a repeating layer pattern under one scan, models/layers/layer_stack.py).
 `muon`: AdamW, optax.contrib.muon as it was used before (Newton–Schulz on matrices split by
-ZeRO: XLA gathers them for each iteration) and this project's Muon (`training/muon.py`: each
+ZeRO: XLA gathers them for each iteration) and this project's Muon (`training/optim/muon.py`: each
 matrix whole on one device). For each: tracing and lowering time, compile time (wall and CPU
 seconds: on a shared machine the CPU time is the steadier figure), the peak memory per device and
 its temporaries, the collective bytes per step and device by kind, and each against the first.
@@ -35,13 +35,14 @@ from unittest import mock  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from dflash_jax.models import layer_stack  # noqa: E402
+from dflash_jax.models.layers import layer_stack  # noqa: E402
 from dflash_jax.models.transformer import layer_kind  # noqa: E402
-from dflash_jax.training import muon, planning  # noqa: E402
-from dflash_jax.training.hlo import COLLECTIVE_KINDS  # noqa: E402
-from dflash_jax.training.presets import load_config_file  # noqa: E402
-from dflash_jax.training.run_config import resolve  # noqa: E402
-from dflash_jax.training.targets import target_for_plan  # noqa: E402
+from dflash_jax.training import planning  # noqa: E402
+from dflash_jax.training.config.presets import load_config_file  # noqa: E402
+from dflash_jax.training.config.run_config import resolve  # noqa: E402
+from dflash_jax.training.config.targets import target_for_plan  # noqa: E402
+from dflash_jax.training.optim import muon  # noqa: E402
+from dflash_jax.training.planning.hlo import COLLECTIVE_KINDS  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIGS = {"scan": ("configs/qwen3_5.py:27b", "configs/gpt_oss.py:120b"), "muon": ("configs/qwen3.py:8b",)}

@@ -20,7 +20,7 @@ What it measures, in this order:
   tiles below the diagonal and every block against its whole row; the same numerator for both
   paths, so their MFUs compare) / step time / the device's dense bf16 peak (table below; None
   for a device not in it). A measured bf16 matmul peak is reported beside it.
-  Beside each, the roofline estimate of the same compiled step (`dflash_jax/training/roofline.py`:
+  Beside each, the roofline estimate of the same compiled step (`dflash_jax/training/planning/roofline.py`:
   its kernels' matmul FLOPs and memory traffic at the device's published peak and bandwidth; on
   a CPU, measured): predicted step time and its ratio to the measured one. The fused path's
   Pallas kernels count the FLOPs they state for rows of one document (models/kernels/cost.py);
@@ -60,14 +60,15 @@ from flax import nnx
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models import attention, block_attention
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
+from dflash_jax.models.layers import attention, block_attention
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import compilers, planning, roofline
-from dflash_jax.training.run_config import resolve
-from dflash_jax.training.schema import base_config
+from dflash_jax.training.config.run_config import resolve
+from dflash_jax.training.config.schema import base_config
+from dflash_jax.training.planning import compilers, roofline
+from dflash_jax.training.planning import memory as planning
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
 PEAK_BF16_TFLOPS = (
@@ -234,7 +235,7 @@ def step_setup(target: TransformerConfig, *, rows, seq_len, num_anchors, block_s
 
 def compiled_prediction(setup, acc: compilers.Accelerator | None) -> dict:
     """What `plan --hardware` says of this step on one device of `acc`, compiled by that hardware's
-    own compiler without it (training/compilers.py): peak memory and the roofline step time."""
+    own compiler without it (training/planning/compilers.py): peak memory and the roofline step time."""
     if acc is None or not compilers.installed(acc):
         return {"compiled_for": None}
     plan = planning.plan_train_step(setup, compilers.devices(acc, 1))
@@ -285,7 +286,7 @@ def train_step_of(setup, impl: str, steps: int, peak_tflops, hardware, acc) -> d
         "achieved_tflops": _significant(r["flops_per_s"] / 1e12),
         "mfu": None if peak_tflops is None else round(r["flops_per_s"] / (peak_tflops * 1e12), 4),
         "peak_memory_gb": peak_memory_gb(),
-        # the roofline estimate of the compiled step (training/roofline.py) against the measured time
+        # the roofline estimate of the compiled step (training/planning/roofline.py) against the measured time
         "predicted_step_s": None if predicted is None else round(predicted.step_s, 4),
         "predicted_over_measured": None if predicted is None else round(predicted.step_s * r["steps_per_s"], 3),
         "predicted_uncounted_kernel_runs": None if predicted is None else predicted.opaque_runs,

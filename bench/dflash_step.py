@@ -67,8 +67,8 @@ from dflash_jax.decoding.speculative import SpeculativeDecoder, draft_block
 from dflash_jax.models import kinds
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.hf import load_drafter, load_target
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.hf import load_drafter, load_target
+from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.models.transformer import Transformer
 
 

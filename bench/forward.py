@@ -32,8 +32,8 @@ from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.architecture import MoeConfig
-from dflash_jax.models.layers import SwiGLU
-from dflash_jax.models.moe import MoE
+from dflash_jax.models.layers.basic import SwiGLU
+from dflash_jax.models.layers.moe import MoE
 from dflash_jax.models.transformer import Transformer
 
 

@@ -26,9 +26,9 @@ import transformers
 
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.prompt_sets import ChatTokenizer
-from dflash_jax.models.gguf import weights_file
-from dflash_jax.models.hf import load_target
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.gguf import weights_file
+from dflash_jax.models.formats.hf import load_target
+from dflash_jax.models.formats.hub import resolve_model
 
 SEQ = 64
 # Tiny random checkpoints transformers writes itself: (config class, model class, fields).

@@ -26,7 +26,7 @@ from absl import app, flags
 from dflash_jax.decoding.acceptance import acceptance_stats
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.hf import load_target
+from dflash_jax.models.formats.hf import load_target
 from dflash_jax.training.drafters import load_any_drafter
 
 flags.DEFINE_string("drafter", None, "Drafter export directory.", required=True)

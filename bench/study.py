@@ -44,11 +44,11 @@ import numpy as np
 from dflash_jax.decoding.acceptance import acceptance_stats
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.hf import load_drafter, load_target
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.hf import load_drafter, load_target
+from dflash_jax.models.formats.hub import resolve_model
+from dflash_jax.training.config.presets import load_config_file
+from dflash_jax.training.config.run_config import resolve
 from dflash_jax.training.loop import train
-from dflash_jax.training.presets import load_config_file
-from dflash_jax.training.run_config import resolve
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 

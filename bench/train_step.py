@@ -12,7 +12,7 @@
 REV is extracted with `git archive` and renamed (`dflash_jax_base`), both versions' steps are
 compiled in one process and timed in turn, one step each per round on the same batches, with a
 2048³ matmul after every step; it prints each one's fastest and median step and their ratio.
-`--roofline`: the roofline estimate of each compiled step (`dflash_jax/training/roofline.py`) for
+`--roofline`: the roofline estimate of each compiled step (`dflash_jax/training/planning/roofline.py`) for
 this CPU, its rates measured before and after the steps (the best of each), beside the fastest
 measured step; the estimate aims at the measured time within 30%.
 
@@ -55,13 +55,13 @@ from flax import nnx
 from study import KINDS, apply_variant  # bench/study.py
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models import attention
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
-from dflash_jax.training import hlo, hlo_text, roofline
-from dflash_jax.training.flops import model_flops_per_step
-from dflash_jax.training.optimizer import OPTIMIZERS
-from dflash_jax.training.presets import load_config_file
-from dflash_jax.training.run_config import TrainSetup, resolve
+from dflash_jax.models.layers import attention
+from dflash_jax.training.config.presets import load_config_file
+from dflash_jax.training.config.run_config import TrainSetup, resolve
+from dflash_jax.training.optim.optimizer import OPTIMIZERS
+from dflash_jax.training.planning import hlo, hlo_text, roofline
+from dflash_jax.training.planning.flops import model_flops_per_step
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")

@@ -23,7 +23,7 @@ mask token: the mask is a row of the embedding past the tokenizer's last token (
 
 import os
 
-from dflash_jax.training.presets import Variants, hub_target_config
+from dflash_jax.training.config.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {

@@ -7,7 +7,7 @@ python train.py --config=configs/default.py --config.workdir=/tmp/dflash_run --c
 import os
 
 from dflash_jax.bundled import ASSETS
-from dflash_jax.training.schema import base_config
+from dflash_jax.training.config.schema import base_config
 
 
 def get_config():

@@ -18,7 +18,7 @@ wide. The mask is <mask> (id 4 in Gemma's tokenizer); check it against your toke
 
 import os
 
-from dflash_jax.training.presets import Variants, hub_target_config
+from dflash_jax.training.config.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {

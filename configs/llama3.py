@@ -17,7 +17,7 @@ produces.
 
 import os
 
-from dflash_jax.training.presets import Variants, hub_target_config
+from dflash_jax.training.config.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"8b": dict(plan_config="Llama-3.1-8B-Instruct.json")}

@@ -19,7 +19,7 @@ tokenizer's tokens; check it against your tokenizer.
 
 import os
 
-from dflash_jax.training.presets import Variants, hub_target_config
+from dflash_jax.training.config.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"230b-a10b": dict(plan_config="MiniMax-M2.json")}

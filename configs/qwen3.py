@@ -19,7 +19,7 @@ config.json (target.path).
 
 import os
 
-from dflash_jax.training.presets import Variants, hub_target_config
+from dflash_jax.training.config.presets import Variants, hub_target_config
 
 # Drafter per target size. Both Qwen3-4B and -8B have 36 layers: 5 drafter layers read target
 # layers [1, 9, 17, 25, 33]; Qwen3-32B has 64: [1, 16, 31, 46, 61] (docs/design.md §2).

@@ -19,7 +19,7 @@ target's shape from its own config.json.
 
 import os
 
-from dflash_jax.training.presets import Variants, hub_target_config
+from dflash_jax.training.config.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {

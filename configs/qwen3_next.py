@@ -18,7 +18,7 @@ over 2048 positions. The mask is <|MASK|>'s row of Qwen3's embedding (151669), a
 
 import os
 
-from dflash_jax.training.presets import Variants, hub_target_config
+from dflash_jax.training.config.presets import Variants, hub_target_config
 
 TARGETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 SIZES = {"80b-a3b": dict(plan_config="Qwen3-Next-80B-A3B-Instruct.json", fsdp=8)}

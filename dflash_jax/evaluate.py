@@ -21,7 +21,7 @@ token_frequencies.json): on a CPU with a large vocabulary the drafter's LM head 
 step; the target still verifies over every token, so decoding stays lossless.
 
 --engine=llama.cpp also serves the same prompts (each row's first turn) with llama.cpp's
-`llama-server` (decoding/llama_cpp.py finds it; `dflash-jax install-llama-cpp` builds it) on the
+`llama-server` (decoding/engines/llama_cpp.py finds it; `dflash-jax install-llama-cpp` builds it) on the
 GGUF --target (a Qwen3 one written as `<output>/target.gguf`; with --engine_weights=float32 its
 tensors dequantized, `<output>/target.float32.gguf`), alone and with the drafter converted to GGUF
 (`<output>/drafter.gguf`; with --draft_vocab, llama.cpp's reduced draft vocabulary of the same
@@ -41,15 +41,15 @@ from absl import flags
 from dflash_jax import cli
 from dflash_jax.decoding import report
 from dflash_jax.decoding.draft_vocab import draft_token_ids
-from dflash_jax.decoding.llama_cpp import require_server
-from dflash_jax.decoding.llama_server import Drafting, evaluate_engine
+from dflash_jax.decoding.engines.llama_cpp import require_server
+from dflash_jax.decoding.engines.llama_server import Drafting, evaluate_engine
 from dflash_jax.decoding.measurement import write_outputs
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.report import engine_table
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.gguf_target import served_gguf, widened_gguf
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.gguf_target import served_gguf, widened_gguf
+from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import is_export_dir

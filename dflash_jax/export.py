@@ -6,9 +6,9 @@
 reads the latest (or given) checkpoint of a training run and writes `config.json` +
 `model.safetensors` to `<workdir>/export/` (or --output). Training does the same at its end.
 --format=gguf also writes `drafter.gguf` there, the file llama.cpp's `llama-server` loads beside
-the GGUF --target (`--spec-type draft-dflash` or `draft-dspark`, models/gguf_export.py), with
+the GGUF --target (`--spec-type draft-dflash` or `draft-dspark`, models/formats/gguf_export.py), with
 that target's vocabulary (default --target: the run's own); a Hugging Face Qwen3 or Llama target (the
-default run's tiny-qwen3) is first written beside it as `target.gguf` (models/gguf_target.py).
+default run's tiny-qwen3) is first written beside it as `target.gguf` (models/formats/gguf_target.py).
 --draft_vocab=N gives that file its own LM head of the N tokens training used most (the export's
 token_frequencies.json) and llama.cpp's `d2t` map: the engine drafts as `evaluate --draft_vocab=N`.
 The README ("Serving") gives the llama.cpp, SGLang and vLLM commands.
@@ -24,10 +24,10 @@ from dflash_jax import cli
 from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.gguf_export import gguf_kind, write_drafter_gguf
-from dflash_jax.models.gguf_target import served_gguf
-from dflash_jax.models.hf import read_config
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.gguf_export import gguf_kind, write_drafter_gguf
+from dflash_jax.models.formats.gguf_target import served_gguf
+from dflash_jax.models.formats.hf import read_config
+from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import export_checkpoint
 from dflash_jax.training.workdir import Workdir

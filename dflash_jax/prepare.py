@@ -16,7 +16,7 @@ from absl import flags
 from dflash_jax import cli
 from dflash_jax.data.build import summarize
 from dflash_jax.data.pipeline import DataPipeline
-from dflash_jax.training.run_config import resolve_data
+from dflash_jax.training.config.run_config import resolve_data
 
 RENAMED_FLAGS = {"epochs": "num_epochs"}
 

@@ -38,7 +38,7 @@ from dflash_jax.decoding.backends import HttpBackend, JaxBackend
 from dflash_jax.decoding.regeneration import Regeneration, failures_path
 from dflash_jax.errors import DataError, UserError
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.hub import resolve_model
 
 RENAMED_FLAGS = {"model": "target"}
 
@@ -57,7 +57,7 @@ def make_backend(f):
     if not f.target:
         raise UserError("--target is required with --backend=jax: a model directory or hub id (org/name)")
     from dflash_jax.decoding.prompt_sets import ChatTokenizer
-    from dflash_jax.models.hf import load_target
+    from dflash_jax.models.formats.hf import load_target
 
     try:
         target_dir = resolve_model(f.target)

@@ -18,8 +18,8 @@ import jax
 from absl import flags
 
 from dflash_jax import bundled, cli
-from dflash_jax.training import run_config
 from dflash_jax.training.acceptance_eval import final_evaluation
+from dflash_jax.training.config import run_config
 from dflash_jax.training.loop import train
 from dflash_jax.training.mesh import initialize_distributed
 from dflash_jax.training.summary import summary

@@ -45,7 +45,7 @@ def llama_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def gguf_cache(tmp_path_factory):
-    """GGUF targets' generated directories (models/gguf.py) go to a temporary folder, for this
+    """GGUF targets' generated directories (models/formats/gguf.py) go to a temporary folder, for this
     process and the commands the tests start."""
     with pytest.MonkeyPatch.context() as patch:
         path = tmp_path_factory.mktemp("gguf_cache")

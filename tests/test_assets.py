@@ -205,7 +205,7 @@ def _jax_logits(path, ids):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.models.hf import load_target
+    from dflash_jax.models.formats.hf import load_target
 
     model = load_target(path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
     tokens = jnp.asarray(ids)

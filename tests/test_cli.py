@@ -28,9 +28,9 @@ from dflash_jax import (
     train,
 )
 from dflash_jax.errors import ConfigError, UserError
-from dflash_jax.training.config_text import describe_config
-from dflash_jax.training.presets import check_variants_accepted, load_config_file
-from dflash_jax.training.schema import FIELDS_DOCUMENTED, field_paths
+from dflash_jax.training.config.config_text import describe_config
+from dflash_jax.training.config.presets import check_variants_accepted, load_config_file
+from dflash_jax.training.config.schema import FIELDS_DOCUMENTED, field_paths
 from support.stderr import user_lines
 
 REPO = Path(__file__).resolve().parents[1]

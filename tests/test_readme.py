@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_jax import bundled
-from dflash_jax.training.presets import check_variants_accepted, load_config_file
+from dflash_jax.training.config.presets import check_variants_accepted, load_config_file
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from dflash_jax.data.formats import BadSample, a_json_type, decode_json_line
 from dflash_jax.data.sources import check_jsonl_start
 from dflash_jax.errors import DataError
-from dflash_jax.models.hub import HF_DATASETS, resolve_dataset_files
+from dflash_jax.models.formats.hub import HF_DATASETS, resolve_dataset_files
 
 REASON_STEP_BY_STEP = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 

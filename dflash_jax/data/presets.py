@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_jax.models.hub import HF_DATASETS
+from dflash_jax.models.formats.hub import HF_DATASETS
 
 
 @dataclasses.dataclass(frozen=True)

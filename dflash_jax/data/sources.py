@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from dflash_jax.data.formats import FORMATS, UTF8_BOM, a_json_type, decode_json_line
 from dflash_jax.data.presets import PRESETS
 from dflash_jax.errors import DataError
-from dflash_jax.models.hub import HF_DATASETS, resolve_dataset_files
+from dflash_jax.models.formats.hub import HF_DATASETS, resolve_dataset_files
 
 SOURCE_SUFFIXES = (".jsonl", ".parquet")
 JSON_ARRAY = ".json"

@@ -23,7 +23,7 @@ from flax import nnx
 
 from dflash_jax.data.cache import write_json_atomically
 from dflash_jax.errors import UserError
-from dflash_jax.models.layers import soft_capped
+from dflash_jax.models.layers.basic import soft_capped
 
 FREQUENCIES_FILE = "token_frequencies.json"
 

@@ -26,7 +26,7 @@ from flax import nnx
 
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, choose
-from dflash_jax.models.cache import KVCache
+from dflash_jax.models.layers.cache import KVCache
 from dflash_jax.models.transformer import Transformer
 
 MIN_PROMPT_BUCKET = 16

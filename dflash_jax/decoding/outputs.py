@@ -11,7 +11,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models.cache import write_rows
+from dflash_jax.models.layers.cache import write_rows
 
 
 @flax.struct.dataclass

@@ -48,7 +48,7 @@ from dflash_jax.data.sample_encoder import control_tokens
 from dflash_jax.data.settings import DataConfig
 from dflash_jax.data.sources import check_jsonl_start
 from dflash_jax.errors import DataError
-from dflash_jax.models.hub import resolve_dataset_files
+from dflash_jax.models.formats.hub import resolve_dataset_files
 
 BUNDLED_DATA = ASSETS / "data"
 BUNDLED_SETS = ("heldout_prompts", "stdlib_heldout")

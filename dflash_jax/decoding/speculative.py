@@ -29,8 +29,8 @@ from dflash_jax.decoding.generate import Decoder, prefill
 from dflash_jax.decoding.sampling import SamplingConfig, verify_block
 from dflash_jax.errors import ModelError
 from dflash_jax.models import kinds
-from dflash_jax.models.cache import KVCache
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
+from dflash_jax.models.layers.cache import KVCache
 from dflash_jax.models.transformer import Transformer
 
 

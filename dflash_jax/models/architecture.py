@@ -48,7 +48,7 @@ class LinearAttentionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LatentAttentionConfig:
-    """Multi-head latent attention (DeepSeek-V3, Kimi-K2; models/latent_attention.py): queries
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2; models/layers/latent_attention.py): queries
     through a rank-`q_lora_rank` bottleneck (0: one q_proj), keys and values expanded from a
     rank-`kv_lora_rank` latent, per head N unrotated and R rotated query/key dims and U value dims."""
 
@@ -126,7 +126,7 @@ class LayerAttention:
     values_from_keys: bool = False
 
 
-# The decoder layer of every layer: 'pre_norm' (layers.DecoderBlock) or 'gemma4' (models/gemma.py:
+# The decoder layer of every layer: 'pre_norm' (layers.DecoderBlock) or 'gemma4' (models/layers/gemma.py:
 # sandwich norms, Gemma's attention, experts beside the dense MLP, a layer scalar).
 BLOCKS = ("pre_norm", "gemma4")
 # The blocks whose MoE layers keep their dense MLP, the experts beside it (the others replace it).

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models import block_attention, layer_stack
-from dflash_jax.models.cache import KVCache, LayerCache, leading_slots
-from dflash_jax.models.chunking import BLOCKS_PER_CHUNK
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
-from dflash_jax.models.mixers import AttentionProjections
+from dflash_jax.models.layers import block_attention, layer_stack
+from dflash_jax.models.layers.basic import DecoderBlock, RMSNorm, Rotary, SwiGLU, linear, rotary
+from dflash_jax.models.layers.cache import KVCache, LayerCache, leading_slots
+from dflash_jax.models.layers.chunking import BLOCKS_PER_CHUNK
+from dflash_jax.models.layers.mixers import AttentionProjections
 
 INIT_STD = 0.02  # docs/design.md §3.5: drafter init normal(0.02)
 
@@ -144,7 +144,7 @@ class DFlashDrafter(nnx.Module):
     ):
         """`attention`: the training forward's attention code (`attention.IMPLEMENTATIONS`).
         `scan_layers`: the training forward runs each run of layers of one attention pattern
-        under a scan over their weights, stacked in the forward pass (models/layer_stack.py); the
+        under a scan over their weights, stacked in the forward pass (models/layers/layer_stack.py); the
         parameters stay one module per layer either way."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype

@@ -1,7 +1,7 @@
 """The DFlash drafter's configuration (docs/design.md §2): a frozen dataclass, checked once.
 
 `DrafterHeads` holds the drafter's kind, its block size and every kind's head sizes with their
-defaults (models/kinds/): the training config's drafter section (training/sections.py) and
+defaults (models/kinds/): the training config's drafter section (training/config/sections.py) and
 `DrafterConfig` both extend it, so each default is written once. `DrafterConfig` adds the shape
 the drafter takes from its target and checks all of it, raising a one-line ModelError; its
 config.json is models/drafter_format.py's.

@@ -1,6 +1,6 @@
 """The drafter's config.json (docs/design.md §5, export format): the layout the serving engines
 load for its kind (z-lab's `DFlashDraftModel` / `DFlash2DraftModel`, or the `Qwen3DSparkModel` of
-DeepSeek's DeepSpec and vLLM's `qwen3_dspark.py`), written by the export (models/hf.py) and read
+DeepSeek's DeepSpec and vLLM's `qwen3_dspark.py`), written by the export (models/formats/hf.py) and read
 back from an export, a training checkpoint or a released drafter.
 
 The fields every kind shares are a Qwen3 config as transformers writes it; the kind's own come

@@ -21,7 +21,7 @@ from dflash_jax.models.weight_maps import Tensor, WeightMap
 
 @dataclasses.dataclass(frozen=True)
 class GgufArchitecture:
-    """A GGUF `general.architecture` as the Hugging Face model it is converted from (models/gguf.py)."""
+    """A GGUF `general.architecture` as the Hugging Face model it is converted from (models/formats/gguf.py)."""
 
     hf_architecture: str
     model_type: str
@@ -43,7 +43,7 @@ class Family:
     # (regex on a parameter path, logical axes) of the parameters only this family's layers have
     # (models/sharding.py, after its own table).
     partition_rules: tuple[tuple[str, tuple], ...] = ()
-    # GGUF `general.architecture` -> how a file of it reads as this family (models/gguf.py).
+    # GGUF `general.architecture` -> how a file of it reads as this family (models/formats/gguf.py).
     gguf: Mapping[str, GgufArchitecture] = dataclasses.field(default_factory=dict)
 
     def weight_map(self, architecture: str) -> WeightMap:

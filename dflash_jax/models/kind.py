@@ -47,7 +47,7 @@ class Kind:
     # Its trained sizes, with their defaults: fields of the training config's drafter section and
     # of `DrafterConfig` (which every kind's fields join, unused by the other kinds).
     fields: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    # What they mean, printed above them in the config's text (training/config_text.py).
+    # What they mean, printed above them in the config's text (training/config/config_text.py).
     fields_doc: str = ""
     # Fields a released drafter's config.json may set and training never does (`DrafterConfig`
     # only); another kind's config must leave them at these defaults.

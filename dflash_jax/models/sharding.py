@@ -55,12 +55,12 @@ VOCAB = "vocab"
 FEATURES = "features"  # the drafter's input: k target layers' hidden states, concatenated
 EXPERTS = "experts"  # the experts of a mixture-of-experts MLP
 NORM = "norm"  # RMSNorm scales: never split (tiny, and used everywhere)
-LAYERS = "layers"  # the leading axis of a scanned segment's stacked weights (models/layer_stack.py): never split
+LAYERS = "layers"  # the leading axis of a scanned segment's stacked weights (models/layers/layer_stack.py): never split
 
 # Every parameter of the target and the drafter, by the end of its path (`layers.3.mlp.up_proj.kernel`),
 # but those only one target family or drafter kind has: their modules' `partition_rules`.
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # Mixture of experts (models/moe.py): stacked expert weights, router, shared expert's gate.
+    # Mixture of experts (models/layers/moe.py): stacked expert weights, router, shared expert's gate.
     (r"experts\.(gate|up)_proj", (EXPERTS, EMBED, MLP)),
     (r"experts\.down_proj", (EXPERTS, MLP, EMBED)),
     (r"experts\.(gate|up)_proj_bias", (EXPERTS, MLP)),
@@ -69,10 +69,10 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"mlp\.router\.bias", (None,)),
     (r"shared_expert_gate\.kernel", (EMBED, None)),
     (r"mlp\.e_score_correction_bias", (None,)),  # 'sigmoid_grouped' routing (DeepSeek-V3, MiniMax-M2)
-    # Latent attention (models/latent_attention.py): the low-rank inputs whole, their expansions by head.
+    # Latent attention (models/layers/latent_attention.py): the low-rank inputs whole, their expansions by head.
     (r"(q_a_proj|kv_a_proj_with_mqa)\.kernel", (EMBED, None)),
     (r"(q_b_proj|kv_b_proj)\.kernel", (None, HEADS)),
-    # Gated DeltaNet (models/linear_attention.py): q, k, v concatenated in one projection, so its
+    # Gated DeltaNet (models/layers/linear_attention.py): q, k, v concatenated in one projection, so its
     # outputs do not split by head; small per-head vectors stay whole.
     (r"linear_attn\.in_proj_(qkv|z|b|a)\.kernel", (EMBED, None)),
     (r"linear_attn\.out_proj\.kernel", (None, EMBED)),

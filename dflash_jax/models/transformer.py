@@ -2,7 +2,7 @@
 
 Every layer is a `layers.DecoderBlock`: a token mixer chosen by `cfg.layer_types[i]` and an MLP.
 With `scan_layers`, each run of a repeating layer pattern runs under one scan over its layers'
-stacked weights (models/layer_stack.py; docs/design.md §8). Two entry points:
+stacked weights (models/layers/layer_stack.py; docs/design.md §8). Two entry points:
   * `__call__` runs packed rows (tokens, segment_ids, positions); no mixer ever crosses a
     document, it returns the requested layers' hidden states and can stop after the last of
     them (DFlash training only needs the context features, not the logits).
@@ -21,15 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models import layer_stack
 from dflash_jax.models.architecture import TransformerConfig, layer_attention, layer_window
-from dflash_jax.models.cache import KVCache
-from dflash_jax.models.gemma import Gemma4Attention, Gemma4Block
-from dflash_jax.models.latent_attention import LatentAttention
-from dflash_jax.models.layers import DecoderBlock, RMSNorm, Rotary, SwiGLU, rotary, soft_capped
-from dflash_jax.models.linear_attention import GatedDeltaNet
-from dflash_jax.models.mixers import DecodeStep, PackedRows, SelfAttention
-from dflash_jax.models.moe import MoE
+from dflash_jax.models.layers import layer_stack
+from dflash_jax.models.layers.basic import DecoderBlock, RMSNorm, Rotary, SwiGLU, rotary, soft_capped
+from dflash_jax.models.layers.cache import KVCache
+from dflash_jax.models.layers.gemma import Gemma4Attention, Gemma4Block
+from dflash_jax.models.layers.latent_attention import LatentAttention
+from dflash_jax.models.layers.linear_attention import GatedDeltaNet
+from dflash_jax.models.layers.mixers import DecodeStep, PackedRows, SelfAttention
+from dflash_jax.models.layers.moe import MoE
 
 
 def _attention_kw(cfg: TransformerConfig, *, attention: str, dtypes: dict, rngs) -> dict:
@@ -75,7 +75,7 @@ def _dense_mlp(cfg: TransformerConfig, *, dtypes: dict, rngs) -> SwiGLU:
 
 def layer_kind(cfg: TransformerConfig, index: int) -> tuple[str, bool]:
     """All that sets layer `index`'s module apart from another layer's: its mixer's layer type and
-    whether its MLP has experts (layers of one kind scan together, models/layer_stack.py)."""
+    whether its MLP has experts (layers of one kind scan together, models/layers/layer_stack.py)."""
     return cfg.layer_types[index], index in cfg.moe_layers
 
 
@@ -122,7 +122,7 @@ class Transformer(nnx.Module):
     ):
         """`attention`: the packed forward's attention code (`attention.IMPLEMENTATIONS`).
         `scan_layers`: each run of a repeating layer pattern runs under one scan over its layers'
-        stacked weights (models/layer_stack.py); `layers[k]` is then segment k (`segments[k]`):
+        stacked weights (models/layers/layer_stack.py); `layers[k]` is then segment k (`segments[k]`):
         one layer, or a `LayerStack`. Otherwise `layers[i]` is layer i."""
         self.cfg = cfg
         self.param_dtype, self.compute_dtype, self.attention = param_dtype, compute_dtype, attention

@@ -19,10 +19,10 @@ from dflash_jax.decoding.acceptance import measure_acceptance
 from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompts
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.hf import load_target
+from dflash_jax.models.formats.hf import load_target
 from dflash_jax.models.transformer import Transformer
+from dflash_jax.training.config.run_config import TrainSetup
 from dflash_jax.training.drafters import load_any_drafter
-from dflash_jax.training.run_config import TrainSetup
 
 
 class AcceptanceEval:

@@ -17,11 +17,11 @@ from jax.experimental import multihost_utils
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.hf import export_drafter, load_drafter
+from dflash_jax.models.formats.hf import export_drafter, load_drafter
 from dflash_jax.training.checkpoint import RunCheckpoints, ema_decay_of, optimizer_of
-from dflash_jax.training.ema import served_params
 from dflash_jax.training.mesh import make_mesh
-from dflash_jax.training.optimizer import OptimizerConfig, make_optimizer
+from dflash_jax.training.optim.ema import served_params
+from dflash_jax.training.optim.optimizer import OptimizerConfig, make_optimizer
 from dflash_jax.training.step import abstract_train_state, drafter_graph
 from dflash_jax.training.workdir import Workdir
 

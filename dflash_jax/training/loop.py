@@ -23,15 +23,15 @@ from jax.experimental import multihost_utils
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.decoding.draft_vocab import by_frequency, write_frequencies
 from dflash_jax.errors import UserError
-from dflash_jax.models.gguf_export import llama_cpp_problems
-from dflash_jax.models.hf import load_target
+from dflash_jax.models.formats.gguf_export import llama_cpp_problems
+from dflash_jax.models.formats.hf import load_target
 from dflash_jax.training.acceptance_eval import AcceptanceEval
 from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints, optimizer_of
+from dflash_jax.training.config.run_config import TrainSetup
 from dflash_jax.training.drafters import export_params
-from dflash_jax.training.ema import served_params
 from dflash_jax.training.mesh import batch_sharding, make_mesh
 from dflash_jax.training.monitoring import Monitor
-from dflash_jax.training.run_config import TrainSetup
+from dflash_jax.training.optim.ema import served_params
 from dflash_jax.training.step import build_train_step
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ class TrainingRun:
 def _warn_if_engines_cannot_serve(setup: TrainSetup) -> None:
     """One line per reason the engines cannot serve the drafter as configured: SGLang, vLLM and
     llama.cpp capture target layer i's feature at the input of layer i + 1, which the last layer
-    does not have (docs/design.md §2); llama.cpp has limits of its own (models/gguf_export.py)."""
+    does not have (docs/design.md §2); llama.cpp has limits of its own (models/formats/gguf_export.py)."""
     for problem in llama_cpp_problems(setup.drafter.to_hf(), setup.target.num_layers):
         log.warning("the exported drafter will not be servable: %s", problem)
 

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 import tqdm
 
+from dflash_jax.training.config.run_config import LogSettings
 from dflash_jax.training.objective import summarize
-from dflash_jax.training.run_config import LogSettings
 from dflash_jax.training.workdir import Workdir
 
 log = logging.getLogger(__name__)

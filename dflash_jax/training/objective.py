@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models import kinds
-from dflash_jax.models.block_attention import block_context_mask
-from dflash_jax.models.chunking import BLOCKS_PER_CHUNK, map_block_chunks
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.layers.block_attention import block_context_mask
+from dflash_jax.models.layers.chunking import BLOCKS_PER_CHUNK, map_block_chunks
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training.head_terms import Terms, Unembed, vocab_parallel_logits
 
@@ -55,7 +55,7 @@ LOSSES = ("dflash", "dpace")
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSettings:
-    """The objective's fields of the `train` section (training/sections.py's TrainSettings)."""
+    """The objective's fields of the `train` section (training/config/sections.py's TrainSettings)."""
 
     # Blocks per row.
     num_anchors: int = 512
@@ -84,7 +84,7 @@ class ObjectiveSettings:
     base_loss_decay: float = 0.5
     # Recompute each drafter layer in the backward pass.
     remat: bool = False
-    # What a recomputed layer keeps (models/layer_stack.py's REMAT_POLICIES): 'full' nothing;
+    # What a recomputed layer keeps (models/layers/layer_stack.py's REMAT_POLICIES): 'full' nothing;
     # 'dots_saveable' every matmul's output; 'dots_with_no_batch_dims_saveable' the weight
     # matmuls' (not attention's).
     remat_policy: str = "full"

@@ -31,10 +31,10 @@ from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, tra
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, warm_start
 from dflash_jax.training.mesh import batch_sharding
-from dflash_jax.training.optimizer import learning_rate_schedule, make_optimizer
+from dflash_jax.training.optim.optimizer import learning_rate_schedule, make_optimizer
 
 if TYPE_CHECKING:
-    from dflash_jax.training.run_config import TrainSetup
+    from dflash_jax.training.config.run_config import TrainSetup
 
 
 @flax.struct.dataclass

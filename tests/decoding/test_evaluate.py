@@ -25,11 +25,11 @@ from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.families import target_config
-from dflash_jax.models.hf import export_drafter, load_drafter, load_target, read_config
+from dflash_jax.models.formats.hf import export_drafter, load_drafter, load_target, read_config
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import export_checkpoint, load_any_drafter
 from dflash_jax.training.mesh import make_mesh
-from dflash_jax.training.optimizer import OptimizerConfig, make_optimizer
+from dflash_jax.training.optim.optimizer import OptimizerConfig, make_optimizer
 from dflash_jax.training.step import init_train_state
 from dflash_jax.training.workdir import Workdir
 from support.benchmark_files import HUMANEVAL, MT_BENCH, PUBLISHED, published_bytes, write_published

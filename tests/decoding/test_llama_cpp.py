@@ -14,15 +14,15 @@ import pytest
 from absl import flags
 
 from dflash_jax.bundled import ASSETS
+from dflash_jax.decoding.engines.llama_cpp import build_server, find_server
+from dflash_jax.decoding.engines.llama_server import Drafting, LlamaServer, engine_figures, forward_cost, run_prompts
 from dflash_jax.decoding.generate import TargetDecoder
-from dflash_jax.decoding.llama_cpp import build_server, find_server
-from dflash_jax.decoding.llama_server import Drafting, LlamaServer, engine_figures, forward_cost, run_prompts
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.errors import UserError
-from dflash_jax.models.gguf_target import write_target_gguf
-from dflash_jax.models.hf import export_drafter, load_drafter, load_target
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.gguf_target import write_target_gguf
+from dflash_jax.models.formats.hf import export_drafter, load_drafter, load_target
+from dflash_jax.models.formats.hub import resolve_model
 from support.decoding_models import make_drafter, perturbed
 from support.gguf_checkpoint import CORPUS, write_tiny_gguf
 from support.hf_reference import with_tiny_qwen3_tokenizer, write_hf_checkpoint
@@ -108,7 +108,7 @@ def _draft_tokens(completions, vocab_size: int) -> np.ndarray:
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_a_hugging_face_target_written_as_gguf_decodes_as_ours(arch, server_binary, tmp_path):
-    """models/gguf_target.py: the default run's tiny-qwen3, which llama.cpp's converter refuses
+    """models/formats/gguf_target.py: the default run's tiny-qwen3, which llama.cpp's converter refuses
     (its tokenizer is not a published one), and a tiny Llama transformers writes (its q/k rows
     interleaved for llama.cpp's RoPE), served with our tokenizer's ids and greedy tokens."""
     if arch == "qwen3":
@@ -185,7 +185,7 @@ def test_a_drafter_the_engine_cannot_load_is_one_line(server_binary, target_gguf
 
 
 def test_a_missing_engine_is_one_line(monkeypatch, tmp_path):
-    from dflash_jax.decoding import llama_cpp
+    from dflash_jax.decoding.engines import llama_cpp
 
     monkeypatch.setenv(llama_cpp.ENV_SERVER, str(tmp_path / "no-such-llama-server"))
     with pytest.raises(UserError, match="not an executable llama-server"):

@@ -16,7 +16,7 @@ from flax import nnx
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.hf import export_drafter, load_target
+from dflash_jax.models.formats.hf import export_drafter, load_target
 
 # Not in the `test` extra: dflash==0.1.0 pins datasets, requests and tqdm exactly.
 reference = pytest.importorskip(

@@ -20,7 +20,7 @@ from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.decoding.regeneration import Regeneration
 from dflash_jax.decoding.sampling import GREEDY
 from dflash_jax.errors import DataError, UserError
-from dflash_jax.models.hf import load_target
+from dflash_jax.models.formats.hf import load_target
 from support.chat_data import chat, write_jsonl
 from support.hub_cache import use_hub_cache
 from support.preset_files import add_published_datasets

@@ -15,8 +15,8 @@ from dflash_jax.decoding import speculative
 from dflash_jax.decoding.draft_vocab import FullVocabulary
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.kinds import domino
+from dflash_jax.models.layers.block_attention import block_context_mask
 from support.decoding_models import (
     BLOCK,
     MASK_ID,

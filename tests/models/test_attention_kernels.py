@@ -1,4 +1,4 @@
-"""Training attention, every implementation against the reference (models/attention.py).
+"""Training attention, every implementation against the reference (models/layers/attention.py).
 
 The XLA paths (tiled packed causal, chunked block attention) are checked against dense masks;
 the fused Pallas kernels run in interpret mode on CPU and are checked against the XLA path, the
@@ -20,9 +20,10 @@ import pytest
 from flax import nnx
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models import attention, block_attention, kernels
+from dflash_jax.models import kernels
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.kernels import cost
+from dflash_jax.models.layers import attention, block_attention
 from dflash_jax.models.transformer import Transformer
 from support import block_cases
 from support.reference_attention import packed_causal_mask
@@ -166,7 +167,7 @@ def test_kernels_lower_to_triton_for_gpu():
     """Qwen3-8B's head layout (32 query heads of 128 over 8 kv heads, block 16) at small lengths:
     lowering for CUDA runs Pallas' Triton lowering, which rejects what Triton cannot compile.
     Each call states the FLOPs its walk computes on a one-document row (Triton keeps no cost of
-    its own; the roofline reads the scope, training/hlo.py)."""
+    its own; the roofline reads the scope, training/planning/hlo.py)."""
     rows, seq_len, num_blocks, block_len = 1, 256, 8, 16
     sds = jax.ShapeDtypeStruct
     q, kv = sds((rows, seq_len, 32, 128), jnp.bfloat16), sds((rows, seq_len, 8, 128), jnp.bfloat16)
@@ -218,7 +219,8 @@ SHARDED_CHECK = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from dflash_jax.models import block_attention, sharding
+    from dflash_jax.models import sharding
+    from dflash_jax.models.layers import block_attention
     from dflash_jax.training.mesh import make_mesh
     import support.block_cases as t
 

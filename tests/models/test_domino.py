@@ -22,10 +22,10 @@ from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.errors import ModelError
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.hf import export_drafter, load_drafter
+from dflash_jax.models.formats.hf import export_drafter, load_drafter
 from dflash_jax.models.kinds import domino
 from dflash_jax.training import objective
-from dflash_jax.training.domino_loss import domino_terms
+from dflash_jax.training.kinds.domino import domino_terms
 from support import decoding_models
 from support.blocks import scored_blocks
 from support.decoding_models import MASK_ID, make_target, random_prompts

@@ -21,10 +21,10 @@ from dflash_jax.decoding import drafting
 from dflash_jax.decoding.draft_vocab import FullVocabulary
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.hf import export_drafter, load_drafter
+from dflash_jax.models.formats.hf import export_drafter, load_drafter
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
-from dflash_jax.training.domino_loss import base_loss_weight, domino_terms
+from dflash_jax.training.kinds.domino import base_loss_weight, domino_terms
 from support.blocks import scored_blocks
 from support.decoding_models import MASK_ID, make_drafter, perturbed, target_config
 

@@ -13,10 +13,10 @@ import torch
 from flax import nnx
 from safetensors.numpy import load_file
 
-from dflash_jax.models.block_attention import block_attention, block_context_mask
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig, default_target_layer_ids
-from dflash_jax.models.hf import export_drafter, load_drafter, load_target
+from dflash_jax.models.formats.hf import export_drafter, load_drafter, load_target
+from dflash_jax.models.layers.block_attention import block_attention, block_context_mask
 from support.reference_attention import block_attention_dense
 
 BLOCK = 4

@@ -21,7 +21,7 @@ from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.models import kinds
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.hf import export_drafter, load_drafter
+from dflash_jax.models.formats.hf import export_drafter, load_drafter
 from dflash_jax.models.kinds.dflash2 import grouped_dynamic_conv
 from support import kind_references as ref
 from support.decoding_models import MASK_ID, VOCAB, make_target, random_prompts

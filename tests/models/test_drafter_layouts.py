@@ -17,16 +17,16 @@ from transformers import Qwen3Config
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.errors import ConfigError
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
-from dflash_jax.models.block_attention import block_attention, block_context_mask
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.hf import load_drafter
+from dflash_jax.models.formats.hf import load_drafter
+from dflash_jax.models.layers.block_attention import block_attention, block_context_mask
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
+from dflash_jax.training.config.run_config import resolve
+from dflash_jax.training.config.schema import base_config
 from dflash_jax.training.drafters import export_params
 from dflash_jax.training.mesh import batch_sharding, make_mesh
-from dflash_jax.training.run_config import resolve
-from dflash_jax.training.schema import base_config
 from support import training_runs
 from support.dflash_mask import block_attention_under, dflash_training_mask
 

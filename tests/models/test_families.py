@@ -18,7 +18,7 @@ import transformers
 
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.speculative import SpeculativeDecoder
-from dflash_jax.models.hf import load_target
+from dflash_jax.models.formats.hf import load_target
 from support.decoding_models import ScriptedDrafter
 from support.hf_reference import write_hf_checkpoint
 

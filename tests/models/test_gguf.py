@@ -1,4 +1,4 @@
-"""GGUF targets (models/gguf.py) read as transformers reads the same file: tokenizer, chat
+"""GGUF targets (models/formats/gguf.py) read as transformers reads the same file: tokenizer, chat
 template, logits and greedy tokens; a file that cannot serve is one line."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.errors import ModelError, UserError
-from dflash_jax.models.hf import load_target
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.hf import load_target
+from dflash_jax.models.formats.hub import resolve_model
 from support.gguf_checkpoint import write_tiny_gguf
 from support.hf_reference import with_tiny_qwen3_tokenizer, write_hf_checkpoint
 
@@ -177,7 +177,7 @@ def test_a_widened_gguf_holds_the_weights_our_loader_dequantizes(tiny_gguf, tmp_
     our loader reads from the quantized file."""
     from gguf import GGUFReader
 
-    from dflash_jax.models.gguf_target import WIDENED_FROM, widened_gguf
+    from dflash_jax.models.formats.gguf_target import WIDENED_FROM, widened_gguf
 
     wide = widened_gguf(tiny_gguf, tmp_path / "wide" / "tiny.F32.gguf")
     quantized, widened = GGUFReader(tiny_gguf), GGUFReader(wide)
@@ -209,7 +209,7 @@ def test_a_hugging_face_target_written_as_gguf_reads_back_as_the_same_model(arch
     """gguf_target.write_target_gguf: every parameter and the logits as the checkpoint's, through
     our GGUF reader (whose Llama q/k order matches transformers'): a Llama's q/k rows not
     interleaved for llama.cpp's RoPE, or a norm left out, would differ."""
-    from dflash_jax.models.gguf_target import write_target_gguf
+    from dflash_jax.models.formats.gguf_target import write_target_gguf
 
     overrides = PLAIN_ROPE if arch == "llama" else {}
     hf_dir = with_tiny_qwen3_tokenizer(write_hf_checkpoint(tmp_path / arch, arch=arch, vocab_size=4096, **overrides))
@@ -227,7 +227,7 @@ def test_a_hugging_face_target_written_as_gguf_reads_back_as_the_same_model(arch
 
 
 def test_a_target_gguf_cannot_be_written_for_is_one_line(tmp_path):
-    from dflash_jax.models.gguf_target import write_target_gguf
+    from dflash_jax.models.formats.gguf_target import write_target_gguf
 
     llama3 = with_tiny_qwen3_tokenizer(write_hf_checkpoint(tmp_path / "llama3", arch="llama", vocab_size=4096))
     with pytest.raises(UserError, match=r"RoPE scaling \(llama3\) is not written to GGUF here$"):

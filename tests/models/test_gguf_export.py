@@ -1,4 +1,4 @@
-"""The drafter GGUF (models/gguf_export.py) holds what llama.cpp b11434's loader asks for, for
+"""The drafter GGUF (models/formats/gguf_export.py) holds what llama.cpp b11434's loader asks for, for
 every kind: the metadata `src/models/dflash.cpp` and `common/speculative.cpp` read and every
 tensor it creates as required, under its name and shape (transcribed below); a drafter the engine
 cannot serve is refused in one line. The engine itself loads these files in test_llama_cpp.py."""
@@ -10,9 +10,9 @@ import pytest
 from gguf import GGUFReader, dequantize
 
 from dflash_jax.errors import UserError
-from dflash_jax.models.gguf_export import llama3_rope_factors, llama_cpp_problems, write_drafter_gguf
-from dflash_jax.models.hf import export_drafter, load_target
-from dflash_jax.models.hub import resolve_model
+from dflash_jax.models.formats.gguf_export import llama3_rope_factors, llama_cpp_problems, write_drafter_gguf
+from dflash_jax.models.formats.hf import export_drafter, load_target
+from dflash_jax.models.formats.hub import resolve_model
 from support.decoding_models import make_drafter, perturbed
 from support.gguf_checkpoint import write_tiny_gguf
 

@@ -12,7 +12,7 @@ import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.minimax_m2 import modeling_minimax_m2 as mm
 
-from dflash_jax.models.moe import grouped_sigmoid_routing
+from dflash_jax.models.layers.moe import grouped_sigmoid_routing
 
 HIDDEN, EXPERTS = 32, 32
 

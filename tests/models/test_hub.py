@@ -11,8 +11,8 @@ from huggingface_hub import constants
 
 from dflash_jax.data.sources import resolve_sources
 from dflash_jax.errors import UserError
-from dflash_jax.models import hub as hub_lib
-from dflash_jax.models.hub import resolve_dataset_files, resolve_model
+from dflash_jax.models.formats import hub as hub_lib
+from dflash_jax.models.formats.hub import resolve_dataset_files, resolve_model
 from support.hub_cache import add_to_hub_cache, use_hub_cache
 
 MAIN, TAGGED = "a" * 40, "b" * 40
@@ -94,7 +94,7 @@ def test_dataset_globs_match_files_inside_the_repository(hub):
 
 @pytest.mark.slow
 def test_the_environment_variables_alone_point_a_new_process_at_the_cache(hub):
-    code = "from dflash_jax.models.hub import resolve_model; print(resolve_model('org/model'))"
+    code = "from dflash_jax.models.formats.hub import resolve_model; print(resolve_model('org/model'))"
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert run.stdout.strip() == str(hub / "models--org--model" / "snapshots" / MAIN), run.stderr[-2000:]

@@ -17,9 +17,9 @@ from flax import nnx
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
 from dflash_jax.models import hf_config
-from dflash_jax.models.latent_attention import LatentAttention, rope_rows_deinterleaved
-from dflash_jax.models.layers import rotary
-from dflash_jax.models.mixers import DecodeStep, PackedRows
+from dflash_jax.models.layers.basic import rotary
+from dflash_jax.models.layers.latent_attention import LatentAttention, rope_rows_deinterleaved
+from dflash_jax.models.layers.mixers import DecodeStep, PackedRows
 
 HIDDEN, HEADS, Q_RANK, KV_RANK, NOPE, ROPE, V_DIM = 64, 4, 24, 32, 16, 8, 12
 YARN = {

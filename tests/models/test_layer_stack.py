@@ -1,4 +1,4 @@
-"""Scanned layers (models/layer_stack.py): segments follow the layer pattern, and a model whose
+"""Scanned layers (models/layers/layer_stack.py): segments follow the layer pattern, and a model whose
 layers run under scans over stacked weights computes what the unrolled one does: the target's
 logits, every layer's hidden state, the features of a forward that stops inside a scanned segment
 and cached decoding, loaded from the same checkpoint; the drafter's output and gradients under
@@ -18,11 +18,11 @@ from jax.sharding import PartitionSpec
 
 from dflash_jax.models import sharding
 from dflash_jax.models.architecture import RopeConfig
-from dflash_jax.models.block_attention import block_context_mask
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.hf import load_target
-from dflash_jax.models.layer_stack import REMAT_POLICIES, LayerStack, Segment, segments
+from dflash_jax.models.formats.hf import load_target
+from dflash_jax.models.layers.block_attention import block_context_mask
+from dflash_jax.models.layers.layer_stack import REMAT_POLICIES, LayerStack, Segment, segments
 from dflash_jax.training import warm_start
 from support.simulated_devices import run_script
 
@@ -235,7 +235,7 @@ SHARDED = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from dflash_jax.models import sharding
-    from dflash_jax.models.hf import load_target
+    from dflash_jax.models.formats.hf import load_target
     from dflash_jax.training.mesh import make_mesh
 
     kw = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32)

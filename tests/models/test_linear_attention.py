@@ -15,7 +15,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 from dflash_jax.models import hf_config
 from dflash_jax.models.families.qwen3_next import unfuse_in_proj
-from dflash_jax.models.linear_attention import GatedDeltaNet
+from dflash_jax.models.layers.linear_attention import GatedDeltaNet
 from dflash_jax.models.weight_maps import checkpoint_name
 
 # Distinct sizes everywhere (G = 2 value heads per key head, H != U), so no transposed or

@@ -19,7 +19,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from dflash_jax.models.architecture import MoeConfig
 from dflash_jax.models.families import FAMILIES, qwen3_moe
-from dflash_jax.models.moe import TILE_ROWS, MoE, grouped_matmul
+from dflash_jax.models.layers.moe import TILE_ROWS, MoE, grouped_matmul
 from dflash_jax.models.weight_maps import WeightMap
 from support.simulated_devices import run_script
 
@@ -283,9 +283,9 @@ EXPERT_PARALLEL = textwrap.dedent(
     from flax import nnx
     from dflash_jax.models import sharding
     from dflash_jax.models.architecture import MoeConfig
-    from dflash_jax.models.moe import MoE
-    from dflash_jax.training import hlo as hlo_lib
-    from dflash_jax.training import hlo_text
+    from dflash_jax.models.layers.moe import MoE
+    from dflash_jax.training.planning import hlo as hlo_lib
+    from dflash_jax.training.planning import hlo_text
     from dflash_jax.training.mesh import make_mesh
 
     # The layouts of (data, fsdp, tensor): experts over fsdp with tokens gathered over it; over

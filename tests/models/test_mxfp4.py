@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from dflash_jax.models.mxfp4 import dequantize_mxfp4, mxfp4_expert_weight
+from dflash_jax.models.quantized.mxfp4 import dequantize_mxfp4, mxfp4_expert_weight
 
 
 def random_mxfp4(shape, seed, scale_range=(0, 256)):

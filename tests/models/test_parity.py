@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from dflash_jax.models.hf import load_target
+from dflash_jax.models.formats.hf import load_target
 
 SEQ = 24
 

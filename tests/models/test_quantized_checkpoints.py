@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from dflash_jax.models.hf import load_target
+from dflash_jax.models.formats.hf import load_target
 from support.hf_reference import write_hf_checkpoint
 from support.int4_packing import pack_int4
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from dflash_jax.models.fp8 import dequantize_fp8_blocks
-from dflash_jax.models.int4 import dequantize_int4_groups
+from dflash_jax.models.quantized.fp8 import dequantize_fp8_blocks
+from dflash_jax.models.quantized.int4 import dequantize_int4_groups
 from support.int4_packing import pack_int4
 
 

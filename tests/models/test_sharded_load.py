@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
-    from dflash_jax.models.hf import load_target
+    from dflash_jax.models.formats.hf import load_target
 
     path = sys.argv[1]
     assert len(jax.devices()) == 8

@@ -1,5 +1,5 @@
 """gpt-oss' attention options in every target attention path: learned per-head sinks and sliding
-windows (models/attention.py, models/kernels/packed_causal.py).
+windows (models/layers/attention.py, models/kernels/packed_causal.py).
 
 The float64 reference (`support.reference_attention.sink_attention` under `packed_causal_mask`)
 is checked once against transformers' gpt-oss eager attention, document by document with
@@ -25,7 +25,8 @@ from transformers import masking_utils
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models import attention, kernels
+from dflash_jax.models import kernels
+from dflash_jax.models.layers import attention
 from support.reference_attention import packed_causal_mask, sink_attention
 from support.simulated_devices import run_script
 
@@ -215,7 +216,8 @@ def test_fused_kernel_with_window_and_sinks_lowers_to_triton_for_gpu():
 SHARDED_CHECK = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
-    from dflash_jax.models import attention, sharding
+    from dflash_jax.models import sharding
+    from dflash_jax.models.layers import attention
     from dflash_jax.training.mesh import make_mesh
     import test_sinks_and_windows as t
 

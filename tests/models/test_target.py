@@ -12,8 +12,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.models.architecture import RopeConfig
-from dflash_jax.models.hf import load_target
-from dflash_jax.models.layers import rotary
+from dflash_jax.models.formats.hf import load_target
+from dflash_jax.models.layers.basic import rotary
 
 
 @pytest.fixture(scope="module")

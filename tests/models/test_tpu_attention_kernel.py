@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models import attention, block_attention, kernels
+from dflash_jax.models import kernels
 from dflash_jax.models.kernels import cost, tpu_block, tpu_packed_causal
+from dflash_jax.models.layers import attention, block_attention
 from support import block_cases
 
 

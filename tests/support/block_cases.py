@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.data.synthetic import packed_batch
-from dflash_jax.models import block_attention
+from dflash_jax.models.layers import block_attention
 from dflash_jax.training import objective
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.attention import attend
+from dflash_jax.models.layers.attention import attend
 
 
 def dflash_training_mask(segment_ids, anchors, block_len, *, window=0, causal=False) -> np.ndarray:

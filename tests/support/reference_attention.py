@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.attention import attend
+from dflash_jax.models.layers.attention import attend
 
 
 def block_attention_dense(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask):

@@ -3,7 +3,7 @@ data=2 x fsdp=4, data=2 x fsdp=2 x tensor=2 (there for every drafter kind too) โ
 weights and metrics agree, and
 that each layout placed what it promises (docs/design.md ยง8): the optimizer state split over
 all 8 devices in every layout, the target split over fsdp (vocab for the LM head) or over tensor
-(heads, MLP). Muon's Newton-Schulz runs on whole matrices (training/muon.py): its step gathers
+(heads, MLP). Muon's Newton-Schulz runs on whole matrices (training/optim/muon.py): its step gathers
 and reduces no more than AdamW's, and its all-to-alls move less than two copies of the
 drafter's matrices. Needs 8 simulated devices, so test_step.py runs it in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8."""
@@ -18,10 +18,11 @@ from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.sharding import param_shardings
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training import hlo, objective, step
+from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
-from dflash_jax.training.optimizer import OPTIMIZERS as OPTIMIZER_NAMES
-from dflash_jax.training.optimizer import OptimizerConfig, make_optimizer
+from dflash_jax.training.optim.optimizer import OPTIMIZERS as OPTIMIZER_NAMES
+from dflash_jax.training.optim.optimizer import OptimizerConfig, make_optimizer
+from dflash_jax.training.planning import hlo
 
 # Every split divides: hidden 128 over 8 devices (ZeRO), vocab 256 over fsdp x tensor, 4 heads,
 # 2 kv heads and 512 MLP over tensor=2.

@@ -1,4 +1,4 @@
-"""The hardware's own compilers, without the hardware (training/compilers.py): topologies by
+"""The hardware's own compilers, without the hardware (training/planning/compilers.py): topologies by
 size, the GPU target configs shipped, one-line errors; the slow tier compiles the tiny default
 step with XLA:TPU (libtpu) for 4 TPU v5e chips and with XLA:GPU for 4 H200s, fused kernels
 included, and checks the compiler's temporaries against the band the program itself allows."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from dflash_jax.errors import UserError
-from dflash_jax.training import compilers, hlo, planning
-from dflash_jax.training.presets import load_config_file
-from dflash_jax.training.run_config import resolve
+from dflash_jax.training.config.presets import load_config_file
+from dflash_jax.training.config.run_config import resolve
+from dflash_jax.training.planning import compilers, hlo
+from dflash_jax.training.planning import memory as planning
 from support import training_runs as testing
 
 
@@ -159,7 +160,7 @@ def test_the_moe_grouped_matmul_is_a_triton_kernel_counted_by_its_rows_on_gpu():
     import jax
 
     from dflash_jax.models import kernels
-    from dflash_jax.models.moe import grouped_matmul
+    from dflash_jax.models.layers.moe import grouped_matmul
 
     with kernels.compiled_for_gpu():
         text = jax.jit(grouped_matmul).lower(*_grouped_matmul_args("h200", 8)).compile().as_text()

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import ConfigError
-from dflash_jax.models.gguf_export import llama_cpp_problems
-from dflash_jax.training import sections
+from dflash_jax.models.formats.gguf_export import llama_cpp_problems
+from dflash_jax.training.config import sections
+from dflash_jax.training.config.presets import load_config_file
+from dflash_jax.training.config.run_config import resolve
+from dflash_jax.training.config.schema import FIELDS_DOCUMENTED, base_config, check_field_path, field_paths
+from dflash_jax.training.config.targets import target_for_plan
 from dflash_jax.training.objective import ObjectiveConfig, ObjectiveSettings
-from dflash_jax.training.optimizer import OptimizerConfig
-from dflash_jax.training.presets import load_config_file
-from dflash_jax.training.run_config import resolve
-from dflash_jax.training.schema import FIELDS_DOCUMENTED, base_config, check_field_path, field_paths
-from dflash_jax.training.targets import target_for_plan
+from dflash_jax.training.optim.optimizer import OptimizerConfig
 from support import training_runs as testing
 from support.stderr import user_lines
 

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.decoding.draft_vocab import draft_token_ids
-from dflash_jax.models.hf import load_drafter
+from dflash_jax.models.formats.hf import load_drafter
 from dflash_jax.training.checkpoint import (
     BestCheckpoint,
     CheckpointSaveError,
@@ -334,9 +334,9 @@ def test_warns_when_engines_cannot_serve_the_last_layer(layer_ids, warned, caplo
 def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, tmp_path):
     """The loop without a subprocess (the fast tier's run of it): every step logged once, the
     drafter exported, and a second call finds the run finished and trains nothing."""
+    from dflash_jax.training.config.presets import load_config_file
+    from dflash_jax.training.config.run_config import resolve
     from dflash_jax.training.loop import train
-    from dflash_jax.training.presets import load_config_file
-    from dflash_jax.training.run_config import resolve
 
     config = load_config_file(str(testing.REPO / "configs" / "default.py"))
     workdir = tmp_path / "run"

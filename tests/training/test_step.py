@@ -28,7 +28,7 @@ from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh
-from dflash_jax.training.optimizer import OptimizerConfig, make_optimizer
+from dflash_jax.training.optim.optimizer import OptimizerConfig, make_optimizer
 
 HERE = Path(__file__).resolve().parent
 
@@ -267,7 +267,7 @@ def test_the_configured_attention_code_is_what_the_step_traces(attention, kernel
 
 
 def test_weight_average_follows_its_recursion_and_is_what_is_served():
-    from dflash_jax.training.ema import served_params
+    from dflash_jax.training.optim.ema import served_params
 
     params = {"w": jnp.ones((2, 3)), "scale": jnp.zeros(3)}
     tx = make_optimizer(OptimizerConfig(optimizer="adamw", learning_rate=0.1, ema_decay=0.9), 10)
@@ -289,7 +289,7 @@ def test_weight_average_follows_its_recursion_and_is_what_is_served():
 
 
 def test_muon_leaves_vocabulary_tables_to_adamw():
-    from dflash_jax.training.muon import muon_labels
+    from dflash_jax.training.optim.muon import muon_labels
 
     params = {
         "layers": {"0": {"mlp": {"kernel": jnp.zeros((4, 6)), "scale": jnp.zeros(4)}}},

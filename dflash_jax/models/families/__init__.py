@@ -1,7 +1,7 @@
 """The registry of target families: every module of this package is one family.
 
 A family module defines `FAMILY = Family(...)` (models/family.py): how its config.json reads and
-where its weights live on the hub. The loader (models/hf.py), the memory plan and the
+where its weights live on the hub. The loader (models/formats/hf.py), the memory plan and the
 training config (through `target_config`) and the error for an unknown architecture read this
 registry, which imports every module here at start-up; adding a family is adding its module.
 """
@@ -19,7 +19,7 @@ from dflash_jax.models.weight_maps import WeightMap
 FAMILIES: dict[str, Family] = registry.discover(__name__, __path__, "FAMILY")
 # Hub class (config.json `architectures`) -> its family.
 ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family.architectures}
-# GGUF `general.architecture` -> how a file of it reads as a family (models/gguf.py).
+# GGUF `general.architecture` -> how a file of it reads as a family (models/formats/gguf.py).
 GGUF_ARCHITECTURES = {name: arch for family in FAMILIES.values() for name, arch in family.gguf.items()}
 
 

@@ -1,6 +1,6 @@
 """The DeepSeek-V3 architecture: DeepSeek-V3 / V3.1 / R1 (671B-A37B) and Kimi-K2 / K2.5 (1T-A32B).
 
-Multi-head latent attention (models/latent_attention.py: q and kv low-rank projections, each head's
+Multi-head latent attention (models/layers/latent_attention.py: q and kv low-rank projections, each head's
 rope / no-rope split, interleaved rotary pairs, YaRN with its softmax scale); the first
 `first_k_dense_replace` layers a dense SwiGLU, every later one experts: sigmoid scores, experts in
 `n_group` groups of which `topk_group` are kept (noaux_tc, the load-balancing
@@ -11,7 +11,7 @@ As published: DeepSeek-V3 in FP8 128 x 128 blocks (`weight` float8_e4m3fn + `wei
 norms, embeddings, routers and the LM head unquantized; MTP layers past num_hidden_layers never
 read); Kimi-K2.5 as `KimiK25ForConditionalGeneration` with the text model under
 `language_model.model.` (its `lm_head` under `language_model.`; `vision_tower.*`, `mm_projector.*`
-never read) and the routed experts in INT4 groups of 32 (models/int4.py). Transformers writes the
+never read) and the routed experts in INT4 groups of 32 (models/quantized/int4.py). Transformers writes the
 same names unquantized, one tensor per expert.
 """
 
@@ -23,9 +23,9 @@ from dflash_jax.errors import ModelError
 from dflash_jax.models import hf_config
 from dflash_jax.models.architecture import MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
-from dflash_jax.models.fp8 import FP8_LINEAR, fp8_rows
-from dflash_jax.models.int4 import dequantize_int4_groups
-from dflash_jax.models.latent_attention import rope_rows_deinterleaved
+from dflash_jax.models.layers.latent_attention import rope_rows_deinterleaved
+from dflash_jax.models.quantized.fp8 import FP8_LINEAR, fp8_rows
+from dflash_jax.models.quantized.int4 import dequantize_int4_groups
 from dflash_jax.models.weight_maps import Tensor, Transform, chain, transpose
 
 

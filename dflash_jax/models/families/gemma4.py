@@ -1,4 +1,4 @@
-"""Gemma 4, dense and MoE (31B, 26B-A4B): Gemma's layer (models/gemma.py: sandwich norms, layer
+"""Gemma 4, dense and MoE (31B, 26B-A4B): Gemma's layer (models/layers/gemma.py: sandwich norms, layer
 scalar, GELU-tanh MLP, on the MoE models 128 experts beside it), sliding layers (window 1024,
 head 256, RoPE θ 10k) and every sixth a full layer (head 512, fewer kv heads whose values are
 their keys, proportional RoPE θ 1M over a quarter of the head), embeddings times sqrt(D), tied LM
@@ -9,7 +9,7 @@ the vision and audio towers never read); transformers also writes `Gemma4ForCaus
 Experts are fused (`experts.gate_up_proj` [E, 2I, D], gate first, `experts.down_proj` [E, D, I]).
 The router's and experts' input scales are folded into their weights at load: `router.scale` ·
 D^-0.5 into the router, `pre_feedforward_layernorm_2` into the experts' gate and up projections,
-`router.per_expert_scale` into each expert's down projection (models/gemma.py says why).
+`router.per_expert_scale` into each expert's down projection (models/layers/gemma.py says why).
 Per-layer embeddings, shared kv layers and bidirectional attention (the small E2B / E4B models)
 are not supported.
 """
@@ -125,5 +125,5 @@ FAMILY = Family(
     {"Gemma4ForConditionalGeneration": "model.language_model.", "Gemma4ForCausalLM": "model."},
     config,
     TENSORS,
-    partition_rules=((r"layer_scalar", (NORM,)),),  # the output scale of a layer (models/gemma.py)
+    partition_rules=((r"layer_scalar", (NORM,)),),  # the output scale of a layer (models/layers/gemma.py)
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dflash_jax.models.architecture import MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
-from dflash_jax.models.mxfp4 import mxfp4_expert_weight
+from dflash_jax.models.quantized.mxfp4 import mxfp4_expert_weight
 from dflash_jax.models.sharding import HEADS
 from dflash_jax.models.weight_maps import Tensor, Transform, as_is, split
 

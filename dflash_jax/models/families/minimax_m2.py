@@ -15,7 +15,7 @@ import dataclasses
 
 from dflash_jax.models.architecture import MoeConfig, TransformerConfig
 from dflash_jax.models.family import Family, decoder, reject
-from dflash_jax.models.fp8 import FP8_LINEAR, fp8_rows
+from dflash_jax.models.quantized.fp8 import FP8_LINEAR, fp8_rows
 from dflash_jax.models.weight_maps import Tensor, transpose
 
 MOE = "block_sparse_moe"

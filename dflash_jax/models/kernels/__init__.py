@@ -14,7 +14,7 @@ target; `tpu_block` for the drafter's blocks, the same walk in chunks of blocks)
 * `grouped_matmul.grouped_matmul`: the MoE's grouped matmul on GPUs (forward only), each tile of
   rows sorted by expert multiplied by the experts its rows belong to, not by every expert.
 
-`models/attention.py` decides when these run (`implementation`); its XLA code is the reference
+`models/layers/attention.py` decides when these run (`implementation`); its XLA code is the reference
 they are tested against (tests/models/test_attention_kernels.py, Pallas interpret mode on CPU).
 On a machine without a GPU the kernels run in interpret mode: correct, slow, for tests only.
 
@@ -54,7 +54,7 @@ def interpret_mode() -> bool:
 def compiled_for(backend: str) -> Iterator[None]:
     """Trace the kernels for `backend` ("gpu", "tpu") even on another one, and resolve attention
     'auto' as there: lets a CPU-only process lower them (`.lower(lowering_platforms=("cuda",))`,
-    or a step over the devices of a GPU or TPU topology, `training/compilers.py`) and compile them."""
+    or a step over the devices of a GPU or TPU topology, `training/planning/compilers.py`) and compile them."""
     token = _COMPILED_FOR.set(backend)
     try:
         yield

@@ -1,4 +1,4 @@
-"""What an attention kernel's walk costs, stated for the plan's roofline (training/hlo.py).
+"""What an attention kernel's walk costs, stated for the plan's roofline (training/planning/hlo.py).
 
 XLA cannot see inside a kernel, so each call states its work. Our walks depend on the data
 (where documents and spans begin and end): they state the common case, rows of one document
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 
-KERNEL_FLOPS = "kernel_flops"  # the named scope's key (training/hlo.py reads it)
+KERNEL_FLOPS = "kernel_flops"  # the named scope's key (training/planning/hlo.py reads it)
 
 
 def stating_flops(flops: int):

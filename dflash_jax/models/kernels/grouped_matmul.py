@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from dflash_jax.models.kernels import interpret_mode
 
 ROWS, COLS, DEPTH = 64, 128, 64  # a program's output tile and the K slice it multiplies at a time
-NAME = "dflash_grouped_matmul"  # in its op_name: the roofline counts it as a grouped matmul (training/hlo.py)
+NAME = "dflash_grouped_matmul"  # in its op_name: the roofline counts it as a grouped matmul (training/planning/hlo.py)
 _PARAMS = dict(num_warps=4, num_stages=2)
 
 

@@ -1,6 +1,6 @@
 """DFlash2 (z-lab's `DFlash2DraftModel`, docs/design.md "Drafter kinds"): the DFlash backbone with
 grouped dynamic convolutions around every sublayer and a candidate selector. Its loss adds the
-selector's cross-entropy (training/dflash2_loss.py); its drafts walk the block, each chosen
+selector's cross-entropy (training/kinds/dflash2.py); its drafts walk the block, each chosen
 among the top-k after the one before (decoding/drafting.py's `selector_walk`).
 
 Convolution: around each sublayer of a drafter layer, `prepare` convolves the normalised input u
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.kind import Kind
-from dflash_jax.models.layers import DecoderBlock, linear, soft_capped
+from dflash_jax.models.layers.basic import DecoderBlock, linear, soft_capped
 from dflash_jax.models.sharding import EMBED, VOCAB
 
 
@@ -206,6 +206,6 @@ KIND = Kind(
     # The selector: projection H -> r and every token's successor score, r -> V (training takes
     # the k candidates').
     head_flops=lambda cfg, vocab: 2 * cfg.selector_rank * (cfg.hidden_size + vocab),
-    loss_terms="dflash_jax.training.dflash2_loss:dflash2_terms",
+    loss_terms="dflash_jax.training.kinds.dflash2:dflash2_terms",
     walk="dflash_jax.decoding.drafting:selector_walk",
 )

@@ -1,7 +1,7 @@
 """Domino (arXiv 2605.29707; SpecForge's `DominoDraftModel`, docs/design.md "Drafter kinds"): the
 DFlash backbone with a GRU over the tokens realised from the anchor on, whose state corrects the
 unary logits. Its loss mixes the corrected and the unary cross-entropies
-(training/domino_loss.py); its drafts walk the block, each fed to the GRU before the next
+(training/kinds/domino.py); its drafts walk the block, each fed to the GRU before the next
 (decoding/drafting.py's `gru_walk`).
 
 Every slot k of the block [anchor, MASK, ...] drafts the token after it (SpecForge's
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.kind import FieldReader, Kind
-from dflash_jax.models.layers import linear
+from dflash_jax.models.layers.basic import linear
 from dflash_jax.models.sharding import EMBED, VOCAB
 
 # dflash_config's `projector_type`, which SpecForge's `DFlashDraftModel` configs use to say Domino.
@@ -169,6 +169,6 @@ KIND = Kind(
     head_flops=_head_flops,
     losses=("dflash",),
     embeds_realised_tokens=True,
-    loss_terms="dflash_jax.training.domino_loss:domino_terms",
+    loss_terms="dflash_jax.training.kinds.domino:domino_terms",
     walk="dflash_jax.decoding.drafting:gru_walk",
 )

@@ -1,6 +1,6 @@
 """DSpark (DeepSeek's DeepSpec `Qwen3DSparkModel`, served by vLLM's `qwen3_dspark.py`;
 docs/design.md "Drafter kinds"): the DFlash backbone with a Markov head and a confidence head. Its
-loss is DeepSpec's (training/dspark_loss.py); its drafts walk the block, each after the one
+loss is DeepSpec's (training/kinds/dspark.py); its drafts walk the block, each after the one
 before, and may stop at the first unconfident slot (decoding/drafting.py's `markov_walk`).
 
 Every slot k of the block [anchor, MASK, ...] drafts the token after it. The Markov head adds a
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.kind import FieldReader, Kind
-from dflash_jax.models.layers import linear
+from dflash_jax.models.layers.basic import linear
 from dflash_jax.models.sharding import EMBED, NORM, VOCAB
 
 
@@ -134,6 +134,6 @@ KIND = Kind(
     reads_target_distribution=True,
     scores_prefix=True,
     confidence_head=True,
-    loss_terms="dflash_jax.training.dspark_loss:dspark_terms",
+    loss_terms="dflash_jax.training.kinds.dspark:dspark_terms",
     walk="dflash_jax.decoding.drafting:markov_walk",
 )

@@ -1,0 +1,289 @@
+"""The sections of the training config. Every field, its default and its meaning are written once:
+here, or, for the train section's objective and optimizer fields, in the dataclasses it extends
+(training/objective.py's ObjectiveSettings, training/optim/optimizer.py's OptimizerConfig), which the
+objective and the optimizer receive.
+
+Each section is a frozen dataclass whose defaults are the paper's recipe (docs/design.md §3.5);
+a sentinel value (-1, 0, '') is explained next to its field, and nowhere else. `problems()`
+checks what a section can check alone, one message per field named `section.field`; checks
+that span sections or read files are `training.run_config.resolve`'s.
+`training.run_config.base_config` is generated from `TopLevelSettings` and `SECTIONS`; the `data` section is
+`data.settings.DataConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dflash_jax.data.settings import DataConfig
+from dflash_jax.models.architecture import DTYPES
+from dflash_jax.models.drafter_config import DrafterHeads
+from dflash_jax.models.layers.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from dflash_jax.models.layers.layer_stack import REMAT_POLICIES
+from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES, ObjectiveSettings
+from dflash_jax.training.optim.optimizer import OPTIMIZERS, OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TopLevelSettings:
+    """The fields outside any section."""
+
+    # Checkpoints, logs and exports; rerunning with the same workdir resumes.
+    workdir: str = ""
+    # Drafter init and anchor sampling (the data order has data.seed).
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        return _at_least("", self, seed=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSettings:
+    """The frozen target LLM."""
+
+    # Hugging Face model directory (config.json, safetensors, tokenizer), a hub id
+    # `org/name[@revision]` read through the Hugging Face cache (HF_HUB_OFFLINE=1 works offline),
+    # or a GGUF file / a directory holding one (models/formats/gguf.py).
+    path: str = ""
+    # Weights and compute of the frozen target.
+    dtype: str = "bfloat16"
+    # A config.json for `python -m dflash_jax.plan` when path is empty (configs/targets/);
+    # training always reads path's own.
+    plan_config: str = ""
+
+    def problems(self) -> list[str]:
+        return _one_of("target", self, dtype=sorted(DTYPES))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings(DrafterHeads):
+    """The drafter's kind, block size and head sizes (models/drafter_config.py's DrafterHeads,
+    the sizes documented in each kind's module, models/kinds/) and shape; everything else about
+    it follows the target (docs/design.md §2). DrafterConfig checks what these fields make."""
+
+    num_layers: int = 5
+    # Target layers whose hidden states the drafter reads; () = the docs/design.md §2 spread.
+    target_layer_ids: tuple[int, ...] = ()
+    # -1 = the id of <|MASK|> in the target tokenizer.
+    mask_token_id: int = -1
+    # MLP width; 0 = the target's.
+    intermediate_size: int = 0
+    # Attention shape, independent of the target's (released drafters for Qwen3.5 use 32 x 128
+    # over 8 kv heads on targets with 24 x 256 over 4); 0 = the target's.
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    # How many target layers the default spread reads when target_layer_ids is (); 0 = num_layers.
+    num_context_layers: int = 0
+    # Per layer 'full_attention' or 'sliding_attention' (released drafters: four sliding, then one
+    # full); () = all full.
+    layer_types: tuple[str, ...] = ()
+    # Context positions a sliding layer's query sees, its own included (released drafters: 2048).
+    sliding_window: int = 0
+
+    def problems(self) -> list[str]:
+        # Each sentinel's range (-1 / 0: see above); models/drafter_config.py checks the rest.
+        return _at_least(
+            "drafter",
+            self,
+            num_layers=1,
+            mask_token_id=-1,
+            intermediate_size=0,
+            num_heads=0,
+            num_kv_heads=0,
+            head_dim=0,
+            num_context_layers=0,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings(ObjectiveSettings, OptimizerConfig):
+    """The objective (its fields: training/objective.py's ObjectiveSettings), the optimizer (its
+    fields: training/optim/optimizer.py's OptimizerConfig) and the loop (below)."""
+
+    num_epochs: int = 6
+    # 0 = every step of num_epochs; > 0: stop (and end the LR schedule) there.
+    max_steps: int = 0
+    # Micro-batches per optimizer update (the global batch is data.global_batch_rows).
+    grad_accum_steps: int = 1
+    # Drafter compute; master weights are always fp32.
+    compute_dtype: str = "bfloat16"
+    # Attention code (models/layers/attention.py): 'auto' = fused Pallas kernels on GPU, XLA elsewhere;
+    # 'xla' (the reference) or 'fused' to force one.
+    attention: str = "auto"
+    # Run the target's and the drafter's layers under a scan over their stacked weights, one per
+    # run of a repeating layer pattern (models/layers/layer_stack.py): compile time grows with the
+    # pattern's period, not the depth. False: every layer in the program.
+    scan_layers: bool = True
+    # Stop after this many consecutive skipped (non-finite) updates.
+    max_nonfinite_streak: int = 20
+    # >= 0: every drafter layer starts as a copy of this target layer, and the final norm as the
+    # target's, where shapes match (training/warm_start.py); -1 = random init.
+    init_from_target_layer: int = -1
+
+    def problems(self) -> list[str]:
+        out = _one_of(
+            "train",
+            self,
+            anchor_scheme=ANCHOR_SCHEMES,
+            loss=LOSSES,
+            optimizer=OPTIMIZERS,
+            compute_dtype=sorted(DTYPES),
+            attention=ATTENTION_IMPLEMENTATIONS,
+            remat_policy=tuple(REMAT_POLICIES),
+        )
+        out += _at_least(
+            "train",
+            self,
+            num_epochs=1,
+            max_steps=0,
+            grad_accum_steps=1,
+            num_anchors=1,
+            anchors_per_document=0,
+            loss_decay_gamma=0,
+            weight_decay=0,
+            attention_chunk_blocks=1,
+            lm_head_chunk_blocks=1,
+            max_nonfinite_streak=1,
+            init_from_target_layer=-1,
+        )
+        for name in ("learning_rate", "grad_clip_norm"):
+            if not getattr(self, name) > 0:
+                out.append(f"train.{name}={getattr(self, name)} must be > 0")
+        for name in ("warmup_fraction", "b1", "b2", "ema_decay"):
+            if not 0 <= getattr(self, name) < 1:
+                out.append(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        if not 0 <= self.dpace_alpha <= 1:
+            out.append(f"train.dpace_alpha={self.dpace_alpha} must be in [0, 1]")
+        if self.selector_alpha < 0:
+            out.append(f"train.selector_alpha={self.selector_alpha} must be at least 0")
+        for name in ("base_loss_weight", "base_loss_decay"):
+            if not 0 <= getattr(self, name) <= 1:
+                out.append(f"train.{name}={getattr(self, name)} must be in [0, 1]")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    """How the devices are laid out: data x fsdp x tensor (docs/design.md §8)."""
+
+    # -1 = every device fsdp x tensor leave over.
+    data: int = -1
+    # > 1: the frozen target's weights split over this many devices; -1 = every device data x
+    # tensor leave over (with data >= 1).
+    fsdp: int = 1
+    # > 1: the target's heads, kv heads and MLP split over this many devices.
+    tensor: int = 1
+
+    def problems(self) -> list[str]:
+        return []  # the shape is checked against the devices, by training.mesh.mesh_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    every_steps: int = 1000
+    # The most recent checkpoints kept (the best-evaluated drafter weights are kept apart).
+    keep: int = 3
+    # Write checkpoints in the background while training goes on (Orbax asynchronous saves).
+    async_save: bool = True
+
+    def problems(self) -> list[str]:
+        return _at_least("checkpoint", self, every_steps=1, keep=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+    every_steps: int = 10
+    progress_bars: bool = True
+    tensorboard: bool = True
+    # Needs `pip install wandb`.
+    wandb: bool = False
+    wandb_project: str = "dflash_jax"
+
+    def problems(self) -> list[str]:
+        return _at_least("log", self, every_steps=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """Acceptance evaluation: speculative decoding of held-out prompts (docs/design.md §7.4)."""
+
+    # JSONL of chat prompts, a bundled set or benchmark name (evaluate --help); '' = the prompts
+    # data.heldout_rows keeps out of training ("heldout:<N> of <data.train>") when it is > 0, else
+    # no acceptance evaluation. Resolved, it can also be a `decoding.prompt_sets.HeldoutPrompts`.
+    prompts: str = ""
+    # 0 = only the closing evaluation.
+    every_steps: int = 1000
+    # 0 = every prompt of the set.
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+    # drafter.kind='dspark': propose the drafts only up to the first slot whose confidence is
+    # below this (DSpark's truncation); 0 = the whole block.
+    confidence_threshold: float = 0.0
+    # > 0: draft among this many of the most frequent trained-on tokens (docs/design.md §4 "Draft
+    # vocabulary"; evaluate --draft_vocab); 0 = every token.
+    draft_vocab: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prompts)
+
+    @property
+    def during_training(self) -> bool:
+        return self.enabled and self.every_steps > 0
+
+    def problems(self) -> list[str]:
+        out = _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1, draft_vocab=0)
+        if not 0 <= self.confidence_threshold < 1:
+            out.append(f"eval.confidence_threshold={self.confidence_threshold} must be in [0, 1)")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """Multi-process runs; the defaults read the cluster's environment."""
+
+    # host:port of process 0; '' = $JAX_COORDINATOR_ADDRESS if set, else a single process.
+    coordinator_address: str = ""
+    # 0 = $JAX_NUM_PROCESSES or the cluster's.
+    num_processes: int = 0
+    # -1 = $JAX_PROCESS_ID or the cluster's.
+    process_id: int = -1
+
+    def problems(self) -> list[str]:
+        return _at_least("distributed", self, num_processes=0, process_id=-1)
+
+
+# Every section in the order base_config() lists them, after the top-level fields.
+SECTIONS = {
+    "target": TargetSettings,
+    "drafter": DrafterSettings,
+    "data": DataConfig,
+    "train": TrainSettings,
+    "mesh": MeshSettings,
+    "checkpoint": CheckpointSettings,
+    "log": LogSettings,
+    "eval": EvalSettings,
+    "distributed": DistributedSettings,
+}
+
+
+def field_path(section: str, name: str) -> str:
+    """How messages and overrides name a field: `section.name`, or `name` at the top level."""
+    return f"{section}.{name}" if section else name
+
+
+def _at_least(section: str, settings, **minimum) -> list[str]:
+    return [
+        f"{field_path(section, name)}={getattr(settings, name)} must be at least {low}"
+        for name, low in minimum.items()
+        if getattr(settings, name) < low
+    ]
+
+
+def _one_of(section: str, settings, **allowed) -> list[str]:
+    return [
+        f"{field_path(section, name)}={getattr(settings, name)!r} is not one of {', '.join(choices)}"
+        for name, choices in allowed.items()
+        if getattr(settings, name) not in choices
+    ]
