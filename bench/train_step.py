@@ -160,12 +160,12 @@ def compile_step(setup, num_batches: int, package: str = "dflash_jax") -> Compil
     def module(name):
         return importlib.import_module(f"{package}.{name}")
 
-    sharding, step_lib, mesh_lib = module("models.sharding"), module("training.step"), module("training.mesh")
+    parameters, step_lib, mesh_lib = module("models.parameters"), module("training.step"), module("training.mesh")
     mesh = mesh_lib.make_mesh(*setup.mesh_shape)
     new_target = functools.partial(step_lib.new_target, setup)
     graphdef, abstract = nnx.split(nnx.eval_shape(new_target))
     target_params = jax.jit(
-        lambda: nnx.split(new_target())[1], out_shardings=sharding.param_shardings(mesh, abstract)
+        lambda: nnx.split(new_target())[1], out_shardings=parameters.param_shardings(mesh, abstract)
     )()
     program = step_lib.build_train_step(setup, mesh, graphdef, target_params, total_steps=1000)
     step, state = program.step, program.init_state()

@@ -1,8 +1,9 @@
-"""Sharding by name (docs/design.md §8): logical axes for every parameter, one rules table per layout.
+"""Sharding by name (docs/design.md §8): logical axis names, one rules table per layout.
 
-Every parameter names its axes with logical names (`PARAM_AXES`, matched on its path), and so do
-the main activations (`constrain`). A rules table maps logical names to mesh axes; there is one
-table per layout, and the layout follows from the mesh shape (`layout_of`):
+Every parameter names its axes with logical names (models/parameters.py, from the partition rules
+of the modules that define them), and so do the main activations (`constrain`). A rules table maps
+logical names to mesh axes; there is one table per layout, and the layout follows from the mesh
+shape (`layout_of`):
 
     data    data=N              the frozen target whole on every device
     fsdp    data x fsdp         the target split over `fsdp` (embed; the LM head and embedding by vocab;
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -57,43 +57,10 @@ EXPERTS = "experts"  # the experts of a mixture-of-experts MLP
 NORM = "norm"  # RMSNorm scales: never split (tiny, and used everywhere)
 LAYERS = "layers"  # the leading axis of a scanned segment's stacked weights (models/layers/layer_stack.py): never split
 
-# Every parameter of the target and the drafter, by the end of its path (`layers.3.mlp.up_proj.kernel`),
-# but those only one target family or drafter kind has: their modules' `partition_rules`.
-PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # Mixture of experts (models/layers/moe.py): stacked expert weights, router, shared expert's gate.
-    (r"experts\.(gate|up)_proj", (EXPERTS, EMBED, MLP)),
-    (r"experts\.down_proj", (EXPERTS, MLP, EMBED)),
-    (r"experts\.(gate|up)_proj_bias", (EXPERTS, MLP)),
-    (r"experts\.down_proj_bias", (EXPERTS, EMBED)),
-    (r"(mlp|moe)\.router\.kernel", (EMBED, None)),  # moe: Gemma 4's experts beside its mlp
-    (r"mlp\.router\.bias", (None,)),
-    (r"shared_expert_gate\.kernel", (EMBED, None)),
-    (r"mlp\.e_score_correction_bias", (None,)),  # 'sigmoid_grouped' routing (DeepSeek-V3, MiniMax-M2)
-    # Latent attention (models/layers/latent_attention.py): the low-rank inputs whole, their expansions by head.
-    (r"(q_a_proj|kv_a_proj_with_mqa)\.kernel", (EMBED, None)),
-    (r"(q_b_proj|kv_b_proj)\.kernel", (None, HEADS)),
-    # Gated DeltaNet (models/layers/linear_attention.py): q, k, v concatenated in one projection, so its
-    # outputs do not split by head; small per-head vectors stay whole.
-    (r"linear_attn\.in_proj_(qkv|z|b|a)\.kernel", (EMBED, None)),
-    (r"linear_attn\.out_proj\.kernel", (None, EMBED)),
-    (r"linear_attn\.conv1d\.weight", (None, None, None)),
-    (r"linear_attn\.(dt_bias|A_log)", (NORM,)),
-    # Attention biases: per head like their projections' outputs.
-    (r"q_proj\.bias", (HEADS,)),
-    (r"[kv]_proj\.bias", (KV_HEADS,)),
-    (r"o_proj\.bias", (NORM,)),
-    (r"embed_tokens\.embedding", (VOCAB, EMBED)),
-    (r"lm_head\.kernel", (EMBED, VOCAB)),
-    (r"q_proj\.kernel", (EMBED, HEADS)),
-    (r"[kv]_proj\.kernel", (EMBED, KV_HEADS)),
-    (r"o_proj\.kernel", (HEADS, EMBED)),
-    (r"(gate|up)_proj\.kernel", (EMBED, MLP)),
-    (r"down_proj\.kernel", (MLP, EMBED)),
-    (r"fc\.kernel", (FEATURES, EMBED)),
-    (r"\w*norm(_\d)?\.weight", (NORM,)),  # norm, hidden_norm, q_norm, k_norm, *_layernorm(_1, _2: Gemma)
-)
-
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
+# (regex ending a parameter's path, its logical axes): what a module that defines parameters
+# declares about them (collected in models/parameters.py).
+PartitionRules = tuple[tuple[str, tuple[str | None, ...]], ...]
 
 # One table per layout: (logical axis, mesh axes), in priority order.
 RULES: dict[str, Rules] = {
@@ -161,63 +128,17 @@ def logical_to_spec(
     return PartitionSpec(*assigned)
 
 
-def param_axes(path: str | Sequence) -> tuple[str, ...]:
-    """The logical axes of the parameter at `path` ('layers.0.self_attn.q_proj.kernel' or keys);
-    a stacked one's ('layers.2.stacked.0.self_attn.q_proj.kernel') start with LAYERS."""
-    name = path if isinstance(path, str) else _dotted(path)
-    for pattern, axes in _param_rules():
-        if re.search(rf"(^|\.){pattern}$", name):
-            return (LAYERS, *axes) if is_stacked(name) else axes
-    raise KeyError(
-        f"parameter {name!r} has no logical axes: add its name to PARAM_AXES in {__name__}, or to the "
-        "partition_rules of the family or drafter kind whose parameter it is"
-    )
-
-
-@functools.cache
-def _param_rules() -> Rules:
-    """PARAM_AXES, then every target family's and drafter kind's own rules."""
-    # Imported at first use: the family and kind modules import this one for its axis names.
-    from dflash_jax.models import families, kinds
-
-    owners = (*families.FAMILIES.values(), *kinds.KINDS.values())
-    return (*PARAM_AXES, *(rule for owner in owners for rule in owner.partition_rules))
+def layout_spec(
+    mesh: Mesh | Mapping[str, int], logical_axes: Sequence[str | None], shape: Sequence[int]
+) -> PartitionSpec:
+    """Where a model weight whose axes have these logical names lives under the mesh's layout."""
+    return logical_to_spec(logical_axes, shape, mesh, RULES[layout_of(mesh)])
 
 
 def is_stacked(path: str | Sequence) -> bool:
     """Whether the parameter at `path` stacks the layers of a scanned segment (`LayerStack`)."""
-    name = path if isinstance(path, str) else _dotted(path)
+    name = path if isinstance(path, str) else dotted(path)
     return re.search(r"(^|\.)stacked\.\d+\.", name) is not None
-
-
-def param_spec(mesh: Mesh | Mapping[str, int], path, shape: Sequence[int]) -> PartitionSpec:
-    """Where a model's (frozen or inference) parameter lives under the mesh's layout."""
-    return logical_to_spec(param_axes(path), shape, mesh, RULES[layout_of(mesh)])
-
-
-def param_sharding(mesh: Mesh, path, shape: Sequence[int]) -> NamedSharding:
-    return NamedSharding(mesh, param_spec(mesh, path, shape))
-
-
-def param_shardings(mesh: Mesh, params):
-    """NamedShardings for a (abstract) parameter pytree of a model (e.g. the frozen target)."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: param_sharding(mesh, path, x.shape), params)
-
-
-def zero_spec(mesh: Mesh | Mapping[str, int], path, shape: Sequence[int]) -> PartitionSpec:
-    """Where a leaf of the trained state lives: split over every device (ZeRO); scalars, RNG keys,
-    Muon's Newton-Schulz coefficients and norm scales replicated."""
-    if len(shape) == 0:
-        return PartitionSpec()
-    name = path if isinstance(path, str) else _dotted(path)
-    if re.search(r"(^|\.)(rng|ns_coeffs)$", name):
-        return PartitionSpec()
-    return logical_to_spec(param_axes(name), shape, mesh, ZERO_RULES)
-
-
-def train_state_shardings(mesh: Mesh, state):
-    """NamedShardings for a trained state pytree (params, optimizer moments, counters)."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, zero_spec(mesh, path, x.shape)), state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +216,7 @@ def _mesh_shape(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
     return dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
 
 
-def _dotted(path: Sequence) -> str:
+def dotted(path: Sequence) -> str:
     """A pytree key path (or tuple of names) as 'layers.0.mlp.up_proj.kernel', without `.value`."""
     parts = []
     for key in path:

@@ -30,6 +30,7 @@ from dflash_jax.models.layers.latent_attention import LatentAttention
 from dflash_jax.models.layers.linear_attention import GatedDeltaNet
 from dflash_jax.models.layers.mixers import DecodeStep, PackedRows, SelfAttention
 from dflash_jax.models.layers.moe import MoE
+from dflash_jax.models.parameters import param_sharding
 
 
 def _attention_kw(cfg: TransformerConfig, *, attention: str, dtypes: dict, rngs) -> dict:
@@ -228,7 +229,11 @@ class Transformer(nnx.Module):
         )
         graphdef, abstract = nnx.split(other)
         moved = layer_stack.moved(
-            _flat_params(nnx.state(self)), self.checkpoint_paths, _flat_params(abstract), other.checkpoint_paths
+            _flat_params(nnx.state(self)),
+            self.checkpoint_paths,
+            _flat_params(abstract),
+            other.checkpoint_paths,
+            param_sharding,
         )
         pure = nnx.to_pure_dict(abstract)
         paths, treedef = jax.tree_util.tree_flatten_with_path(pure)

@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dflash_jax.data.packing import FIELDS
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding, train_state_shardings
+from dflash_jax.models.parameters import train_state_shardings
+from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, warm_start
 from dflash_jax.training.mesh import batch_sharding

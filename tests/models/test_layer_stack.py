@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from dflash_jax.models import sharding
+from dflash_jax.models import parameters, sharding
 from dflash_jax.models.architecture import RopeConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
@@ -50,13 +50,13 @@ def test_segments_follow_the_layer_pattern():
 
 def test_stacked_parameters_have_an_unsplit_leading_layers_axis():
     path = "layers.0.stacked.1.self_attn.q_proj.kernel"
-    assert sharding.param_axes(path) == (sharding.LAYERS, sharding.EMBED, sharding.HEADS)
-    assert sharding.param_axes("layers.1.self_attn.q_proj.kernel") == (sharding.EMBED, sharding.HEADS)
+    assert parameters.param_axes(path) == (sharding.LAYERS, sharding.EMBED, sharding.HEADS)
+    assert parameters.param_axes("layers.1.self_attn.q_proj.kernel") == (sharding.EMBED, sharding.HEADS)
     mesh = {"data": 1, "fsdp": 2, "tensor": 2}
-    assert sharding.param_spec(mesh, path, (4, 64, 64)) == PartitionSpec(None, "fsdp", "tensor")
-    assert sharding.zero_spec({"data": 4}, path, (4, 64, 64)) == PartitionSpec(None, "data", None)
+    assert parameters.param_spec(mesh, path, (4, 64, 64)) == PartitionSpec(None, "fsdp", "tensor")
+    assert parameters.zero_spec({"data": 4}, path, (4, 64, 64)) == PartitionSpec(None, "data", None)
     experts = "layers.1.stacked.0.mlp.experts.gate_proj"
-    assert sharding.param_spec({"fsdp": 4}, experts, (60, 8, 64, 32)) == PartitionSpec(None, "fsdp", None, None)
+    assert parameters.param_spec({"fsdp": 4}, experts, (60, 8, 64, 32)) == PartitionSpec(None, "fsdp", None, None)
 
 
 @pytest.fixture(scope="module")

@@ -281,7 +281,7 @@ EXPERT_PARALLEL = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from dflash_jax.models import sharding
+    from dflash_jax.models import parameters, sharding
     from dflash_jax.models.architecture import MoeConfig
     from dflash_jax.models.layers.moe import MoE
     from dflash_jax.training.planning import hlo as hlo_lib
@@ -312,7 +312,7 @@ EXPERT_PARALLEL = textwrap.dedent(
             expected = jax.jit(lambda p, x: nnx.merge(graphdef, p).mlp(x))(params, x)
         for shape in MESHES[name]:
             mesh = make_mesh(*shape)
-            placed = jax.device_put(params, sharding.param_shardings(mesh, params))
+            placed = jax.device_put(params, parameters.param_shardings(mesh, params))
             def forward(p, x):
                 with sharding.activation_sharding(mesh):
                     return nnx.merge(graphdef, p).mlp(x)

@@ -1,7 +1,7 @@
 """Sharding by name: the spec of every parameter, target and drafter, for each layout.
 
 The tables below are what lands where; they are written out by hand so that a change to the
-rules in `dflash_jax/models/sharding.py` shows up here as a readable diff.
+rules (models/parameters.py, models/sharding.py) shows up here as a readable diff.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dflash_jax.models import sharding
+from dflash_jax.models import parameters, sharding
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.families import target_config
@@ -119,7 +119,7 @@ def normalized(spec: P) -> tuple:
 
 
 def leaves(tree):
-    return [(sharding._dotted(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    return [(sharding.dotted(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def expected_for(table: dict, name: str, mesh=None) -> P:
@@ -150,7 +150,7 @@ def test_every_target_parameter_spec(layout, target):
     cfg, params = HUB_TARGETS[target], target_leaves(target)
     assert len(params) == 3 + 11 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
     for name, leaf in params:
-        got = sharding.param_spec(mesh, name, leaf.shape)
+        got = parameters.param_spec(mesh, name, leaf.shape)
         assert normalized(got) == normalized(expected_for(TARGET_SPECS[layout], name)), (layout, name, got)
 
 
@@ -163,7 +163,7 @@ def test_drafter_state_is_split_over_every_device(layout):
     opt_state = jax.eval_shape(optax.adamw(1e-3).init, params)
     checked = 0
     for name, leaf in leaves({"params": params, "opt_state": opt_state}):
-        got = sharding.zero_spec(mesh, name, leaf.shape)
+        got = parameters.zero_spec(mesh, name, leaf.shape)
         if leaf.ndim == 0 or name.endswith("norm.weight"):
             assert normalized(got) == (), (name, got)
             continue
@@ -175,7 +175,7 @@ def test_drafter_state_is_split_over_every_device(layout):
 
 def test_the_logical_axes_of_every_parameter_are_named():
     names = dict(
-        (n.split(".", 2)[-1] if n.startswith("layers.") else n, sharding.param_axes(n))
+        (n.split(".", 2)[-1] if n.startswith("layers.") else n, parameters.param_axes(n))
         for n, _ in target_leaves("qwen3-8b")
     )
     assert names["self_attn.q_proj.kernel"] == ("embed", "heads")
@@ -186,9 +186,11 @@ def test_the_logical_axes_of_every_parameter_are_named():
     assert names["embed_tokens.embedding"] == ("vocab", "embed")
     assert names["lm_head.kernel"] == ("embed", "vocab")
     assert names["self_attn.q_norm.weight"] == ("norm",)
-    assert sharding.param_axes("fc.kernel") == ("features", "embed")
-    with pytest.raises(KeyError, match="has no logical axes: add its name to PARAM_AXES"):
-        sharding.param_axes("layers.0.mlp.new_proj.kernel")
+    assert parameters.param_axes("fc.kernel") == ("features", "embed")
+    with pytest.raises(
+        KeyError, match="has no logical axes: add a partition rule for it to the module that defines it"
+    ):
+        parameters.param_axes("layers.0.mlp.new_proj.kernel")
 
 
 def test_every_parameter_of_the_newer_families_has_axes():
@@ -201,7 +203,7 @@ def test_every_parameter_of_the_newer_families_has_axes():
         text["layer_types"] = text.get("layer_types", ["full_attention"] * 6)[4:6]  # Gemma: sliding, full
         cfg = target_config(hf)
         params = leaves(abstract_params(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0))))
-        axes = {n.split(".", 2)[-1] if n.startswith("layers.") else n: sharding.param_axes(n) for n, _ in params}
+        axes = {n.split(".", 2)[-1] if n.startswith("layers.") else n: parameters.param_axes(n) for n, _ in params}
         if "gemma" in name:
             assert axes["post_feedforward_layernorm_1.weight"] == axes["layer_scalar"] == ("norm",)
             assert axes["moe.router.kernel"] == ("embed", None)
@@ -218,7 +220,7 @@ def test_every_parameter_of_the_newer_families_has_axes():
         ("self_attn.o_proj.kernel", ("heads", "embed")),
         ("mlp.shared_expert.down_proj.kernel", ("mlp", "embed")),
     ):
-        assert sharding.param_axes(f"layers.1.{param}") == expected, param
+        assert parameters.param_axes(f"layers.1.{param}") == expected, param
     assert kimi.latent_attention.kv_lora_rank == 512
 
 

@@ -16,7 +16,7 @@ from flax import nnx
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.sharding import param_shardings
+from dflash_jax.models.parameters import param_shardings
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, step
 from dflash_jax.training.mesh import batch_sharding, make_mesh

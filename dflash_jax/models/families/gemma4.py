@@ -125,5 +125,6 @@ FAMILY = Family(
     {"Gemma4ForConditionalGeneration": "model.language_model.", "Gemma4ForCausalLM": "model."},
     config,
     TENSORS,
-    partition_rules=((r"layer_scalar", (NORM,)),),  # the output scale of a layer (models/layers/gemma.py)
+    # The output scale of a layer, and the norms of its two feed-forward outputs beside the experts.
+    partition_rules=((r"layer_scalar", (NORM,)), (r"post_feedforward_layernorm_\d\.weight", (NORM,))),
 )

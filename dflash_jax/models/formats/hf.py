@@ -6,7 +6,7 @@ map of `weight_maps.py`) and mostly so for targets: a target's family (models/fa
 where the rest of its tensors live (prefix, stacked experts, fused projections, quantized ones).
 
 Loading builds the model abstractly, then reads one tensor at a time, converts it to the
-parameter dtype and places it (optionally on a mesh, where `models/sharding.py` puts that
+parameter dtype and places it (optionally on a mesh, where `models/parameters.py` puts that
 parameter by name), so host memory never holds more than one tensor of an 8B model.
 """
 
@@ -34,7 +34,8 @@ from dflash_jax.models import families
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.formats.gguf import GgufTensors, gguf_source, model_dir, weights_file
-from dflash_jax.models.sharding import is_stacked, param_sharding
+from dflash_jax.models.parameters import param_sharding
+from dflash_jax.models.sharding import is_stacked
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.models.weight_maps import WeightMap, checkpoint_name
 

@@ -18,7 +18,14 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.models.architecture import RopeConfig
-from dflash_jax.models.sharding import BATCH, EMBED, MLP, constrain
+from dflash_jax.models.sharding import BATCH, EMBED, MLP, NORM, PartitionRules, constrain
+
+# SwiGLU's projections, and the scale of every RMSNorm (norm, hidden_norm, q_norm, *_layernorm).
+PARTITION_RULES: PartitionRules = (
+    (r"(gate|up)_proj\.kernel", (EMBED, MLP)),
+    (r"down_proj\.kernel", (MLP, EMBED)),
+    (r"\w*norm\.weight", (NORM,)),
+)
 
 
 class RMSNorm(nnx.Module):

@@ -42,10 +42,16 @@ from dflash_jax.models.layers import attention
 from dflash_jax.models.layers.basic import RMSNorm, Rotary, apply_rope, linear
 from dflash_jax.models.layers.cache import leading_slots, write_rows
 from dflash_jax.models.layers.mixers import DecodeStep, PackedRows
-from dflash_jax.models.sharding import BATCH, EMBED, HEADS, constrain
+from dflash_jax.models.sharding import BATCH, EMBED, HEADS, PartitionRules, constrain
 
 # The latent and q low-rank norms use transformers' default epsilon, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+
+# The low-rank inputs whole, their expansions by head (q_proj, o_proj and the norms: mixers' and basic's rules).
+PARTITION_RULES: PartitionRules = (
+    (r"(q_a_proj|kv_a_proj_with_mqa)\.kernel", (EMBED, None)),
+    (r"(q_b_proj|kv_b_proj)\.kernel", (None, HEADS)),
+)
 
 
 @flax.struct.dataclass

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from dflash_jax.models.sharding import is_stacked, param_sharding
+from dflash_jax.models.sharding import is_stacked
 
 # What a rematerialized layer keeps for the backward pass (jax.checkpoint_policies): 'full' keeps
 # nothing and recomputes the layer; 'dots_saveable' keeps every matmul's output;
@@ -256,12 +256,13 @@ def moved(
     paths_of: Callable[[tuple], list[tuple]],
     wanted: dict[tuple, Any],
     wanted_paths_of: Callable[[tuple], list[tuple]],
+    placement: Callable[[Mesh, tuple, tuple[int, ...]], NamedSharding],
 ) -> dict[tuple, jax.Array]:
     """Weights of one layout -> those of another (`wanted`, abstract): each layout says by
     `paths_of` which layers' tensors a parameter holds (`Transformer.checkpoint_paths`). A stack is
     built from its layers, or cut into them, and the source buffers are freed at once, so the
     devices hold at most one stack twice; a layer alone in both moves as it is. `params` are
-    consumed. On a mesh, every result lies where the sharding rules put its parameter."""
+    consumed. On a mesh, every result lies where `placement(mesh, path, shape)` puts it."""
     where = {}  # a layer's tensor -> (the parameter holding it, its slot in a stack or None)
     for path in params:
         for slot, layer_path in enumerate(paths_of(path)):
@@ -270,7 +271,7 @@ def moved(
     mesh = placed.mesh if isinstance(placed, NamedSharding) else None
 
     def sharding_of(path):
-        return None if mesh is None else param_sharding(mesh, path, wanted[path].shape)
+        return None if mesh is None else placement(mesh, path, wanted[path].shape)
 
     out, cut = {}, {}
     for path in wanted:

@@ -36,6 +36,16 @@ from flax import nnx
 from dflash_jax.models.architecture import LinearAttentionConfig
 from dflash_jax.models.layers.basic import RMSNorm, linear
 from dflash_jax.models.layers.mixers import DecodeStep, PackedRows
+from dflash_jax.models.sharding import EMBED, NORM, PartitionRules
+
+# q, k and v concatenated in one projection, so its outputs do not split by head; the small
+# per-head vectors stay whole.
+PARTITION_RULES: PartitionRules = (
+    (r"linear_attn\.in_proj_(qkv|z|b|a)\.kernel", (EMBED, None)),
+    (r"linear_attn\.out_proj\.kernel", (None, EMBED)),
+    (r"linear_attn\.conv1d\.weight", (None, None, None)),
+    (r"linear_attn\.(dt_bias|A_log)", (NORM,)),
+)
 
 CHUNK = 64  # tokens per chunk of the packed forward, as transformers
 L2_EPS = 1e-6  # q/k L2 normalization, as transformers (and the FLA kernels)

@@ -19,7 +19,17 @@ from flax import nnx
 from dflash_jax.models.layers import attention
 from dflash_jax.models.layers.basic import RMSNorm, Rotary, apply_rope, linear
 from dflash_jax.models.layers.cache import LayerCache, leading_slots
-from dflash_jax.models.sharding import BATCH, EMBED, HEADS, KV_HEADS, constrain
+from dflash_jax.models.sharding import BATCH, EMBED, HEADS, KV_HEADS, NORM, PartitionRules, constrain
+
+# The q/k/v/o projections of every attention mixer, target and drafter; biases per head like their outputs.
+PARTITION_RULES: PartitionRules = (
+    (r"q_proj\.bias", (HEADS,)),
+    (r"[kv]_proj\.bias", (KV_HEADS,)),
+    (r"o_proj\.bias", (NORM,)),
+    (r"q_proj\.kernel", (EMBED, HEADS)),
+    (r"[kv]_proj\.kernel", (EMBED, KV_HEADS)),
+    (r"o_proj\.kernel", (HEADS, EMBED)),
+)
 
 
 @flax.struct.dataclass

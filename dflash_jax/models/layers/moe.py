@@ -17,7 +17,7 @@ expert and each expert multiplies only its own rows (`grouped_matmul`). Routing 
 the expert matmuls run in the compute dtype.
 
 Parameters are stacked over experts, [in, out] like every kernel here, with these logical axes
-(models/sharding.py):
+(`PARTITION_RULES`):
 
     experts.gate_proj, experts.up_proj   [E, D, I]   (EXPERTS, EMBED, MLP)
     experts.down_proj                    [E, I, D]   (EXPERTS, MLP, EMBED)
@@ -46,12 +46,27 @@ from dflash_jax.models.layers.basic import GATE_ACTIVATIONS, Linear, SwiGLU, lin
 from dflash_jax.models.sharding import (
     BATCH,
     EMBED,
+    EXPERTS,
+    MLP,
+    PartitionRules,
     activation_spec,
     active_mesh,
     constrain,
-    param_spec,
+    layout_spec,
     per_device,
     spec_axes,
+)
+
+EXPERT_INPUT_AXES = (EXPERTS, EMBED, MLP)  # experts.gate_proj and up_proj
+PARTITION_RULES: PartitionRules = (
+    (r"experts\.(gate|up)_proj", EXPERT_INPUT_AXES),
+    (r"experts\.down_proj", (EXPERTS, MLP, EMBED)),
+    (r"experts\.(gate|up)_proj_bias", (EXPERTS, MLP)),
+    (r"experts\.down_proj_bias", (EXPERTS, EMBED)),
+    (r"(mlp|moe)\.router\.kernel", (EMBED, None)),  # a layer's `mlp`, or its `moe` beside a dense one
+    (r"mlp\.router\.bias", (None,)),
+    (r"shared_expert_gate\.kernel", (EMBED, None)),
+    (r"mlp\.e_score_correction_bias", (None,)),
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +267,7 @@ class MoE(nnx.Module):
             return self._local(x)
         mesh = active_mesh()
         graphdef, state = nnx.split(self)
-        experts_spec = param_spec(mesh, "experts.gate_proj", self.experts.gate_proj[...].shape)
+        experts_spec = layout_spec(mesh, EXPERT_INPUT_AXES, self.experts.gate_proj[...].shape)
         expert_axes = spec_axes(experts_spec[0] if len(experts_spec) else None)
         if not expert_axes or any(a is not None for a in experts_spec[1:]):  # experts whole, or split inside
             if all(axis is None for axis in spec):

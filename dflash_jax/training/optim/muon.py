@@ -1,6 +1,6 @@
 """Muon whose Newton–Schulz iterations run on whole matrices under ZeRO (docs/design.md §3.5).
 
-ZeRO splits every matrix of the trained state over every device (`models/sharding.py`). Run on a
+ZeRO splits every matrix of the trained state over every device (`models/parameters.py`). Run on a
 split matrix, each of Newton–Schulz's 15 matmuls makes XLA gather it again. Here each matrix is
 whole on one device instead, as distributed Muon implementations assign matrices round-robin:
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dflash_jax.models import sharding
+from dflash_jax.models import parameters, sharding
 
 # optax.contrib.muon's quintic coefficients (its 'standard' preset), five iterations.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -87,7 +87,7 @@ def orthogonalize_whole(updates):
         return jax.tree.unflatten(treedef, [newton_schulz(x) for _, x in leaves_with_paths])
     groups: dict[tuple, list[tuple[int, bool]]] = defaultdict(list)
     for i, (path, x) in enumerate(leaves_with_paths):
-        turn, shape, spec = _canonical(x, sharding.zero_spec(mesh, path, x.shape))
+        turn, shape, spec = _canonical(x, parameters.zero_spec(mesh, path, x.shape))
         groups[(shape, spec, x.dtype)].append((i, turn))
     out: list[jax.Array | None] = [None] * len(leaves_with_paths)
     for (shape, spec, dtype), members in groups.items():

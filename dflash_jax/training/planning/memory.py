@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax.data.packing import FIELDS
-from dflash_jax.models import kernels, sharding
+from dflash_jax.models import kernels, parameters, sharding
 from dflash_jax.training import step as step_lib
 from dflash_jax.training.config.run_config import TrainSetup
 from dflash_jax.training.mesh import batch_sharding, make_mesh, mesh_axes_description
@@ -77,7 +77,7 @@ class Plan:
 def abstract_target(setup: TrainSetup, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
     """The target's graph and its parameters as ShapeDtypeStructs placed as a run loads them."""
     graphdef, params = nnx.split(nnx.eval_shape(lambda: step_lib.new_target(setup)))
-    shardings = sharding.param_shardings(mesh, params)
+    shardings = parameters.param_shardings(mesh, params)
     return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
 
 
@@ -277,7 +277,7 @@ def smallest_fitting_mesh(
 
 
 def _shard_bytes(mesh: dict[str, int], path, shape, dtype) -> int:
-    spec = sharding.param_spec(mesh, path, shape)
+    spec = parameters.param_spec(mesh, path, shape)
     split = [math.prod(mesh[a] for a in sharding.spec_axes(entry)) for entry in spec] + [1] * (len(shape) - len(spec))
     return math.prod(-(-dim // n) for dim, n in zip(shape, split)) * jnp.dtype(dtype).itemsize
 
@@ -285,10 +285,10 @@ def _shard_bytes(mesh: dict[str, int], path, shape, dtype) -> int:
 def _experts_per_device(mesh: dict[str, int], leaves) -> tuple[int, tuple[str, ...]]:
     """(experts of a layer one device holds, the mesh axes they are split over); (0, ()) without experts."""
     for path, shape, _ in leaves:
-        names = sharding.param_axes(path)
+        names = parameters.param_axes(path)
         if sharding.EXPERTS in names:  # after LAYERS in a scanned segment's stacked weights
             axis = names.index(sharding.EXPERTS)
-            axes = sharding.spec_axes(sharding.param_spec(mesh, path, shape)[axis])
+            axes = sharding.spec_axes(parameters.param_spec(mesh, path, shape)[axis])
             return shape[axis] // math.prod(mesh[a] for a in axes), axes
     return 0, ()
 
