@@ -25,7 +25,7 @@ from dflash_jax.simulated_devices import plan_xla_flags
 
 _DEVICES = 8
 if "jax" not in sys.modules:  # XLA reads its flags once, at start-up
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the plan's simulated devices, whatever importing dflash_jax chose
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ["XLA_FLAGS"] = plan_xla_flags(_DEVICES, os.environ.get("XLA_FLAGS", ""))
 
