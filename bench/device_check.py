@@ -378,7 +378,7 @@ def main() -> None:
             "rows": setup.data.global_batch_rows,
             "seq_len": setup.data.seq_len,
             "anchors": setup.objective.num_anchors,
-            "block_size": setup.objective.block_size,
+            "block_size": setup.drafter.block_size,
             "drafter_layers": setup.drafter.num_layers,
             "dtype": dtype,
             **train_steps(setup, steps, peak, roofline_hardware(kind), acc),

@@ -91,7 +91,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float(
         "confidence_threshold",
         0.0,
-        "DSpark drafters: propose the drafts up to the first slot whose confidence is below this (0: the whole block).",
+        "Drafters with a confidence head: propose the drafts up to the first slot whose confidence is below this (0: the whole block).",
         lower_bound=0,
         upper_bound=1,
         **fv,

@@ -6,7 +6,7 @@
 reads the latest (or given) checkpoint of a training run and writes `config.json` +
 `model.safetensors` to `<workdir>/export/` (or --output). Training does the same at its end.
 --format=gguf also writes `drafter.gguf` there, the file llama.cpp's `llama-server` loads beside
-the GGUF --target (`--spec-type draft-dflash` or `draft-dspark`, models/formats/gguf_export.py), with
+the GGUF --target (the kind's `--spec-type`, models/formats/gguf_export.py), with
 that target's vocabulary (default --target: the run's own); a Hugging Face Qwen3 or Llama target (the
 default run's tiny-qwen3) is first written beside it as `target.gguf` (models/formats/gguf_target.py).
 --draft_vocab=N gives that file its own LM head of the N tokens training used most (the export's
@@ -24,7 +24,7 @@ from dflash_jax import cli
 from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.errors import UserError
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.formats.gguf_export import gguf_kind, write_drafter_gguf
+from dflash_jax.models.formats.gguf_export import served_kind, write_drafter_gguf
 from dflash_jax.models.formats.gguf_target import served_gguf
 from dflash_jax.models.formats.hf import read_config
 from dflash_jax.models.formats.hub import resolve_model
@@ -72,7 +72,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         target_gguf = served_gguf(resolve_model(f.target or _run_target(workdir)), os.path.join(out, "target.gguf"))
         draft_tokens = draft_token_ids(out, f.draft_vocab) if f.draft_vocab else None
         gguf_file = write_drafter_gguf(out, target_gguf, os.path.join(out, "drafter.gguf"), draft_tokens)
-        print(f"wrote {gguf_file} ({gguf_kind(read_config(out)).spec_type}) for the target {target_gguf}")
+        print(f"wrote {gguf_file} ({served_kind(read_config(out)).llama_cpp.spec_type}) for the target {target_gguf}")
 
 
 def check_gguf_flags(f: flags.FlagValues) -> None:

@@ -58,7 +58,7 @@ def measure_acceptance(
     draft_tokens: np.ndarray | None = None,
 ) -> dict:
     """Speculative-decode `prompts` (1-D token arrays, chat template applied) and return
-    `acceptance_stats` (key "tau", ...). `confidence_threshold`: DSpark's truncation (0 = off);
+    `acceptance_stats` (key "tau", ...). `confidence_threshold`: a confidence head's truncation (0 = off);
     `draft_tokens`: the draft vocabulary (decoding/draft_vocab.py; None: every token).
 
     Repeated calls with the same prompts, settings and model structure reuse the compiled

@@ -164,7 +164,7 @@ def evaluate(
 ) -> dict:
     """Evaluate every prompt set (specs as `chat.resolve_prompt_set` reads them, or
     `HeldoutPrompts`); {"run": settings, "sets": {name: result}}. `confidence_threshold`:
-    DSpark's truncation (0 = the whole block); `draft_tokens`: the draft vocabulary
+    the truncation of a drafter with a confidence head (0 = the whole block); `draft_tokens`: the draft vocabulary
     (decoding/draft_vocab.py; None = the whole vocabulary)."""
     drafting = dict(confidence_threshold=confidence_threshold, draft_tokens=draft_tokens)
     prompt_sets = [load_prompt_set(spec, chat, limit=num_prompts) for spec in prompt_specs]

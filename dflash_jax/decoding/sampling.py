@@ -5,8 +5,8 @@ is accepted with probability min(1, p(d_i) / q(d_i)); at the first rejection the
 drawn from normalize(max(p - q, 0)), and after a fully accepted block from p. This makes the
 output distribution exactly the target's (after the same temperature / top-k / top-p warping),
 whatever the drafter proposes. DFlash drafts every slot independently from its own distribution
-q_i, which is still a valid proposal: q_i is the probability with which d_i was drawn. DFlash2
-and DSpark draw d_i given d_1..d_{i-1} (`drafting.py`); q_i is then that conditional
+q_i, which is still a valid proposal: q_i is the probability with which d_i was drawn. Kinds
+that walk the block draw d_i given d_1..d_{i-1} (decoding/kinds/); q_i is then that conditional
 distribution, which is what the acceptance test of slot i needs, since it only runs after
 d_1..d_{i-1} were accepted.
 """

@@ -1,6 +1,7 @@
 """DFlash speculative decoding (docs/design.md §4), batched, with static shapes, for every drafter
-kind (docs/design.md "Drafter kinds": DSpark drafts one more token per block than DFlash, so its
-target verifies B + 1 tokens per step; below, B is the number verified).
+kind (docs/design.md "Drafter kinds": a kind whose every slot drafts proposes one more token per
+block than DFlash, so its target verifies B + 1 tokens per step; below, B is the number verified,
+`DrafterConfig.verify_size`).
 
 Invariant between steps, per row: the target KV cache and the drafter's context cache both hold
 positions 0..p-1 (prompt and accepted output), and the anchor (the last output token) sits at
@@ -26,6 +27,7 @@ from flax import nnx
 from dflash_jax.decoding import outputs as outputs_lib
 from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary
 from dflash_jax.decoding.generate import Decoder, prefill
+from dflash_jax.decoding.kinds import WALKS
 from dflash_jax.decoding.sampling import SamplingConfig, verify_block
 from dflash_jax.errors import ModelError
 from dflash_jax.models import kinds
@@ -57,19 +59,18 @@ def draft_block(
 ):
     """Step 1: one drafter pass over the block at `positions` [B, Bk] -> (drafts [B, K], the
     logits they were chosen from [B, K, V], the number of drafts proposed [B]), K = the kind's
-    drafts per block, by the kind's walk (`drafting.py`; DSpark may propose fewer than K).
+    drafts per block, by the kind's walk (decoding/kinds/; a confidence threshold may propose fewer).
     `vocab`: the tokens drafted among (`draft_vocab.py`). `num_slots`: the context slots the
     drafter's attention reads (static; None: all)."""
     cfg = drafter.cfg
     block = jnp.full(positions.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
     hidden = drafter.decode(target.embed(block), positions, context, num_slots=num_slots)
-    walk = cfg.kind_spec.part("walk")
-    return walk(vocab, drafter, hidden, anchor, sampling, key, confidence_threshold, target.embed)
+    return WALKS[cfg.kind](vocab, drafter, hidden, anchor, sampling, key, confidence_threshold, target.embed)
 
 
 @functools.cache
 def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_threshold: float = 0.0):
-    """Jitted (prefill, step) for one (target, drafter) structure, sampling setting and DSpark
+    """Jitted (prefill, step) for one (target, drafter) structure, sampling setting and
     confidence threshold; see `generate.target_fns` for why they are built once per graphdef."""
 
     @functools.partial(jax.jit, static_argnames=("cache_len", "capacity", "num_slots"))
@@ -104,7 +105,7 @@ def spec_fns(graphdef: nnx.GraphDef, sampling: SamplingConfig, confidence_thresh
         key, draft_key, verify_key = jax.random.split(st.key, 3)
         start = st.target_cache.lengths
         # The target verifies the anchor and the drafts (one more token than the drafter's block
-        # for DSpark, whose every slot drafts).
+        # for a kind whose every slot drafts).
         positions = start[:, None] + jnp.arange(drafter.cfg.verify_size)[None, :]
         drafts, draft_logits, proposed = draft_block(
             target,
@@ -144,8 +145,8 @@ class SpeculativeDecoder(Decoder):
 
     Greedy mode reproduces target-only greedy decoding token for token; sampling mode keeps the
     target's output distribution. `Generation.step_lengths` are the acceptance lengths (a+1,
-    cut where a stop token or max_new_tokens ends the output). `confidence_threshold` (DSpark
-    drafters only): propose the drafts up to the first slot whose confidence is below it.
+    cut where a stop token or max_new_tokens ends the output). `confidence_threshold` (drafters
+    with a confidence head only): propose the drafts up to the first slot whose confidence is below it.
     `draft_tokens`: token ids [V'] the drafter drafts among (`draft_vocab.py`; None: all).
     """
 

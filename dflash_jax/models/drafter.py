@@ -10,8 +10,8 @@ sliding layers see only a window of the context and their block causally
 (`DrafterConfig.attention_pattern`, `block_attention`).
 Training runs many blocks per packed row (`__call__`); decoding runs one block against a cache
 of context keys/values (`extend_context` + `decode`). The drafter kinds (docs/design.md "Drafter
-kinds") share this backbone; a kind's module (models/kinds/) may replace its layers (DFlash2
-convolves around every sublayer) and add heads (DFlash2's candidate selector, DSpark's Markov and
+kinds") share this backbone; a kind's module (models/kinds/) may replace its layers (with
+convolutions around every sublayer, say) and add heads (a candidate selector, a Markov and
 confidence heads); what the heads do with the backbone's hidden states is the objective's and
 the decoder's. Shapes: B rows, N blocks, L block length,
 S context positions, D model dim, F = k·D target features.

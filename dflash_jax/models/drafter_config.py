@@ -1,10 +1,11 @@
-"""The DFlash drafter's configuration (docs/design.md §2): a frozen dataclass, checked once.
+"""The DFlash drafter's configuration (docs/design.md §2): one frozen dataclass, each field declared once.
 
-`DrafterHeads` holds the drafter's kind, its block size and every kind's head sizes with their
-defaults (models/kinds/): the training config's drafter section (training/config/sections.py) and
-`DrafterConfig` both extend it, so each default is written once. `DrafterConfig` adds the shape
-the drafter takes from its target and checks all of it, raising a one-line ModelError; its
-config.json is models/drafter_format.py's.
+`DrafterConfig` is both the training config's drafter section and the drafter a model is built
+from. As a section it holds what a run chooses, 0 / -1 / () standing for "from the target" (the
+comment above each field says how); `for_target` resolves those against the target, takes the
+target's own sizes (the `DERIVED` fields, which no config sets) and checks the whole, raising a
+one-line ModelError. A released drafter's config.json is read straight into a resolved one
+(models/drafter_format.py). The kinds' own sizes are the dataclasses `KindFields` gathers.
 """
 
 from __future__ import annotations
@@ -16,36 +17,10 @@ from dflash_jax.errors import ModelError
 from dflash_jax.models import drafter_format, kinds
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 
-# The drafter's mask token, looked up by name in the target tokenizer (drafter.mask_token_id=-1).
+# The drafter's mask token, looked up by name in the target tokenizer (mask_token_id=-1).
 MASK_TOKEN = "<|MASK|>"
-
-
-def _fields_class(name: str, fields: dict[str, Any], docs: dict[str, str], base: type | None = None) -> type:
-    """A frozen keyword-only dataclass of `fields` (name -> default), typed as their defaults;
-    `docs`: the comment above a field, kept in its metadata (the class has no source to read)."""
-    spec = [
-        (field, type(default), dataclasses.field(default=default, metadata={"doc": docs.get(field, "")}))
-        for field, default in fields.items()
-    ]
-    cls = dataclasses.make_dataclass(name, spec, bases=(base,) if base else (), frozen=True, kw_only=True)
-    cls.__module__ = __name__
-    return cls
-
-
-# The drafter's kind, its block size, then every kind's head sizes (each kind's module declares
-# them); the comments are what the config's text prints above them.
-DrafterHeads = _fields_class(
-    "DrafterHeads",
-    {"kind": kinds.DEFAULT, "block_size": 16, **kinds.SIZE_FIELDS},
-    {
-        "kind": f'docs/design.md "Drafter kinds": {", ".join(kinds.KINDS)} (models/kinds/, a module each).',
-        "block_size": "Tokens per block: the anchor and the positions drafted after it.",
-        **{next(iter(k.fields)): f"{k.name!r}: {k.fields_doc}" for k in kinds.KINDS.values() if k.fields},
-    },
-)
-# The fields a released drafter's config.json may set and training never does.
-_ReleasedHeads = _fields_class("ReleasedHeads", kinds.RELEASE_FIELDS, {}, DrafterHeads)
-DEFAULTS = _ReleasedHeads()
+# Field metadata: taken from the target (or a config.json), never set by a training config.
+DERIVED = {"derived": True}
 
 
 def default_target_layer_ids(num_target_layers: int, num_context_layers: int) -> tuple[int, ...]:
@@ -56,41 +31,91 @@ def default_target_layer_ids(num_target_layers: int, num_context_layers: int) ->
     return tuple(int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k))
 
 
-@dataclasses.dataclass(frozen=True)
-class DrafterConfig(_ReleasedHeads):
-    """A DFlash drafter: Qwen3-style layers over target features, sharing the target's E and W."""
+def section_fields(cls) -> list[dataclasses.Field]:
+    """The fields of a config section's dataclass that a training config sets: not those a
+    drafter takes from its target (`DERIVED`) or only a released config.json sets (`kind.RELEASED`)."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.keys() & {"derived", "released"}]
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope: RopeConfig
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-    # The target's (`for_target`); by default TransformerConfig's.
-    rms_norm_eps: float = TransformerConfig.rms_norm_eps
-    max_position_embeddings: int = TransformerConfig.max_position_embeddings
-    # The attention of every layer: 'full_attention' or 'sliding_attention'; () = all full.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig(kinds.KindFields):
+    """The drafter: its kind, block size and shape; everything else follows the target (docs/design.md §2)."""
+
+    # The drafter kind (docs/design.md "Drafter kinds"; models/kinds/__init__.py lists them).
+    kind: str = kinds.DEFAULT
+    # Tokens per block: the anchor and the positions drafted after it.
+    block_size: int = 16
+    num_layers: int = 5
+    # Target layers whose hidden states the drafter reads; () = the docs/design.md §2 spread.
+    target_layer_ids: tuple[int, ...] = ()
+    # How many target layers the default spread reads when target_layer_ids is (); 0 = num_layers.
+    num_context_layers: int = 0
+    # -1 = the id of <|MASK|> in the target tokenizer.
+    mask_token_id: int = -1
+    # MLP width; 0 = the target's.
+    intermediate_size: int = 0
+    # Attention shape, independent of the target's (released drafters for Qwen3.5 use 32 x 128
+    # over 8 kv heads on targets with 24 x 256 over 4); 0 = the target's.
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    # Per layer 'full_attention' or 'sliding_attention' (released drafters: four sliding, then one
+    # full); () = all full.
     layer_types: tuple[str, ...] = ()
-    # Positions a sliding layer's query sees, its own included (SpecForge's DFlash mask); 0 = none.
+    # Context positions a sliding layer's query sees, its own included (SpecForge's DFlash mask,
+    # released drafters: 2048); 0 = none.
     sliding_window: int = 0
-    # Causal attention inside the block: None = sliding layers causal and full layers not (as in
-    # SpecForge's and z-lab's drafters); True / False = every layer (config.json `is_causal`).
-    is_causal: bool | None = None
+    # The target's (the drafter shares its embedding and LM head; RoPE without partial rotation).
+    hidden_size: int = dataclasses.field(default=0, metadata=DERIVED)
+    vocab_size: int = dataclasses.field(default=0, metadata=DERIVED)
+    num_target_layers: int = dataclasses.field(default=0, metadata=DERIVED)
+    rope: RopeConfig | None = dataclasses.field(default=None, metadata=DERIVED)
+    rms_norm_eps: float = dataclasses.field(default=TransformerConfig.rms_norm_eps, metadata=DERIVED)
+    max_position_embeddings: int = dataclasses.field(
+        default=TransformerConfig.max_position_embeddings, metadata=DERIVED
+    )
+    # Causal attention inside the block (config.json `is_causal`): None = sliding layers causal
+    # and full layers not (as in SpecForge's and z-lab's drafters); True / False = every layer.
+    is_causal: bool | None = dataclasses.field(default=None, metadata=DERIVED)
 
     LAYER_TYPES = ("full_attention", "sliding_attention")  # a class constant: no annotation, no field
 
     def __post_init__(self):
-        object.__setattr__(self, "layer_types", tuple(self.layer_types) or ("full_attention",) * self.num_layers)
-        for problem in self._problems():
-            raise ModelError(problem)
+        if self.resolved:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types) or ("full_attention",) * self.num_layers)
+            for problem in self._problems():
+                raise ModelError(problem)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether it has its target's sizes (else it is a config section's settings)."""
+        return self.hidden_size > 0
+
+    def problems(self) -> list[str]:
+        """The checks of the config section alone: each sentinel's range (the rest needs the
+        target, `for_target`)."""
+        minimum = dict(
+            num_layers=1,
+            block_size=2,
+            mask_token_id=-1,
+            intermediate_size=0,
+            num_heads=0,
+            num_kv_heads=0,
+            head_dim=0,
+            num_context_layers=0,
+            sliding_window=0,
+        )
+        out = [
+            f"drafter.{name}={getattr(self, name)} must be at least {low}"
+            for name, low in minimum.items()
+            if getattr(self, name) < low
+        ]
+        if self.kind not in kinds.KINDS:
+            out.append(f"drafter.kind={self.kind!r} is not one of {', '.join(kinds.KINDS)}")
+        return out
 
     def _problems(self) -> list[str]:
-        """Every check of the drafter's fields, in order; the first one found is raised."""
+        """Every check of a resolved drafter, in order; the first one found is raised."""
         if self.num_heads % self.num_kv_heads:
             return [f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"]
         if len(self.layer_types) != self.num_layers:
@@ -121,11 +146,10 @@ class DrafterConfig(_ReleasedHeads):
             return [f"kind={self.kind!r} is not one of {', '.join(kinds.KINDS)}"]
         kind = kinds.KINDS[self.kind]
         problems = [
-            f"{name}={getattr(self, name)} must be at least 1" for name in kind.fields if getattr(self, name) < 1
+            f"{f.name}={getattr(self, f.name)} must be at least 1"
+            for f in section_fields(kind.fields)
+            if getattr(self, f.name) < 1
         ]
-        for other in kinds.KINDS.values():
-            if other is not kind and any(getattr(self, n) != d for n, d in other.release_fields.items()):
-                problems.append(f"{' and '.join(other.release_fields)} are {other.name!r} options, not {self.kind!r}")
         return problems + kind.problems(self)
 
     @property
@@ -143,9 +167,14 @@ class DrafterConfig(_ReleasedHeads):
         return self.kind_spec.first_draft_slot
 
     @property
-    def num_drafts(self) -> int:
-        """Draft tokens per block."""
+    def num_scored(self) -> int:
+        """Block slots that predict a token (trained): those from the kind's first draft slot on."""
         return self.block_size - self.first_draft_slot
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens decoding proposes per block."""
+        return self.num_scored - (0 if self.kind_spec.drafts_last_slot else 1)
 
     @property
     def verify_size(self) -> int:
@@ -161,44 +190,39 @@ class DrafterConfig(_ReleasedHeads):
         return (self.sliding_window if sliding else 0), (sliding if self.is_causal is None else self.is_causal)
 
     @classmethod
-    def for_target(
-        cls,
-        target: TransformerConfig,
-        *,
-        num_layers: int,
-        mask_token_id: int,
-        target_layer_ids: tuple[int, ...] | None = None,
-        intermediate_size: int | None = None,
-        num_heads: int | None = None,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        num_context_layers: int | None = None,
-        **fields,
-    ) -> DrafterConfig:
-        """The target's hidden size (the drafter shares its embedding and LM head) and, unless
-        given, its head layout and MLP width (the paper's default). The default target layers
-        read are `num_context_layers` (default: one per drafter layer) spread over the target.
-        RoPE is the target's, without partial rotation (the drafter's layers are Qwen3's).
-        `fields`: the others of `DrafterConfig` (kind, block_size, the kind's sizes, layer_types,
-        sliding_window, ...), else their defaults."""
-        if target.intermediate_size == 0 and not intermediate_size:
+    def for_target(cls, target: TransformerConfig, settings: DrafterConfig | None = None, **fields) -> DrafterConfig:
+        """The drafter `settings` (a config section; else one of `fields`) describe, for `target`:
+        its hidden size, vocabulary and RoPE (without partial rotation: the drafter's layers are
+        Qwen3's) are the target's, and so, where the settings say 0 / (), its head layout, MLP
+        width, target layers read (`num_context_layers` of them, default one per drafter layer,
+        spread over the target) and the kind's sizes that follow the target. Other kinds' sizes
+        go back to their defaults."""
+        s = settings if settings is not None else cls(**fields)
+        if s.mask_token_id < 0:
+            raise ModelError("mask_token_id=-1 must be resolved from the target tokenizer first")
+        if target.intermediate_size == 0 and not s.intermediate_size:
             raise ModelError("intermediate_size=0 copies the target's dense MLP width, and it has none: set it")
-        context_layers = num_context_layers or num_layers
-        return cls(
+        kind = kinds.get(s.kind)
+        own = {f.name for f in dataclasses.fields(kind.fields)}
+        others = {f.name: f.default for f in dataclasses.fields(kinds.KindFields) if f.name not in own}
+        context_layers = s.num_context_layers or s.num_layers
+        return dataclasses.replace(
+            s,
             hidden_size=target.hidden_size,
-            intermediate_size=intermediate_size or target.intermediate_size,
-            num_layers=num_layers,
-            num_heads=num_heads or target.num_heads,
-            num_kv_heads=num_kv_heads or target.num_kv_heads,
-            head_dim=head_dim or target.head_dim,
+            intermediate_size=s.intermediate_size or target.intermediate_size,
+            num_heads=s.num_heads or target.num_heads,
+            num_kv_heads=s.num_kv_heads or target.num_kv_heads,
+            head_dim=s.head_dim or target.head_dim,
             rope=dataclasses.replace(target.rope, partial_factor=1.0),
             vocab_size=target.vocab_size,
             num_target_layers=target.num_layers,
-            target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target.num_layers, context_layers)),
-            mask_token_id=mask_token_id,
+            target_layer_ids=tuple(s.target_layer_ids or default_target_layer_ids(target.num_layers, context_layers)),
+            num_context_layers=0,
             rms_norm_eps=target.rms_norm_eps,
             max_position_embeddings=target.max_position_embeddings,
-            **fields,
+            # Another kind's sizes do not apply (a config may switch kinds and keep them set).
+            **others,
+            **kind.sized_for_target(s, target.hidden_size),
         )
 
     def to_hf(self) -> dict[str, Any]:

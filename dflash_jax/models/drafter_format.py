@@ -1,7 +1,6 @@
 """The drafter's config.json (docs/design.md §5, export format): the layout the serving engines
-load for its kind (z-lab's `DFlashDraftModel` / `DFlash2DraftModel`, or the `Qwen3DSparkModel` of
-DeepSeek's DeepSpec and vLLM's `qwen3_dspark.py`), written by the export (models/formats/hf.py) and read
-back from an export, a training checkpoint or a released drafter.
+load for its kind (`Kind.architectures`, `Kind.export`), written by the export
+(models/formats/hf.py) and read back from an export, a training checkpoint or a released drafter.
 
 The fields every kind shares are a Qwen3 config as transformers writes it; the kind's own come
 from its module (`Kind.export`, `Kind.read_fields`).
@@ -53,18 +52,24 @@ def write(cfg) -> dict[str, Any]:
     }
 
 
-def read(hf: dict[str, Any]) -> dict[str, Any]:
-    """The `DrafterConfig` fields of a drafter's config.json (absent ones keep their defaults)."""
+def kind_of(hf: dict[str, Any]) -> kinds.Kind:
+    """The kind of a drafter's config.json: its architecture's, or the one its dflash_config's
+    `projector_type` names under the backbone's architecture."""
     archs = hf.get("architectures") or []
     found = [kinds.ARCHITECTURES[a] for a in archs if a in kinds.ARCHITECTURES]
     if not found:
         raise ModelError(
             f"not a DFlash drafter config (architectures={archs!r}, expected one of {sorted(kinds.ARCHITECTURES)})"
         )
-    dflash = hf.get("dflash_config") or {}
-    kind = _projected(found[0], dflash.get("projector_type"))
+    return _projected(found[0], (hf.get("dflash_config") or {}).get("projector_type"))
 
-    def field(name, default=None):  # dflash_config first, then the top level (DSpark's place)
+
+def read(hf: dict[str, Any]) -> dict[str, Any]:
+    """The `DrafterConfig` fields of a drafter's config.json (absent ones keep their defaults)."""
+    kind = kind_of(hf)
+    dflash = hf.get("dflash_config") or {}
+
+    def field(name, default=None):  # dflash_config first, then the top level (some kinds' place)
         return dflash.get(name, hf.get(name, default))
 
     missing = [k for k in ("mask_token_id", "target_layer_ids") if field(k) is None]
@@ -103,7 +108,7 @@ def read(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _projected(kind, projector_type):
     """The kind a config of architecture `kind` is, given its dflash_config `projector_type`:
-    SpecForge trains Domino as `DFlashDraftModel` with projector_type 'domino'. A projector this
+    SpecForge trains some kinds as `DFlashDraftModel` with their projector_type. A projector this
     project does not know is refused, not dropped (its heads would be lost)."""
     if projector_type is None or projector_type == kind.projector_type:
         return kind

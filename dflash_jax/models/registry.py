@@ -1,4 +1,5 @@
-"""What models/families/ and models/kinds/ share: a package whose every module is one entry."""
+"""Packages whose every module is one entry: the target families (models/families/), and each
+drafter kind's loss terms (training/kinds/) and drafting walk (decoding/kinds/)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from typing import Any
 
 def discover(package: str, path, attribute: str) -> dict[str, Any]:
     """The `attribute` of every module of the package `package` (its `__path__`), by its name."""
-    found = {}
-    for module in pkgutil.iter_modules(path):
-        entry = getattr(importlib.import_module(f"{package}.{module.name}"), attribute)
-        found[entry.name] = entry
-    return found
+    return {entry.name: entry for entry in by_module(package, path, attribute).values()}
+
+
+def by_module(package: str, path, attribute: str) -> dict[str, Any]:
+    """The `attribute` of every module of the package `package` (its `__path__`), by the module's name."""
+    return {
+        module.name: getattr(importlib.import_module(f"{package}.{module.name}"), attribute)
+        for module in pkgutil.iter_modules(path)
+    }

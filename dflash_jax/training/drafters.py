@@ -56,7 +56,11 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
         # Only the structure of the optimizer state matters for restoring, not its schedule.
         abstract = abstract_train_state(
             cfg,
-            make_optimizer(OptimizerConfig(optimizer=optimizer_of(meta), ema_decay=ema_decay_of(meta)), 1),
+            make_optimizer(
+                OptimizerConfig(optimizer=optimizer_of(meta), ema_decay=ema_decay_of(meta)),
+                1,
+                cfg.kind_spec.adam_params,
+            ),
             seed=0,
             compute_dtype=jnp.float32,
             mesh=make_mesh(-1, 1),

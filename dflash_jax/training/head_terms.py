@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from dflash_jax.models.kinds.dflash2 import top_k
+from dflash_jax.models.layers.basic import top_k
 from dflash_jax.models.layers.chunking import scan_block_chunks
 from dflash_jax.models.sharding import BATCH, VOCAB, activation_spec, active_mesh, constrain_spec, per_device
 

@@ -8,15 +8,12 @@ run the drafter over all blocks at once, and score slot k ≥ 1 against the data
 a weighted cross-entropy: the paper's position decay ('dflash') or D-PACE's confidence weights
 ('dpace').
 
-The drafter kinds (docs/design.md "Drafter kinds") score the same blocks with their own terms
-(`Kind.loss_terms`): DFlash's here (`dflash_terms`), DFlash2's adding the candidate selector's
-cross-entropy (`dflash2_loss.py`), DSpark's its own loss on every slot, which drafts the token
-after it (`dspark_loss.py`).
+Each drafter kind (docs/design.md "Drafter kinds") scores the blocks with its own terms, built
+from the pieces here (training/kinds/, a module per kind; training/loss.py runs them).
 
-The frozen target side (features, block embeddings) is `frozen_inputs`; the differentiable
-drafter side is `drafter_loss`. The LM head is applied in chunks of blocks, each computing its
-own gradient with respect to the hidden states, so the [blocks × vocab] logits never exist at
-once and are never recomputed.
+The frozen target side (features, block embeddings) is `frozen_inputs`. The LM head is applied
+in chunks of blocks, each computing its own gradient with respect to the hidden states, so the
+[blocks × vocab] logits never exist at once and are never recomputed.
 """
 
 from __future__ import annotations
@@ -29,12 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models import kinds
-from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.layers.block_attention import block_context_mask
 from dflash_jax.models.layers.chunking import BLOCKS_PER_CHUNK, map_block_chunks
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training.head_terms import Terms, Unembed, vocab_parallel_logits
+from dflash_jax.training.head_terms import vocab_parallel_logits
 
 Batch = dict[str, jax.Array]
 
@@ -64,22 +60,24 @@ class ObjectiveSettings:
     anchor_scheme: str = "document"
     # 'document': cap on one document's anchors; 0 = no cap.
     anchors_per_document: int = 0
-    # docs/design.md §3.3: 'dflash' (the paper's position decay) or 'dpace' (D-PACE confidence
-    # weights).
-    loss: str = "dflash"
+    # docs/design.md §3.3: how each slot's loss is weighted: 'dflash' (the paper's position decay)
+    # or 'dpace' (D-PACE confidence weights); '' = the drafter kind's own (`Kind.loss`).
+    loss: str = ""
     # 'dpace': smoothing of the target token's probability, in [0, 1].
     dpace_alpha: float = 0.5
     # 'dflash': γ of the position decay; 0 = the paper's value for the block size, or the
-    # drafter kind's own (`Kind.loss_decay_gamma`: 4 for 'dspark', as DeepSpec trains it).
+    # drafter kind's own (`Kind.loss_decay_gamma`, as its authors train it).
     loss_decay_gamma: float = 0.0
     # docs/design.md §3.3: score each slot against the target's whole next-token distribution
     # (KL divergence) instead of the data token alone.
     distill: bool = False
-    # drafter.kind='dflash2': weight α of the candidate cross-entropy added to the DFlash loss.
+    # A drafter with a candidate selector: weight α of the candidate cross-entropy added to the
+    # DFlash loss.
     selector_alpha: float = 1.0
-    # drafter.kind='domino': weight λ of the unary logits' cross-entropy in (1 − λ)·final + λ·unary
-    # at the first step, falling linearly to 0 over the first `base_loss_decay` of the run
-    # (SpecForge's curriculum: 1 over the first half); base_loss_decay=0 keeps λ fixed.
+    # A drafter whose heads correct the backbone's logits: weight λ of the backbone's own loss in
+    # (1 − λ)·corrected + λ·backbone at the first step, falling linearly to 0 over the first
+    # `base_loss_decay` of the run (SpecForge's curriculum: 1 over the first half);
+    # base_loss_decay=0 keeps λ fixed.
     base_loss_weight: float = 1.0
     base_loss_decay: float = 0.5
     # Recompute each drafter layer in the backward pass.
@@ -96,32 +94,24 @@ class ObjectiveSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig(ObjectiveSettings):
-    """The settings resolved against the drafter and the target (`training.run_config.resolve`)."""
+    """The settings resolved against the drafter (`training.config.run_config.resolve`)."""
 
-    block_size: int = dataclasses.field(kw_only=True)
-    mask_token_id: int = dataclasses.field(kw_only=True)
-    target_layer_ids: tuple[int, ...] = dataclasses.field(kw_only=True)
+    drafter: DrafterConfig = dataclasses.field(kw_only=True)
+    loss: str = dataclasses.field(kw_only=True)  # resolved: never ''
     loss_decay_gamma: float = dataclasses.field(kw_only=True)  # resolved: never 0
-    kind: str = kinds.DEFAULT  # the drafter's kind (models/kinds/): which terms score it
     total_steps: int = 0  # the run's length (`step.build_train_step`): what schedules over it read
-
-    @property
-    def num_drafts(self) -> int:
-        """Scored slots per block: those from the kind's first draft slot on (B - 1 after the
-        anchor, or B for 'dspark', whose every slot drafts the token after it)."""
-        return self.block_size - kinds.get(self.kind).first_draft_slot
 
     @property
     def needs_target_distribution(self) -> bool:
         """Whether the target's next-token distribution at each label is computed (to distill,
         or for a kind whose loss always reads it)."""
-        return self.distill or kinds.get(self.kind).reads_target_distribution
+        return self.distill or self.drafter.kind_spec.reads_target_distribution
 
 
 @flax.struct.dataclass
 class Blocks:
-    """One block per anchor. R rows, N anchors per row, Bk = block size, S = seq_len, K = drafts
-    per block (Bk - 1, or Bk for 'dspark': `ObjectiveConfig.num_drafts`)."""
+    """One block per anchor. R rows, N anchors per row, Bk = block size, S = seq_len, K = scored
+    slots per block (Bk - 1, or Bk for a kind whose every slot drafts: `DrafterConfig.num_scored`)."""
 
     tokens: jax.Array  # [R, N, Bk]   anchor token then MASK tokens
     positions: jax.Array  # [R, N, Bk]   anchor's in-document position + slot
@@ -130,9 +120,11 @@ class Blocks:
     valid: jax.Array  # [R, N] the anchor exists (rows may have fewer candidates than N)
     ctx_mask: jax.Array  # [R, N, S] context positions each block may attend to
     documents: jax.Array  # [R] documents in the row ('dpace' divides by their global count)
-    # [R, N, K, D] 'distill' and 'dspark': the target's normed last hidden state that predicts each label
+    # [R, N, K, D] 'distill' and kinds whose loss reads the target's distribution: the target's
+    # normed last hidden state that predicts each label
     target_hidden: jax.Array | None = None
-    # [R, N, Bk, D] 'domino': the target's embeddings of the anchor and the labels but the last
+    # [R, N, Bk, D] kinds that read the realised tokens: the target's embeddings of the anchor and
+    # the labels but the last
     realised_embeds: jax.Array | None = None
 
 
@@ -211,8 +203,8 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, cfg: ObjectiveConfig) -> Blocks:
-    seq_len = batch["tokens"].shape[1]
-    index = anchor_index[:, :, None] + jnp.arange(cfg.num_drafts + 1)  # the anchor and the labels
+    seq_len, drafter = batch["tokens"].shape[1], cfg.drafter
+    index = anchor_index[:, :, None] + jnp.arange(drafter.num_scored + 1)  # the anchor and the labels
     in_row = index < seq_len
     index = jnp.minimum(index, seq_len - 1)
     tokens_at = _gather_rows(batch["tokens"], index)
@@ -223,12 +215,12 @@ def make_blocks(batch: Batch, anchor_index: jax.Array, anchor_valid: jax.Array, 
         & (segment_at == segment_at[:, :, :1])
         & (_gather_rows(batch["loss_mask"], index) == 1)
     )[:, :, 1:]
-    if kinds.get(cfg.kind).scores_prefix:  # DSpark: DeepSpec scores the prefix of scored slots only
+    if drafter.kind_spec.scores_prefix:  # only the slots before the first unscored one
         scored = jnp.cumprod(scored, axis=-1).astype(bool)
     anchor_position = _gather_rows(batch["positions"], anchor_index)
-    offsets = jnp.arange(cfg.block_size)
+    offsets = jnp.arange(drafter.block_size)
     return Blocks(
-        tokens=jnp.where(offsets == 0, tokens_at[:, :, : cfg.block_size], cfg.mask_token_id),
+        tokens=jnp.where(offsets == 0, tokens_at[:, :, : drafter.block_size], drafter.mask_token_id),
         positions=anchor_position[:, :, None] + offsets,
         labels=tokens_at[:, :, 1:],
         label_mask=scored,
@@ -253,21 +245,21 @@ def frozen_inputs(
         cfg.anchors_per_document,
     )
     blocks = make_blocks(batch, anchor_index, anchor_valid, cfg)
-    layer_ids = tuple(cfg.target_layer_ids)
+    layer_ids = tuple(cfg.drafter.target_layer_ids)
     if cfg.needs_target_distribution:  # the forward also runs to the last layer, whose states predict the labels
         layer_ids += (target.cfg.num_layers - 1,)
     _, hidden = target(
         batch["tokens"], batch["segment_ids"], batch["positions"], hidden_layers=layer_ids, return_logits=False
     )
-    features = jnp.concatenate(hidden[: len(cfg.target_layer_ids)], axis=-1)
+    features = jnp.concatenate(hidden[: len(cfg.drafter.target_layer_ids)], axis=-1)
     if cfg.needs_target_distribution:
         # The label at anchor + k is predicted from position anchor + k - 1, k = 1..K.
-        index = jnp.minimum(anchor_index[:, :, None] + jnp.arange(cfg.num_drafts), batch["tokens"].shape[1] - 1)
+        index = jnp.minimum(anchor_index[:, :, None] + jnp.arange(cfg.drafter.num_scored), batch["tokens"].shape[1] - 1)
         # The last layer's hidden state is already after the final norm (`layer_outputs`).
         last = jnp.take_along_axis(hidden[-1], index.reshape(index.shape[0], -1, 1), axis=1)
         target_hidden = last.reshape(*index.shape, -1)
         blocks = blocks.replace(target_hidden=jax.lax.stop_gradient(target_hidden))
-    if kinds.get(cfg.kind).embeds_realised_tokens:
+    if cfg.drafter.kind_spec.embeds_realised_tokens:
         realised = jnp.concatenate([blocks.tokens[..., :1], blocks.labels[..., :-1]], axis=-1)
         blocks = blocks.replace(realised_embeds=jax.lax.stop_gradient(target.embed(realised)))
     block_embeds = target.embed(blocks.tokens)
@@ -379,54 +371,6 @@ def loss_denominator(weights: jax.Array, blocks: Blocks, cfg: ObjectiveConfig) -
     if cfg.loss == "dpace":
         return blocks.documents.sum().astype(jnp.float32)
     return weights.sum().astype(jnp.float32)
-
-
-def drafter_loss(
-    drafter: DFlashDrafter,
-    unembed: Callable[[jax.Array], jax.Array],
-    features: jax.Array,
-    block_embeds: jax.Array,
-    ctx_positions: jax.Array,
-    blocks: Blocks,
-    cfg: ObjectiveConfig,
-    step: jax.Array | int = 0,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(Σ w·CE over these rows, metric sums) — not yet divided. `step`: the optimizer steps taken
-    so far (a loss term may change over the run, `ObjectiveConfig.total_steps`).
-
-    docs/design.md §3.3: the loss is Σ w·CE / (Σw or documents) over the whole global batch, so
-    the caller divides the accumulated sum (and its gradient) by the batch's total of the sums'
-    "weight" entry (`loss_denominator`), once. Gradient accumulation then gives the update of
-    one big batch.
-    """
-    hidden = drafter(
-        block_embeds,
-        blocks.positions,
-        drafter.context(features),
-        ctx_positions,
-        blocks.ctx_mask,
-        blocks_per_chunk=cfg.attention_chunk_blocks,
-        remat_policy=cfg.remat_policy if cfg.remat else None,
-    )
-    terms = kinds.get(cfg.kind).part("loss_terms")
-    weighted_ce, weights, correct = terms(drafter, unembed, hidden, blocks, cfg, step)
-    return weighted_ce, metric_sums(weighted_ce, loss_denominator(weights, blocks, cfg), correct, blocks)
-
-
-def dflash_terms(
-    drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks: Blocks, cfg: ObjectiveConfig, step=0
-) -> Terms:
-    """DFlash's loss terms (the backbone's, `Kind.loss_terms`): hidden [R, N, Bk, D] -> (Σ w·CE,
-    slot weights, hits), the last two [R, N, Bk-1]."""
-    loss, label_ce, correct = lm_head_cross_entropy(
-        unembed,
-        hidden[:, :, 1:],
-        blocks.labels,
-        chunk_blocks=cfg.lm_head_chunk_blocks,
-        target_hidden=blocks.target_hidden,
-    )
-    weights = slot_weights(label_ce, blocks.label_mask, cfg)
-    return (weights * loss).sum(), weights, correct
 
 
 def metric_sums(

@@ -31,6 +31,7 @@ from dflash_jax.models.parameters import train_state_shardings
 from dflash_jax.models.sharding import BATCH_MESH_AXES, activation_sharding
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective, warm_start
+from dflash_jax.training.loss import drafter_loss
 from dflash_jax.training.mesh import batch_sharding
 from dflash_jax.training.optim.optimizer import learning_rate_schedule, make_optimizer
 
@@ -188,7 +189,7 @@ def _micro_batch_gradients(drafter_graphdef: nnx.GraphDef, cfg: objective.Object
 
     def loss_fn(params, target, features, block_embeds, positions, blocks, step):
         drafter = nnx.merge(drafter_graphdef, params)
-        return objective.drafter_loss(drafter, target.unembed, features, block_embeds, positions, blocks, cfg, step)
+        return drafter_loss(drafter, target.unembed, features, block_embeds, positions, blocks, cfg, step)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -282,7 +283,7 @@ def build_train_step(
     """The one place a run's setup becomes its jitted step: the training loop, the plan and the
     benchmarks all call it. `target_params` are real or abstract (ShapeDtypeStructs with
     shardings); the attention code is the run's (`setup.run.attention`) for target and drafter."""
-    tx = make_optimizer(setup.optimizer, total_steps)
+    tx = make_optimizer(setup.optimizer, total_steps, setup.drafter.kind_spec.adam_params)
     state_kw = dict(seed=setup.run.seed, compute_dtype=setup.compute_dtype, mesh=mesh)
     abstract = abstract_train_state(setup.drafter, tx, **state_kw)
     drafter_graphdef = drafter_graph(setup.drafter, setup.compute_dtype, setup.run.attention, setup.run.scan_layers)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_jax.decoding import drafting
 from dflash_jax.decoding.draft_vocab import DraftVocabulary, FullVocabulary
+from dflash_jax.decoding.kinds import WALKS
 from dflash_jax.decoding.sampling import GREEDY, SamplingConfig, warp_probs
 from support import kind_references as ref
 from support.decoding_models import make_drafter, make_target, perturbed
@@ -55,7 +55,7 @@ def test_selector_walk_drafts_as_z_labs(models, draft_tokens):
     vocab, reference_logits = _vocabulary(target, draft_tokens)
     hidden, anchor = _inputs(0)
     with jax.default_matmul_precision("highest"):
-        drafts, logits, _ = drafting.selector_walk(vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0), 0.0)
+        drafts, logits, _ = WALKS["dflash2"](vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0), 0.0)
         unary = reference_logits(hidden[:, 1:])
     selector = drafter.candidate_selector
     codebooks = (_t(selector.predecessor_codebook[...]), _t(selector.successor_codebook[...]))
@@ -73,7 +73,7 @@ def test_selector_walk_drafts_as_z_labs(models, draft_tokens):
     assert np.all(np.isfinite(logits).sum(-1) == 8)
     np.testing.assert_array_equal(np.argmax(logits, -1), drafts)
     # Sampled: every draft is one of its slot's candidates, drawn from softmax(S / T) over them.
-    sampled, sampled_logits, _ = drafting.selector_walk(
+    sampled, sampled_logits, _ = WALKS["dflash2"](
         vocab, drafter, hidden, anchor, SamplingConfig(1.0), jax.random.key(1), 0.0
     )
     q = np.asarray(warp_probs(sampled_logits, SamplingConfig(1.0)))
@@ -89,9 +89,7 @@ def test_markov_walk_drafts_as_deepspec(models, threshold, draft_tokens):
     vocab, reference_logits = _vocabulary(target, draft_tokens)
     hidden, anchor = _inputs(1)
     with jax.default_matmul_precision("highest"):
-        drafts, logits, proposed = drafting.markov_walk(
-            vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0), threshold
-        )
+        drafts, logits, proposed = WALKS["dspark"](vocab, drafter, hidden, anchor, GREEDY, jax.random.key(0), threshold)
         unary = reference_logits(hidden)
     markov, confidence = drafter.markov_head, drafter.confidence_head
     weights = (_t(markov.markov_w1.embedding[...]), _t(markov.markov_w2.kernel[...]))

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from dflash_jax.decoding import drafting
 from dflash_jax.decoding.draft_vocab import FullVocabulary
 from dflash_jax.decoding.generate import TargetDecoder
+from dflash_jax.decoding.kinds import WALKS
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.errors import ModelError
@@ -25,7 +25,7 @@ from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.formats.hf import export_drafter, load_drafter
 from dflash_jax.models.kinds import domino
 from dflash_jax.training import objective
-from dflash_jax.training.kinds.domino import domino_terms
+from dflash_jax.training.kinds.domino import terms as domino_terms
 from support import decoding_models
 from support.blocks import scored_blocks
 from support.decoding_models import MASK_ID, make_target, random_prompts
@@ -114,21 +114,23 @@ def test_greedy_walk_is_the_argmax_chain(target):
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(3, 4, target.cfg.hidden_size)), jnp.float32)
     anchor = jnp.asarray([5, 9, 11], jnp.int32)
-    drafts, logits, proposed = drafting.gru_walk(
+    drafts, logits, proposed = WALKS["domino"](
         FullVocabulary(target), drafter, hidden, anchor, SamplingConfig(), jax.random.key(0), 0.0, target.embed
     )
-    np.testing.assert_array_equal(proposed, [4, 4, 4])
+    # A block of 4 proposes 3 drafts, as SpecForge decodes it: the last slot is trained, not proposed.
+    assert drafter.cfg.num_drafts == 3 and drafts.shape == (3, 3)
+    np.testing.assert_array_equal(proposed, [3, 3, 3])
     params = numpy_params({"prefix_gru": drafter.prefix_gru, "embed_proj": drafter.embed_proj})
     unary = np.asarray(target.unembed(hidden), np.float64)
     for b in range(3):
         realised = [int(anchor[b])]
-        for k in range(4):  # the chain: each argmax is the next GRU input
+        for k in range(3):  # the chain: each argmax is the next GRU input
             embeds = np.asarray(target.embed(jnp.asarray(realised)), np.float64)
             expected = reference_logits(unary[b, : k + 1], np.asarray(hidden[b, : k + 1]), embeds, params, 1)[k]
             np.testing.assert_allclose(logits[b, k], expected, rtol=2e-4, atol=2e-4)
             assert int(drafts[b, k]) == int(np.argmax(expected))
             realised.append(int(drafts[b, k]))
-    assert (np.asarray(logits[:, 1:]) != np.asarray(unary[:, 1:])).all()  # corrected from slot 1 on
+    assert (np.asarray(logits[:, 1:]) != np.asarray(unary[:, 1:3])).all()  # corrected from slot 1 on
 
 
 def test_export_is_specforges_layout_and_loads_back(target, tmp_path):
@@ -157,7 +159,9 @@ def test_export_is_specforges_layout_and_loads_back(target, tmp_path):
     as_specforge_trains_it = {**config, "architectures": ["DFlashDraftModel"]}
     assert DrafterConfig.from_hf(as_specforge_trains_it) == cfg
     unknown = {**as_specforge_trains_it, "dflash_config": {**config["dflash_config"], "projector_type": "mlp"}}
-    with pytest.raises(ModelError, match=r"^drafter config.json has projector_type='mlp': only 'domino' load"):
+    with pytest.raises(
+        ModelError, match=r"^drafter config.json has projector_type='mlp': only 'dspark', 'domino' load"
+    ):
         DrafterConfig.from_hf(unknown)
     with pytest.raises(ModelError, match="that projector belongs to kind 'domino'$"):
         DrafterConfig.from_hf({**config, "architectures": ["DFlash2DraftModel"]})
@@ -186,13 +190,12 @@ def test_loss_terms_mix_the_final_and_unary_cross_entropies(target, decay, step,
     mask[0, 1, 3] = False
     blocks = scored_blocks(labels, mask, realised_embeds=target.embed(realised))
     cfg = objective.ObjectiveConfig(
-        block_size=4,
-        mask_token_id=MASK_ID,
-        target_layer_ids=(0, 1),
+        loss="dflash",
         loss_decay_gamma=4.0,
         base_loss_weight=0.6,
         base_loss_decay=decay,
         total_steps=10,
+        drafter=drafter.cfg,
     )
     hidden = jnp.asarray(rng.normal(size=(*shape, target.cfg.hidden_size)), jnp.float32)
     total, weights, _ = jax.jit(domino_terms, static_argnums=(0, 1, 4))(

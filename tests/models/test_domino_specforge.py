@@ -17,14 +17,15 @@ import transformers
 from flax import nnx
 from safetensors.torch import load_file
 
-from dflash_jax.decoding import drafting
 from dflash_jax.decoding.draft_vocab import FullVocabulary
+from dflash_jax.decoding.kinds import WALKS
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.formats.hf import export_drafter, load_drafter
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
-from dflash_jax.training.kinds.domino import base_loss_weight, domino_terms
+from dflash_jax.training.kinds.domino import base_loss_weight
+from dflash_jax.training.kinds.domino import terms as domino_terms
 from support.blocks import scored_blocks
 from support.decoding_models import MASK_ID, make_drafter, perturbed, target_config
 
@@ -90,14 +91,12 @@ def test_loss_terms_equal_specforges_in_float64(models, step, lam):
     hidden = rng.normal(size=(rows, blocks_per_row, BLOCK, target.cfg.hidden_size))
     with jax.enable_x64(True):
         cfg = objective.ObjectiveConfig(
-            block_size=BLOCK,
-            mask_token_id=MASK_ID,
-            target_layer_ids=drafter.cfg.target_layer_ids,
+            loss="dflash",
             loss_decay_gamma=GAMMA,
-            kind="domino",
             base_loss_weight=1.0,
             base_loss_decay=0.5,
             total_steps=10,
+            drafter=drafter.cfg,
         )
         # λ is an fp32 scalar: SpecForge's curriculum to fp32's precision, then the same λ on both sides.
         ours_lam = float(base_loss_weight(cfg, step))
@@ -131,7 +130,7 @@ def test_greedy_walk_equals_specforges_in_float64(models):
     hidden = rng.normal(size=(4, BLOCK, target.cfg.hidden_size))
     anchor = rng.integers(0, MASK_ID, 4)
     with jax.enable_x64(True):
-        drafts, _, _ = drafting.gru_walk(
+        drafts, _, _ = WALKS["domino"](
             FullVocabulary(target),
             drafter,
             jnp.asarray(hidden),

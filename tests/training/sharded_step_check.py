@@ -44,14 +44,12 @@ DRAFTERS = {
 }
 OBJECTIVES = {
     kind: objective.ObjectiveConfig(
-        block_size=8,
-        mask_token_id=255,
         num_anchors=12,
+        loss="dflash",
         loss_decay_gamma=4.0,
-        target_layer_ids=cfg.target_layer_ids,
         attention_chunk_blocks=4,
         lm_head_chunk_blocks=4,
-        kind=kind,
+        drafter=cfg,
     )
     for kind, cfg in DRAFTERS.items()
 }

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.models import kinds
+from dflash_jax.models.drafter_config import section_fields
 from dflash_jax.models.formats.gguf_export import llama_cpp_problems
 from dflash_jax.training.config import sections
 from dflash_jax.training.config.presets import load_config_file
@@ -116,18 +118,13 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"train.max_steps": True}, 1, "train.max_steps=True must be an integer"),
         ({"drafter.target_layer_ids": (0, "1")}, 1, r"drafter.target_layer_ids=\(0, '1'\) must be a tuple of integers"),
         # Drafter kinds: a bad value, a bad size, a bad combination.
-        ({"drafter.kind": "eagle"}, 1, "^drafter.kind='eagle' is not one of dflash, dflash2, domino, dspark$"),
+        ({"drafter.kind": "eagle"}, 1, "^drafter.kind='eagle' is not one of dflash, dflash2, dspark, domino$"),
         (
             {"drafter.kind": "dflash2", "drafter.conv_group_size": 24},
             1,
             "^drafter.conv_group_size=24 must divide hidden_size=32$",
         ),
         ({"drafter.kind": "dflash2", "drafter.selector_top_k": 0}, 1, "^drafter.selector_top_k=0 must be at least 1$"),
-        (
-            {"drafter.kind": "dspark", "train.loss": "dpace"},
-            1,
-            "^train.loss='dpace' does not apply to drafter.kind='dspark'",
-        ),
         (
             {"drafter.kind": "dspark", "train.loss": "dflash", "train.distill": True},
             1,
@@ -150,7 +147,7 @@ def test_base_config_is_generated_from_the_section_dataclasses():
     written = {name: config.pop(name) for name in sections.SECTIONS}
     written[""] = config  # what is left: the top-level fields
     for name, section in ALL_SECTIONS.items():
-        fields = dataclasses.fields(section)
+        fields = section_fields(section)  # the drafter's: not those it takes from its target
         assert sorted(written[name]) == sorted(f.name for f in fields), name  # no field more, none fewer
         for field in fields:
             value = written[name][field.name]
@@ -217,8 +214,10 @@ def test_where_fields_are_documented_exists():
         for cls in section.__mro__
         if dataclasses.is_dataclass(cls)
     }
-    assert {str(testing.REPO / f) for f in files} == defined_in
-    assert len(field_paths()) == sum(len(dataclasses.fields(section)) for section in ALL_SECTIONS.values())
+    kinds_folder = str(testing.REPO / "dflash_jax" / "models" / "kinds")
+    assert "dflash_jax/models/kinds/" in FIELDS_DOCUMENTED  # the kinds' sizes: a module each
+    assert {str(testing.REPO / f) for f in files} == {f for f in defined_in if not f.startswith(kinds_folder)}
+    assert len(field_paths()) == sum(len(section_fields(section)) for section in ALL_SECTIONS.values())
 
 
 def test_values_of_a_close_type_are_converted(tiny_run, tmp_path):
@@ -253,9 +252,27 @@ def test_loss_fields_reach_the_objective(tiny_run, tmp_path):
 def test_kind_fields_reach_the_drafter_and_the_objective(tiny_run, tmp_path, fields, drafter, gamma):
     setup = resolve(tiny_config(tiny_run, tmp_path, **{**fields, "train.selector_alpha": 0.5}), num_devices=1)
     assert {k: getattr(setup.drafter, k) for k in drafter} == drafter
-    assert (setup.objective.kind, setup.objective.selector_alpha) == (drafter["kind"], 0.5)
+    assert (setup.objective.drafter, setup.objective.selector_alpha) == (setup.drafter, 0.5)
     assert setup.objective.loss_decay_gamma == gamma  # DSpark: DeepSpec's 4 whatever the block size
     assert type(setup.drafter).from_hf(setup.drafter.to_hf()) == setup.drafter  # what a checkpoint keeps
+
+
+@pytest.mark.parametrize("kind", sorted(kinds.KINDS))
+@pytest.mark.parametrize("loss", ["", "dpace"])
+def test_the_kind_alone_makes_a_run_of_that_kind(tiny_run, tmp_path, kind, loss):
+    """`drafter.kind=K` and nothing else: the loss ('' = the kind's own), γ and the sizes that
+    follow the target are the kind's; a config's other-kind sizes (the default run sets DFlash2's
+    selector_top_k) do not stop it."""
+    fields = {"drafter.kind": kind, "drafter.selector_top_k": 15, "train.loss": loss}
+    setup = resolve(tiny_config(tiny_run, tmp_path, **fields), num_devices=1)
+    spec = kinds.get(kind)
+    assert setup.drafter.kind == kind and setup.objective.drafter == setup.drafter
+    assert setup.objective.loss == (loss or spec.loss)
+    assert setup.objective.loss_decay_gamma == (spec.loss_decay_gamma or 4.0)  # else the paper's for block 8
+    assert setup.drafter.selector_top_k == (15 if kind == "dflash2" else 16)
+    if kind == "domino":  # SpecForge's Qwen3-8B sizes in proportion: H / 4 and H / 16
+        hidden = setup.target.hidden_size
+        assert (setup.drafter.gru_hidden_dim, setup.drafter.emb_dim) == (hidden // 4, hidden // 16)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ confidence loss, values and gradients, and their blocks on packed rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,7 +21,10 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
+from dflash_jax.training.kinds import TERMS
+from dflash_jax.training.loss import drafter_loss
 from support import kind_references as ref
+from support.blocks import objective_config
 
 VOCAB, MASK, HIDDEN = 64, 63, 32
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -38,7 +42,7 @@ HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8)
 
 
 def head_fields(kind):
-    return {name: HEAD_FIELDS[name] for name in kinds.KINDS[kind].fields if name in HEAD_FIELDS}
+    return {f.name: HEAD_FIELDS[f.name] for f in dataclasses.fields(kinds.KINDS[kind].fields) if f.name in HEAD_FIELDS}
 
 
 def _cfg(kind, **overrides):
@@ -52,8 +56,9 @@ def _cfg(kind, **overrides):
         lm_head_chunk_blocks=2,  # several chunks, the last one padded
         kind=kind,
         selector_alpha=0.7,
+        **head_fields(kind),
     )
-    return objective.ObjectiveConfig(**{**kw, **overrides})
+    return objective_config(TARGET, **{**kw, **overrides})
 
 
 def _drafter(kind, seed=1):
@@ -97,7 +102,7 @@ def _jax_terms(kind, drafter, hidden, head, blocks, cfg):
     def total(hidden, params):
         d = nnx.merge(graphdef, params)
         unembed = lambda h: h @ head  # noqa: E731
-        value, weights, hits = kinds.KINDS[kind].part("loss_terms")(d, unembed, hidden, blocks, cfg)
+        value, weights, hits = TERMS[kind](d, unembed, hidden, blocks, cfg)
         return value, (weights, hits)
 
     with jax.default_matmul_precision("highest"):
@@ -241,7 +246,7 @@ def test_loss_of_packed_rows_is_the_references_on_the_drafters_states(target, ki
     def run(target_state, drafter_state):
         t, d = nnx.merge(nnx.graphdef(target), target_state), nnx.merge(nnx.graphdef(drafter), drafter_state)
         features, embeds, blocks = objective.frozen_inputs(t, batch, keys, cfg)
-        loss, sums = objective.drafter_loss(d, t.unembed, features, embeds, batch["positions"], blocks, cfg)
+        loss, sums = drafter_loss(d, t.unembed, features, embeds, batch["positions"], blocks, cfg)
         hidden = d(embeds, blocks.positions, d.context(features), batch["positions"], blocks.ctx_mask)
         anchors, _ = objective.sample_anchors(
             keys, batch["segment_ids"], batch["loss_mask"], cfg.num_anchors, "document"

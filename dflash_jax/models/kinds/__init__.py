@@ -1,28 +1,38 @@
-"""The registry of drafter kinds: every module of this package is one kind.
+"""The registry of drafter kinds: each module of this package is one kind, listed here.
 
 A kind module defines `KIND = Kind(...)` (models/kind.py): what it adds to the DFlash backbone
-that every kind shares. The drafter's config (its fields, checks and config.json), the drafter
-module, the training objective, the FLOP count and the speculative decoder read this registry,
-which imports every module here at start-up; adding a kind is adding its module.
+that every kind shares, and its sizes as a dataclass that `KindFields` (and so `DrafterConfig`)
+extends. Its loss terms and drafting walk are modules of the same name in training/kinds/ and
+decoding/kinds/. Adding a kind is adding its three modules and its line here.
 """
 
 from __future__ import annotations
 
-from dflash_jax.errors import ModelError
-from dflash_jax.models import registry
-from dflash_jax.models.kind import Kind
+import dataclasses
 
-KINDS: dict[str, Kind] = registry.discover(__name__, __path__, "KIND")
+from dflash_jax.errors import ModelError
+from dflash_jax.models.kind import Kind
+from dflash_jax.models.kinds.dflash import KIND as DFLASH
+from dflash_jax.models.kinds.dflash2 import KIND as DFLASH2
+from dflash_jax.models.kinds.dflash2 import DFlash2Fields
+from dflash_jax.models.kinds.domino import KIND as DOMINO
+from dflash_jax.models.kinds.domino import DominoFields
+from dflash_jax.models.kinds.dspark import KIND as DSPARK
+from dflash_jax.models.kinds.dspark import DSparkFields
+
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (DFLASH, DFLASH2, DSPARK, DOMINO)}
 # The kind a drafter is unless its config says otherwise: the backbone alone.
-DEFAULT = "dflash"
+DEFAULT = DFLASH.name
 # config.json `architectures` entry -> its kind.
 ARCHITECTURES = {arch: kind for kind in KINDS.values() for arch in kind.architectures}
 # dflash_config `projector_type` -> its kind (SpecForge names some kinds so, under the backbone's
 # architecture).
 PROJECTOR_TYPES = {kind.projector_type: kind for kind in KINDS.values() if kind.projector_type}
-# Every kind's trained sizes and released-only fields, with their defaults, in registry order.
-SIZE_FIELDS = {name: default for kind in KINDS.values() for name, default in kind.fields.items()}
-RELEASE_FIELDS = {name: default for kind in KINDS.values() for name, default in kind.release_fields.items()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KindFields(DFlash2Fields, DSparkFields, DominoFields):
+    """Every kind's sizes, with their defaults: a drafter of one kind leaves the others' alone."""
 
 
 def get(name: str) -> Kind:

@@ -1,7 +1,7 @@
 """DFlash2 (z-lab's `DFlash2DraftModel`, docs/design.md "Drafter kinds"): the DFlash backbone with
 grouped dynamic convolutions around every sublayer and a candidate selector. Its loss adds the
 selector's cross-entropy (training/kinds/dflash2.py); its drafts walk the block, each chosen
-among the top-k after the one before (decoding/drafting.py's `selector_walk`).
+among the top-k after the one before (decoding/kinds/dflash2.py).
 
 Convolution: around each sublayer of a drafter layer, `prepare` convolves the normalised input u
 with kernel base[0] + δ₀ and keeps δ₁; `finish` convolves the sublayer's output with base[1] + δ₁.
@@ -21,11 +21,13 @@ group, r the selector's rank, k candidates.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.kind import Kind
+from dflash_jax.models.kind import RELEASED, Kind, LlamaCpp
 from dflash_jax.models.layers.basic import DecoderBlock, linear, soft_capped
 from dflash_jax.models.sharding import EMBED, VOCAB
 
@@ -128,18 +130,25 @@ def successor_scores(context: jax.Array, successors: jax.Array) -> jax.Array:
     return jnp.einsum("...r,vr->...v", context, successors.astype(context.dtype), preferred_element_type=jnp.float32)
 
 
-def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k` over the last axis of logits [..., V], taken over rows [-1, V]: XLA:CPU turns
-    the top-k sort into its TopK kernel only for some shapes, and the training step's [R, N, Bk, V]
-    became a full sort of every row (4.9 DFlash steps a step instead of 1.4)."""
-    values, ids = jax.lax.top_k(logits.reshape(-1, logits.shape[-1]), k)
-    return values.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
-
-
 def unary_logits(logits: jax.Array, output_multiplier: float, softcap: float) -> jax.Array:
     """The LM head's logits as the selector reads them: scaled, then soft-capped (0 = no cap)."""
     logits = logits * output_multiplier if output_multiplier != 1.0 else logits
     return soft_capped(logits, softcap)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlash2Fields:
+    # drafter.kind='dflash2': per layer two grouped dynamic convolutions of conv_kernel_size taps
+    # over groups of conv_group_size channels, and a candidate selector of rank selector_rank
+    # over the selector_top_k best unary logits.
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    # The unary logits scaled by output_multiplier and soft-capped at final_logit_softcapping
+    # (0 = none), as z-lab's released drafters ask (training leaves both off).
+    output_multiplier: float = dataclasses.field(default=1.0, metadata=RELEASED)
+    final_logit_softcapping: float = dataclasses.field(default=0.0, metadata=RELEASED)
 
 
 def _problems(cfg) -> list[str]:
@@ -182,15 +191,35 @@ def _heads(cfg, *, compute_dtype, **head_kw) -> dict:
     return {"candidate_selector": selector}
 
 
+def _llama_cpp_metadata(hf: dict) -> dict:
+    """The convolutions' and the selector's sizes, and the output transforms the selector reads
+    the drafter's logits after, under llama.cpp's GGUF keys."""
+    d = hf["dflash_config"]
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    out: dict = {f"dflash.{k}": int(d[k]) for k in keys}
+    if "output_multiplier" in d:
+        out["dflash.logit_scale"] = float(d["output_multiplier"])
+    if d.get("final_logit_softcapping"):
+        out["dflash.final_logit_softcapping"] = float(d["final_logit_softcapping"])
+    return out
+
+
+def _llama_cpp_problems(hf: dict) -> list[str]:
+    """llama.cpp packs the selector's (top-k + 1) x top-k lattice into a hidden-size row."""
+    d, hidden = hf["dflash_config"], int(hf["hidden_size"])
+    top_k, group = int(d["selector_top_k"]), int(d["conv_group_size"])
+    found = []
+    if hidden < top_k * (top_k + 1):
+        found.append(f"selector_top_k {top_k} needs a hidden size >= {top_k * (top_k + 1)} (it is {hidden})")
+    if hidden % group:
+        found.append(f"hidden size {hidden} is not a multiple of conv_group_size {group}")
+    return found
+
+
 KIND = Kind(
     "dflash2",
     ("DFlash2DraftModel",),
-    fields=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16),
-    fields_doc="per layer two grouped dynamic convolutions of K taps over groups of g channels, and a "
-    "candidate selector of rank r over the top-k unary logits.",
-    # The unary logits scaled by output_multiplier and soft-capped at final_logit_softcapping
-    # (0 = none), as z-lab's released drafters ask (training leaves both off).
-    release_fields=dict(output_multiplier=1.0, final_logit_softcapping=0.0),
+    fields=DFlash2Fields,
     problems=_problems,
     export=_export,
     layer=_layer,
@@ -206,6 +235,22 @@ KIND = Kind(
     # The selector: projection H -> r and every token's successor score, r -> V (training takes
     # the k candidates').
     head_flops=lambda cfg, vocab: 2 * cfg.selector_rank * (cfg.hidden_size + vocab),
-    loss_terms="dflash_jax.training.kinds.dflash2:dflash2_terms",
-    walk="dflash_jax.decoding.drafting:selector_walk",
+    adam_params=("codebook",),
+    # llama.cpp tells DFlash2 from DFlash by selector_top_k > 0.
+    llama_cpp=LlamaCpp(
+        "draft-dflash",
+        metadata=_llama_cpp_metadata,
+        problems=_llama_cpp_problems,
+        tensors={
+            "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+            "candidate_selector.successor_codebook": "selector_successor.weight",
+            "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+        },
+        layer_tensors={
+            "attention_conv.base_kernel": "attn_conv_base",
+            "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+            "mlp_conv.base_kernel": "ffn_conv_base",
+            "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
+        },
+    ),
 )

@@ -2,7 +2,7 @@
 DFlash backbone with a GRU over the tokens realised from the anchor on, whose state corrects the
 unary logits. Its loss mixes the corrected and the unary cross-entropies
 (training/kinds/domino.py); its drafts walk the block, each fed to the GRU before the next
-(decoding/drafting.py's `gru_walk`).
+(decoding/kinds/domino.py).
 
 Every slot k of the block [anchor, MASK, ...] drafts the token after it (SpecForge's
 `shift_label`). x_0 is the anchor and x_k (k ≥ 1) the token slot k - 1 drafts; the GRU (one
@@ -18,6 +18,8 @@ U_k. Parameter names and layouts are the export's (torch's `nn.GRU` weights `wei
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,6 +30,25 @@ from dflash_jax.models.sharding import EMBED, VOCAB
 
 # dflash_config's `projector_type`, which SpecForge's `DFlashDraftModel` configs use to say Domino.
 PROJECTOR_TYPE = "domino"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DominoFields:
+    # drafter.kind='domino': a GRU of hidden gru_hidden_dim over the realised tokens' embeddings,
+    # and embed_proj (H + G -> emb_dim -> V) correcting the logits of the slots from
+    # pure_draft_prefix_len on. 0 = in proportion to the hidden size H as SpecForge's Qwen3-8B
+    # drafters have them (1,024 and 256 of 4,096: H / 4 and H / 16).
+    gru_hidden_dim: int = 0
+    emb_dim: int = 0
+    pure_draft_prefix_len: int = 1
+
+
+def _sized_for_target(cfg, hidden_size: int) -> dict:
+    return {
+        name: max(1, hidden_size // divisor)
+        for name, divisor in (("gru_hidden_dim", 4), ("emb_dim", 16))
+        if not getattr(cfg, name)
+    }
 
 
 class PrefixGRU(nnx.Module):
@@ -150,12 +171,13 @@ def _head_flops(cfg, vocab: int) -> int:
 KIND = Kind(
     "domino",
     ("DominoDraftModel",),
+    fields=DominoFields,
     projector_type=PROJECTOR_TYPE,
-    fields=dict(gru_hidden_dim=1024, emb_dim=256, pure_draft_prefix_len=1),
-    fields_doc="a GRU of hidden G over the realised tokens' embeddings, and embed_proj (H + G -> E -> V) "
-    "correcting the logits of the slots from pure_draft_prefix_len on.",
-    # SpecForge's shift_label: every slot of the block drafts the token after it.
+    # SpecForge's shift_label: every slot of the block drafts the token after it; its decoder
+    # proposes all but the last (a block of B verifies B tokens), which it trains all the same.
     first_draft_slot=0,
+    drafts_last_slot=False,
+    sized_for_target=_sized_for_target,
     problems=_problems,
     export=_export,
     unsupported=_unsupported,
@@ -167,8 +189,7 @@ KIND = Kind(
         (r"embed_proj\.2\.kernel", (None, VOCAB)),
     ),
     head_flops=_head_flops,
-    losses=("dflash",),
+    # SpecForge's slot weights exp(-k/4), whatever the block size.
+    loss_decay_gamma=4.0,
     embeds_realised_tokens=True,
-    loss_terms="dflash_jax.training.kinds.domino:domino_terms",
-    walk="dflash_jax.decoding.drafting:gru_walk",
 )

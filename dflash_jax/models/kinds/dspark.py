@@ -13,11 +13,13 @@ c_k = sigmoid(proj([h_k; W1[x_{k-1}]])). Parameter names are the export's (`mark
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.kind import FieldReader, Kind
+from dflash_jax.models.kind import FieldReader, Kind, LlamaCpp
 from dflash_jax.models.layers.basic import linear
 from dflash_jax.models.sharding import EMBED, NORM, VOCAB
 
@@ -70,18 +72,34 @@ class ConfidenceHead(nnx.Module):
         return self.proj(features)[..., 0]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DSparkFields:
+    # drafter.kind='dspark': rank of the Markov head (and the previous token's part of the
+    # confidence head's input).
+    markov_rank: int = 256
+
+
+# dflash_config's `projector_type`, which SpecForge's DSpark configs carry.
+PROJECTOR_TYPE = "dspark"
+
+
 def _export(cfg) -> tuple[dict, dict]:
-    """vLLM reads these at the top level (DeepSpec writes them there too); the confidence head
-    always reads the Markov embedding of the previous token."""
-    return {}, {
-        "mask_token_id": cfg.mask_token_id,
-        "target_layer_ids": list(cfg.target_layer_ids),
+    """vLLM reads the heads' layout at the top level (DeepSpec writes it there too), SpecForge
+    under dflash_config with its `projector_type`: both places. The confidence head always reads
+    the Markov embedding of the previous token."""
+    heads = {
         "markov_rank": cfg.markov_rank,
         "markov_head_type": "vanilla",
         "enable_confidence_head": True,
         "confidence_head_with_markov": True,
+    }
+    top = {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        **heads,
         "draft_vocab_size": cfg.vocab_size,
     }
+    return {"projector_type": PROJECTOR_TYPE, **heads}, top
 
 
 def _unsupported(field: FieldReader) -> list[str]:
@@ -105,15 +123,13 @@ def _heads(cfg, *, compute_dtype, **head_kw) -> dict:
     }
 
 
-# DeepSpec's loss decay γ, whatever the block size.
-LOSS_DECAY_GAMMA = 4.0
-
 KIND = Kind(
     "dspark",
-    # DeepSpec's training-time name `DSparkDraftModel` (model_type qwen3) is vLLM's `Qwen3DSparkModel`.
+    # DeepSpec's and SpecForge's training-time name `DSparkDraftModel` (model_type qwen3) is vLLM's
+    # `Qwen3DSparkModel`.
     ("Qwen3DSparkModel", "DSparkDraftModel"),
-    fields=dict(markov_rank=256),
-    fields_doc="rank of the Markov head (and the previous token's part of the confidence input).",
+    fields=DSparkFields,
+    projector_type=PROJECTOR_TYPE,
     # Every slot of the block drafts the token after it.
     first_draft_slot=0,
     export=_export,
@@ -127,13 +143,24 @@ KIND = Kind(
     ),
     # The Markov bias (r -> V) and the confidence head (H + r -> 1).
     head_flops=lambda cfg, vocab: 2 * (cfg.markov_rank * vocab + cfg.hidden_size + cfg.markov_rank),
+    adam_params=("markov_w1", "markov_w2"),
     # DeepSpec's slot weights exp(-k/4) over the prefix of scored slots, against the target's
     # distribution always.
-    loss_decay_gamma=LOSS_DECAY_GAMMA,
-    losses=("dflash",),
+    loss_decay_gamma=4.0,
     reads_target_distribution=True,
     scores_prefix=True,
     confidence_head=True,
-    loss_terms="dflash_jax.training.kinds.dspark:dspark_terms",
-    walk="dflash_jax.decoding.drafting:markov_walk",
+    # Every slot drafts, from the anchor on (llama.cpp's `sample_from_anchor`); ours has a
+    # confidence head.
+    llama_cpp=LlamaCpp(
+        "draft-dspark",
+        metadata=lambda hf: {"dflash.has_confidence_head": True},
+        tensors={
+            "markov_head.markov_w1.weight": "markov_w1.weight",
+            "markov_head.markov_w2.weight": "markov_w2.weight",
+            "confidence_head.proj.weight": "conf_proj.weight",
+            "confidence_head.proj.bias": "conf_proj.bias",
+        },
+        vocab_rows=("markov_head.markov_w2.weight",),
+    ),
 )

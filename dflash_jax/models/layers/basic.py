@@ -45,8 +45,16 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.compute_dtype) * normed.astype(self.compute_dtype)
 
 
+def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` over the last axis of logits [..., V], taken over rows [-1, V]: XLA:CPU turns
+    the top-k sort into its TopK kernel only for some shapes, and the training step's [R, N, Bk, V]
+    became a full sort of every row (4.9 DFlash steps a step instead of 1.4)."""
+    values, ids = jax.lax.top_k(logits.reshape(-1, logits.shape[-1]), k)
+    return values.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
+
+
 def soft_capped(logits: jax.Array, cap: float) -> jax.Array:
-    """cap · tanh(logits / cap) (Gemma's and DFlash2's soft cap); 0 = no cap."""
+    """cap · tanh(logits / cap) (a target's or a drafter's logit soft cap); 0 = no cap."""
     return cap * jnp.tanh(logits / cap) if cap else logits
 
 
@@ -198,6 +206,11 @@ class SwiGLU(nnx.Module):
         gate = GATE_ACTIVATIONS[self.activation](self.gate_proj(x))
         hidden = constrain(gate * self.up_proj(x), (BATCH, ..., MLP))
         return constrain(self.down_proj(hidden), (BATCH, ..., EMBED))
+
+
+def swiglu_macs(hidden_size: int, intermediate_size: int) -> int:
+    """Multiply-adds a token of `SwiGLU`: its gate, up and down projections."""
+    return 3 * hidden_size * intermediate_size
 
 
 class DecoderBlock(nnx.Module):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import textwrap
 
 import ml_collections
 
+from dflash_jax.models.drafter_config import section_fields
 from dflash_jax.training.config.sections import SECTIONS, TopLevelSettings, field_path
 
 _FIELD = re.compile(r"\s+(\w+)\s*:[^=]+=")
@@ -47,38 +47,34 @@ def describe_config(config: ml_collections.ConfigDict) -> str:
 
 
 def _describe_section(section: str, cls, values: dict[str, object]) -> str:
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    defaults = {f.name: f.default for f in section_fields(cls)}
     doc = inspect.getdoc(cls)
     written = not doc.startswith(f"{cls.__name__}(")  # else the signature dataclasses put there
     summary = " ".join(doc.split("\n\n")[0].split())
     lines = [f"## {section or 'top level'}" + (f": {summary}" if written else "")]
     shown = set()
-    # A section may extend others (train: ObjectiveSettings, OptimizerConfig): each class's own
-    # fields, in the order dataclasses gives them (the bases' first).
+    # A section may extend others (train: ObjectiveSettings, OptimizerConfig; drafter: its kinds'
+    # sizes): each class's own fields, in the order dataclasses gives them (the bases' first).
+    # A comment is printed with the fields below it, not above fields no config sets.
     for owner in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        comments = []
         for comment, name in _documented_fields(owner):
             if comment:
-                lines.append(comment)
+                comments.append(comment)
             elif name in defaults and name not in shown:
                 shown.add(name)
                 path = field_path(section, name)
                 value = values.get(path, defaults[name])
                 changed = "" if _same(value, defaults[name]) else f"    (default: {defaults[name]!r})"
-                lines.append(f"{path} = {value!r}{changed}")
+                lines += [*comments, f"{path} = {value!r}{changed}"]
+                comments = []
+            else:
+                comments = []
     return "\n".join(lines)
 
 
 def _documented_fields(owner) -> list[tuple[str, str]]:
-    """(comment line, '') and ('', field name) in the order `owner` writes them: from its source,
-    or, for a class made from a table (models/drafter_config.py's DrafterHeads), its fields'
-    metadata."""
-    own = [f for f in dataclasses.fields(owner) if f.name in vars(owner).get("__annotations__", {})]
-    if any("doc" in f.metadata for f in own):
-        found = []
-        for f in own:
-            comment = textwrap.wrap(f.metadata["doc"], 96, initial_indent="# ", subsequent_indent="# ")
-            found += [(line, "") for line in comment] + [("", f.name)]
-        return found
+    """(comment line, '') and ('', field name) in the order `owner`'s source writes them."""
     source = inspect.getsource(owner).splitlines()[1:]
     end = next((i for i, line in enumerate(source) if _METHODS.match(line)), len(source))
     found = []

@@ -25,12 +25,11 @@ from dflash_jax.decoding.prompt_sets import HeldoutPrompts, resolve_prompt_set
 from dflash_jax.errors import ConfigError, ModelError, UserError
 from dflash_jax.models import kinds
 from dflash_jax.models.architecture import DTYPES, TransformerConfig
-from dflash_jax.models.drafter_config import MASK_TOKEN, DrafterConfig, DrafterHeads
+from dflash_jax.models.drafter_config import MASK_TOKEN, DrafterConfig
 from dflash_jax.training.config.schema import check_field_names, require, section
 from dflash_jax.training.config.sections import (
     CheckpointSettings,
     DistributedSettings,
-    DrafterSettings,
     EvalSettings,
     LogSettings,
     MeshSettings,
@@ -40,7 +39,7 @@ from dflash_jax.training.config.targets import target_architecture, target_direc
 from dflash_jax.training.mesh import mesh_shape
 from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig, ObjectiveSettings
 from dflash_jax.training.optim.optimizer import OptimizerConfig
-from dflash_jax.training.workdir import Workdir
+from dflash_jax.training.workdir import Workdir, check_writable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,11 +122,12 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     train = section(config, "train")
     if check_files:
         require(bool(top.workdir), "workdir is empty: set --config.workdir=/path/to/run")
+        check_writable(top.workdir, "workdir")
     target_path, target = _target(target_section.path, target, check_files)
     data = _data(config, check_files)
     _check_blocks(drafter_section, train, target, data.seq_len)
     mask_token_id = _mask_token(drafter_section.mask_token_id, target, target_path, check_files)
-    drafter = _drafter(drafter_section, target, mask_token_id)
+    drafter = _drafter(dataclasses.replace(drafter_section, mask_token_id=mask_token_id), target)
     _check_drafter_kind(drafter, train)
     shape = _mesh(section(config, "mesh"), num_devices, target, data.global_batch_rows, train.grad_accum_steps)
     evaluation = _evaluation(section(config, "eval"), drafter.kind, data, target_path, check_files)
@@ -166,7 +166,7 @@ def _target(path: str, target: TransformerConfig | None, check_files: bool) -> t
     return target_path, target or target_architecture(target_path)
 
 
-def _check_blocks(drafter: DrafterSettings, train: TrainSettings, target: TransformerConfig, seq_len: int) -> None:
+def _check_blocks(drafter: DrafterConfig, train: TrainSettings, target: TransformerConfig, seq_len: int) -> None:
     """Blocks fit the rows, and the target layer a warm start copies exists."""
     require(
         drafter.block_size < seq_len, f"drafter.block_size={drafter.block_size} must be below data.seq_len={seq_len}"
@@ -196,11 +196,6 @@ def _check_drafter_kind(drafter: DrafterConfig, train: TrainSettings) -> None:
         bool(train.loss_decay_gamma or kind.loss_decay_gamma) or drafter.block_size in PAPER_LOSS_DECAY_GAMMA,
         f"drafter.block_size={drafter.block_size} has no paper loss decay gamma (known for "
         f"{sorted(PAPER_LOSS_DECAY_GAMMA)}); set train.loss_decay_gamma",
-    )
-    require(
-        not kind.losses or train.loss in kind.losses,
-        f"train.loss={train.loss!r} does not apply to drafter.kind={kind.name!r}: use train.loss="
-        + " or ".join(map(repr, kind.losses)),
     )
     require(
         not (kind.reads_target_distribution and train.distill),
@@ -254,42 +249,23 @@ def _evaluation(
     return evaluation
 
 
-def _drafter(drafter: DrafterSettings, target: TransformerConfig, mask_token_id: int) -> DrafterConfig:
-    """The drafter the section describes, checked by DrafterConfig (its messages name the field)."""
-    own = kinds.KINDS.get(drafter.kind)
-    heads = {  # the kind, the block size and the kind's own sizes
-        name: value
-        for name, value in _fields_of(drafter, DrafterHeads).items()
-        if name not in kinds.SIZE_FIELDS or (own and name in own.fields)
-    }
+def _drafter(settings: DrafterConfig, target: TransformerConfig) -> DrafterConfig:
+    """The drafter the section describes, resolved against the target and checked (its messages
+    name the field)."""
     try:
-        return DrafterConfig.for_target(
-            target,
-            num_layers=drafter.num_layers,
-            mask_token_id=mask_token_id,
-            target_layer_ids=drafter.target_layer_ids or None,
-            intermediate_size=drafter.intermediate_size or None,
-            num_heads=drafter.num_heads or None,
-            num_kv_heads=drafter.num_kv_heads or None,
-            head_dim=drafter.head_dim or None,
-            num_context_layers=drafter.num_context_layers or None,
-            layer_types=drafter.layer_types,
-            sliding_window=drafter.sliding_window,
-            **heads,
-        )
+        return DrafterConfig.for_target(target, settings)
     except ModelError as e:
         raise ConfigError(f"drafter.{e}") from None
 
 
 def _objective(train: TrainSettings, drafter: DrafterConfig) -> ObjectiveConfig:
-    """The train section's objective fields, with γ resolved for the drafter's block size and kind."""
-    default_gamma = drafter.kind_spec.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA.get(drafter.block_size)
+    """The train section's objective fields, with the slot weighting and γ resolved for the
+    drafter's kind and block size."""
+    kind = drafter.kind_spec
+    gamma = train.loss_decay_gamma or kind.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA.get(drafter.block_size)
     return ObjectiveConfig(
-        **{**_fields_of(train, ObjectiveSettings), "loss_decay_gamma": float(train.loss_decay_gamma or default_gamma)},
-        block_size=drafter.block_size,
-        mask_token_id=drafter.mask_token_id,
-        target_layer_ids=drafter.target_layer_ids,
-        kind=drafter.kind,
+        **{**_fields_of(train, ObjectiveSettings), "loss": train.loss or kind.loss, "loss_decay_gamma": float(gamma)},
+        drafter=drafter,
     )
 
 

@@ -15,13 +15,15 @@ import typing
 import ml_collections
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.models.drafter_config import section_fields
 from dflash_jax.training.config.sections import SECTIONS, TopLevelSettings, field_path
 
 FIELDS_DOCUMENTED = (
     "every field, its default and its meaning are documented in the section dataclasses of "
     "dflash_jax/training/config/sections.py (train: also ObjectiveSettings in dflash_jax/training/objective.py "
-    "and OptimizerConfig in dflash_jax/training/optim/optimizer.py; drafter: also DrafterHeads in "
-    "dflash_jax/models/drafter_config.py and each kind's sizes in dflash_jax/models/kinds/; data: DataConfig in dflash_jax/data/settings.py)"
+    "and OptimizerConfig in dflash_jax/training/optim/optimizer.py; drafter: DrafterConfig in "
+    "dflash_jax/models/drafter_config.py and each kind's sizes in dflash_jax/models/kinds/; data: DataConfig "
+    "in dflash_jax/data/settings.py); --print_config prints them"
 )
 
 
@@ -36,13 +38,14 @@ def base_config() -> ml_collections.ConfigDict:
 
 def _config_dict(settings) -> ml_collections.ConfigDict:
     # Not type-safe: a value of the wrong type is reported by resolve, naming section.field.
-    return ml_collections.ConfigDict(dataclasses.asdict(settings), type_safe=False)
+    values = {f.name: getattr(settings, f.name) for f in section_fields(type(settings))}
+    return ml_collections.ConfigDict(values, type_safe=False)
 
 
 def field_paths() -> list[str]:
     """Every field of the config as overrides name it: `workdir`, `train.learning_rate`, ..."""
     top = [f.name for f in dataclasses.fields(TopLevelSettings)]
-    return top + [field_path(name, f.name) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    return top + [field_path(name, f.name) for name, cls in SECTIONS.items() for f in section_fields(cls)]
 
 
 def check_field_path(path: str) -> None:
@@ -75,7 +78,7 @@ def section(config: ml_collections.ConfigDict, name: str):
     settings = cls(
         **{
             f.name: _typed(field_path(name, f.name), values[f.name], types[f.name])
-            for f in dataclasses.fields(cls)
+            for f in section_fields(cls)
             if f.name in values
         }
     )

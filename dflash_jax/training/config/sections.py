@@ -1,14 +1,14 @@
 """The sections of the training config. Every field, its default and its meaning are written once:
-here, or, for the train section's objective and optimizer fields, in the dataclasses it extends
-(training/objective.py's ObjectiveSettings, training/optim/optimizer.py's OptimizerConfig), which the
-objective and the optimizer receive.
+here, or in the dataclass the part of the run that reads it receives: the drafter section is
+models/drafter_config.py's `DrafterConfig` (its kinds' sizes in models/kinds/), the data section
+data/settings.py's `DataConfig`, and the train section extends training/objective.py's
+ObjectiveSettings and training/optim/optimizer.py's OptimizerConfig.
 
 Each section is a frozen dataclass whose defaults are the paper's recipe (docs/design.md §3.5);
 a sentinel value (-1, 0, '') is explained next to its field, and nowhere else. `problems()`
 checks what a section can check alone, one message per field named `section.field`; checks
-that span sections or read files are `training.run_config.resolve`'s.
-`training.run_config.base_config` is generated from `TopLevelSettings` and `SECTIONS`; the `data` section is
-`data.settings.DataConfig`.
+that span sections or read files are `training.config.run_config.resolve`'s.
+`training.config.schema.base_config` is generated from `TopLevelSettings` and `SECTIONS`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 
 from dflash_jax.data.settings import DataConfig
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.drafter_config import DrafterHeads
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.layers.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from dflash_jax.models.layers.layer_stack import REMAT_POLICIES
 from dflash_jax.training.objective import ANCHOR_SCHEMES, LOSSES, ObjectiveSettings
@@ -56,47 +56,6 @@ class TargetSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class DrafterSettings(DrafterHeads):
-    """The drafter's kind, block size and head sizes (models/drafter_config.py's DrafterHeads,
-    the sizes documented in each kind's module, models/kinds/) and shape; everything else about
-    it follows the target (docs/design.md §2). DrafterConfig checks what these fields make."""
-
-    num_layers: int = 5
-    # Target layers whose hidden states the drafter reads; () = the docs/design.md §2 spread.
-    target_layer_ids: tuple[int, ...] = ()
-    # -1 = the id of <|MASK|> in the target tokenizer.
-    mask_token_id: int = -1
-    # MLP width; 0 = the target's.
-    intermediate_size: int = 0
-    # Attention shape, independent of the target's (released drafters for Qwen3.5 use 32 x 128
-    # over 8 kv heads on targets with 24 x 256 over 4); 0 = the target's.
-    num_heads: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    # How many target layers the default spread reads when target_layer_ids is (); 0 = num_layers.
-    num_context_layers: int = 0
-    # Per layer 'full_attention' or 'sliding_attention' (released drafters: four sliding, then one
-    # full); () = all full.
-    layer_types: tuple[str, ...] = ()
-    # Context positions a sliding layer's query sees, its own included (released drafters: 2048).
-    sliding_window: int = 0
-
-    def problems(self) -> list[str]:
-        # Each sentinel's range (-1 / 0: see above); models/drafter_config.py checks the rest.
-        return _at_least(
-            "drafter",
-            self,
-            num_layers=1,
-            mask_token_id=-1,
-            intermediate_size=0,
-            num_heads=0,
-            num_kv_heads=0,
-            head_dim=0,
-            num_context_layers=0,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainSettings(ObjectiveSettings, OptimizerConfig):
     """The objective (its fields: training/objective.py's ObjectiveSettings), the optimizer (its
     fields: training/optim/optimizer.py's OptimizerConfig) and the loop (below)."""
@@ -126,7 +85,6 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
             "train",
             self,
             anchor_scheme=ANCHOR_SCHEMES,
-            loss=LOSSES,
             optimizer=OPTIMIZERS,
             compute_dtype=sorted(DTYPES),
             attention=ATTENTION_IMPLEMENTATIONS,
@@ -147,6 +105,8 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
             max_nonfinite_streak=1,
             init_from_target_layer=-1,
         )
+        if self.loss and self.loss not in LOSSES:  # '' = the drafter kind's own
+            out.append(f"train.loss={self.loss!r} is not one of {', '.join(LOSSES)} (or '', the drafter kind's)")
         for name in ("learning_rate", "grad_clip_norm"):
             if not getattr(self, name) > 0:
                 out.append(f"train.{name}={getattr(self, name)} must be > 0")
@@ -217,8 +177,8 @@ class EvalSettings:
     # 0 = every prompt of the set.
     num_prompts: int = 32
     max_new_tokens: int = 128
-    # drafter.kind='dspark': propose the drafts only up to the first slot whose confidence is
-    # below this (DSpark's truncation); 0 = the whole block.
+    # A drafter with a confidence head: propose the drafts only up to the first slot whose
+    # confidence is below this; 0 = the whole block.
     confidence_threshold: float = 0.0
     # > 0: draft among this many of the most frequent trained-on tokens (docs/design.md §4 "Draft
     # vocabulary"; evaluate --draft_vocab); 0 = every token.
@@ -257,7 +217,7 @@ class DistributedSettings:
 # Every section in the order base_config() lists them, after the top-level fields.
 SECTIONS = {
     "target": TargetSettings,
-    "drafter": DrafterSettings,
+    "drafter": DrafterConfig,
     "data": DataConfig,
     "train": TrainSettings,
     "mesh": MeshSettings,

@@ -33,7 +33,7 @@ def training_candidates(logits: jax.Array, labels: jax.Array, k: int) -> tuple[j
     return candidates, gold, in_top
 
 
-def dflash2_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
+def terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
     """hidden [R, N, Bk, D] -> (Σ w·(unary loss + α·candidate CE), weights w, hits), the last two
     [R, N, Bk-1]; the slot weights from each slot's label CE (a constant to the gradient)."""
     weights_of = functools.partial(slot_weights, cfg=cfg)

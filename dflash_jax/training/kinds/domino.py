@@ -30,10 +30,10 @@ def base_loss_weight(cfg, step: jax.Array | int) -> jax.Array:
     return cfg.base_loss_weight * jnp.clip(1 - jnp.asarray(step, jnp.float32) / decay_steps, 0.0, 1.0)
 
 
-def domino_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
+def terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
     """hidden [R, N, Bk, D] -> (Σ w·loss, slot weights [R, N, Bk], hits [R, N, Bk]); the hits are
-    the final logits'."""
-    weights = slot_weights(None, blocks.label_mask, cfg)
+    the final logits', and so are the slot weights (a constant to the gradient: `slot_weights`
+    reads the final logits' label CE)."""
     states = drafter.prefix_gru(blocks.realised_embeds)
     first, lam = drafter.cfg.pure_draft_prefix_len, base_loss_weight(cfg, step)
     mixes_unary = cfg.base_loss_weight > 0  # else λ is 0 throughout: no unary cross-entropy
@@ -44,18 +44,19 @@ def domino_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, bl
 
     def slot_terms(inputs, constants, w):
         h, g = inputs
-        labels, weights = constants
+        labels, scored = constants
         unary = vocab_parallel_logits(unembed, h.shape)(h)
         final = corrected(first, jnp.arange(h.shape[-2]), unary, constrain(correction(w, h, g), (BATCH, ..., VOCAB)))
         ce, hits = cross_entropy(final, labels)
+        weights = jax.lax.stop_gradient(slot_weights(ce, scored, cfg))
         if mixes_unary:
             ce = (1 - lam) * ce + lam * cross_entropy(unary, labels)[0]
-        return jnp.sum(weights * ce), hits
+        return jnp.sum(weights * ce), (weights, hits)
 
-    total, hits = chunked_terms(
+    total, (weights, hits) = chunked_terms(
         slot_terms,
         (hidden, states),
-        (blocks.labels, weights),
+        (blocks.labels, blocks.label_mask),
         kernels(drafter.embed_proj),
         chunk_blocks=cfg.lm_head_chunk_blocks,
     )

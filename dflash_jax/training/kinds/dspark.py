@@ -26,16 +26,15 @@ from dflash_jax.training.objective import slot_weights
 CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
 
 
-def dspark_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
-    """hidden [R, N, γ, D] -> (Σ w·loss, slot weights [R, N, γ], hits [R, N, γ]); the weights are
-    the 'dflash' decay, which needs no CE."""
-    weights = slot_weights(None, blocks.label_mask, cfg)
+def terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
+    """hidden [R, N, γ, D] -> (Σ w·loss, slot weights [R, N, γ], hits [R, N, γ]); the weights (a
+    constant to the gradient) from each slot's label CE, as `slot_weights` reads it."""
     markov = drafter.markov_head
     embedding = markov.embed(jnp.concatenate([blocks.tokens[..., :1], blocks.labels[..., :-1]], axis=-1))
 
     def slot_terms(inputs, constants, w2):
         h, embedding = inputs
-        labels, weights, target_h = constants
+        labels, scored, target_h = constants
         logits_of = vocab_parallel_logits(unembed, h.shape)
         logits = logits_of(h) + constrain(markov.bias(embedding, w2), (BATCH, ..., VOCAB))
         log_q = jax.nn.log_softmax(logits, axis=-1)
@@ -45,12 +44,13 @@ def dspark_terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, bl
         l1 = jnp.sum(jnp.abs(jnp.exp(log_q) - p), axis=-1)
         accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
         loss = CE_WEIGHT * label_ce + L1_WEIGHT * l1
-        return jnp.sum(weights * loss), (label_logit >= jnp.max(logits, axis=-1), accept)
+        weights = jax.lax.stop_gradient(slot_weights(label_ce, scored, cfg))
+        return jnp.sum(weights * loss), (weights, label_logit >= jnp.max(logits, axis=-1), accept)
 
-    total, (hits, accept) = chunked_terms(
+    total, (weights, hits, accept) = chunked_terms(
         slot_terms,
         (hidden, embedding),
-        (blocks.labels, weights, blocks.target_hidden),
+        (blocks.labels, blocks.label_mask, blocks.target_hidden),
         markov.markov_w2.kernel[...],
         chunk_blocks=cfg.lm_head_chunk_blocks,
     )

@@ -24,6 +24,7 @@ written by either restore into the other.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -123,19 +124,14 @@ def _matrices(updates):
     return jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), updates)
 
 
-# Token-indexed tables and projections onto the vocabulary (the DFlash2 codebooks, the DSpark
-# Markov head): AdamW, as embeddings and LM heads are in Muon practice. Their rows are looked up
-# or scored one token at a time, not a linear map to orthogonalize, and Newton-Schulz on a
-# [V, r] matrix would cost more than the rest of the drafter's update.
-VOCABULARY_TABLES = ("codebook", "markov_w1", "markov_w2")
-
-
-def muon_labels(params):
-    """'muon' for every 2-D leaf but the vocabulary tables, 'adam' for the rest."""
+def muon_labels(params, adam_params: tuple[str, ...] = ()):
+    """'muon' for every 2-D leaf but those whose path holds one of `adam_params` (a drafter
+    kind's token-indexed tables and projections onto the vocabulary, `Kind.adam_params`), 'adam'
+    for the rest."""
 
     def label(path, x):
         name = jax.tree_util.keystr(path)
-        return "muon" if x.ndim == 2 and not any(t in name for t in VOCABULARY_TABLES) else "adam"
+        return "muon" if x.ndim == 2 and not any(t in name for t in adam_params) else "adam"
 
     return jax.tree_util.tree_map_with_path(label, params)
 
@@ -147,10 +143,11 @@ def muon(
     weight_decay: float,
     adam_b1: float,
     adam_b2: float,
+    adam_params: tuple[str, ...] = (),
 ) -> optax.GradientTransformation:
     """optax.contrib.muon(learning_rate, consistent_rms=..., weight_decay=..., adam_b1=...,
     adam_b2=...) with its Newton–Schulz iterations on whole matrices: every 2-D leaf by Muon
-    but the vocabulary tables (`muon_labels`), the rest by AdamW (Nesterov, no decay)."""
+    but those named in `adam_params` (`muon_labels`), the rest by AdamW (Nesterov, no decay)."""
 
     return optax.partition(
         {
@@ -165,5 +162,5 @@ def muon(
             ),
             "adam": optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2, eps=EPS, weight_decay=0.0, nesterov=True),
         },
-        muon_labels,
+        functools.partial(muon_labels, adam_params=adam_params),
     )

@@ -54,8 +54,11 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     )
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW or Muon; weight decay applies to matrices only."""
+def make_optimizer(
+    cfg: OptimizerConfig, total_steps: int, adam_params: tuple[str, ...] = ()
+) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW or Muon; weight decay applies to matrices only.
+    `adam_params`: the drafter kind's matrices Muon leaves to AdamW (`Kind.adam_params`)."""
     schedule = learning_rate_schedule(cfg, total_steps)
     if cfg.optimizer == "muon":
         # Muon takes every 2-D leaf (all the drafter's matrices) and decays them; the rest get
@@ -66,6 +69,7 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
             weight_decay=cfg.weight_decay,
             adam_b1=cfg.b1,
             adam_b2=cfg.b2,
+            adam_params=adam_params,
         )
     else:
         update = optax.adamw(

@@ -104,7 +104,7 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
     blocks = 2 * tokens * layer_weights(h, d.intermediate_size, d.num_heads, d.num_kv_heads)
     attention = 2 * 2 * tokens * (seq_len + obj.block_size) * d.num_heads * hd
     drafter_forward = fc + d.num_layers * (ctx_kv + blocks + attention)
-    slots = rows * obj.num_anchors * obj.num_drafts
+    slots = rows * obj.num_anchors * d.num_scored
     lm_head = 2 * slots * h * t.vocab_size
     target += lm_head if obj.needs_target_distribution else 0
     # The kind's heads on every scored slot, forward (`Kind.head_flops`).

@@ -145,7 +145,7 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
         model_flops=model_flops_per_step(setup, rows, seq_len),
         remat_flops=remat_flops_per_step(setup, rows, seq_len),
         tokens=rows * seq_len,
-        block_tokens=rows * setup.objective.num_anchors * setup.objective.block_size,
+        block_tokens=rows * setup.objective.num_anchors * setup.drafter.block_size,
         drafter_kind=setup.drafter.kind,
         compile_seconds=compile_seconds,
         lower_seconds=lower_seconds,
