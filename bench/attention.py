@@ -31,11 +31,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 from dflash_jax.models import kernels  # noqa: E402
 from dflash_jax.models.layers import block_attention
 from dflash_jax.models.layers.chunking import BLOCKS_PER_CHUNK  # noqa: E402
-from dflash_jax.training.planning import (
-    compilers,
-    hlo,
-    roofline,  # noqa: E402
-)
+from dflash_jax.training.planning import compilers, hardware, hlo, roofline  # noqa: E402
 
 
 def compile_layer(args, implementation: str, device) -> tuple[float, str, float]:
@@ -75,7 +71,7 @@ def compile_layer(args, implementation: str, device) -> tuple[float, str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hardware", default="tpu-v5p", help="a --hardware name of `dflash-jax plan` (not cpu)")
+    parser.add_argument("--hardware", default="tpu-v5p", choices=hardware.ACCELERATORS, help="the part compiled for")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=3072)
     parser.add_argument("--blocks", type=int, default=512)
@@ -86,7 +82,7 @@ def main() -> None:
     parser.add_argument("--blocks_per_chunk", type=int, default=BLOCKS_PER_CHUNK, help="XLA's chunk of blocks")
     args = parser.parse_args()
 
-    accelerator = compilers.ACCELERATORS[args.hardware]
+    accelerator = hardware.ACCELERATORS[args.hardware]
     if not compilers.installed(accelerator):
         raise SystemExit(compilers.missing(accelerator))
     device = compilers.devices(accelerator, 4)[0]

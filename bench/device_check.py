@@ -67,18 +67,17 @@ from dflash_jax.models.layers import attention, block_attention
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.training.config.run_config import resolve
 from dflash_jax.training.config.schema import base_config
-from dflash_jax.training.planning import compilers, roofline
+from dflash_jax.training.planning import compilers, hardware, roofline
 from dflash_jax.training.planning import memory as planning
 
-# Dense bf16 tensor-core peaks, TFLOP/s, by device kind (first match wins).
-PEAK_BF16_TFLOPS = (
+# Dense bf16 tensor-core peaks, TFLOP/s, of GPUs the planner does not list (first match wins); the
+# listed parts' peaks are in their records (training/planning/hardware.py).
+UNLISTED_PEAK_BF16_TFLOPS = (
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
     ("H200 NVL", 835.0),
-    ("H100", 989.4),
-    ("H200", 989.4),
+    ("GH200", 989.4),
     ("H800", 989.4),
-    ("B200", 2250.0),
     ("A100", 312.0),
 )
 
@@ -120,12 +119,18 @@ def log(message: str) -> None:
 
 
 def peak_bf16_tflops(kind: str) -> float | None:
-    return next((peak for name, peak in PEAK_BF16_TFLOPS if name in kind), None)
+    part = hardware.for_device_kind(kind)
+    if part is not None:
+        return part.matmul_flops / 1e12
+    return next((peak for name, peak in UNLISTED_PEAK_BF16_TFLOPS if name in kind), None)
 
 
 def roofline_hardware(kind: str) -> roofline.Hardware | None:
-    """The figures the roofline estimate uses: published for a listed GPU, measured on a CPU."""
-    return roofline.hardware("cpu") if jax.default_backend() == "cpu" else roofline.for_device_kind(kind)
+    """The figures the roofline estimate uses: published for a listed part, measured on a CPU."""
+    if jax.default_backend() == "cpu":
+        return roofline.hardware(hardware.CPU)
+    part = hardware.for_device_kind(kind)
+    return None if part is None else roofline.hardware(part.name)
 
 
 def peak_memory_gb() -> float | None:
@@ -233,13 +238,13 @@ def step_setup(target: TransformerConfig, *, rows, seq_len, num_anchors, block_s
     return resolve(c, num_devices=1, target=target, check_files=False)
 
 
-def compiled_prediction(setup, acc: compilers.Accelerator | None) -> dict:
+def compiled_prediction(setup, acc: hardware.Accelerator | None) -> dict:
     """What `plan --hardware` says of this step on one device of `acc`, compiled by that hardware's
     own compiler without it (training/planning/compilers.py): peak memory and the roofline step time."""
     if acc is None or not compilers.installed(acc):
         return {"compiled_for": None}
     plan = planning.plan_train_step(setup, compilers.devices(acc, 1))
-    step_s = roofline.estimate(plan.kernels, plan.collectives, acc.hardware).step_s
+    step_s = roofline.estimate(plan.kernels, plan.collectives, roofline.hardware(acc.name)).step_s
     return {
         "compiled_for": acc.name,
         "compiled_peak_memory_gb": _significant(plan.peak / 2**30),
@@ -247,7 +252,7 @@ def compiled_prediction(setup, acc: compilers.Accelerator | None) -> dict:
     }
 
 
-def predictions(setup, acc: compilers.Accelerator | None) -> dict:
+def predictions(setup, acc: hardware.Accelerator | None) -> dict:
     """The `predict` part: `compiled_prediction` for both attention paths, without running a step
     (run it where `acc`'s compiler is installed, e.g. `--compile_for=h200` on a CPU machine)."""
     out = {}
@@ -332,7 +337,7 @@ def main() -> None:
     parser.add_argument(
         "--compile_for",
         default="",
-        choices=["", *compilers.ACCELERATORS],
+        choices=["", *hardware.ACCELERATORS],
         help="the part whose compiler predicts the step's memory and time beside the measured ones "
         "('': this device's, when listed and its compiler is installed)",
     )
@@ -363,7 +368,7 @@ def main() -> None:
         )
     result["peak_tflops"] = peak
     target = TINY if tiny else QWEN3_8B
-    acc = compilers.ACCELERATORS[args.compile_for] if args.compile_for else compilers.for_device_kind(kind)
+    acc = hardware.ACCELERATORS[args.compile_for] if args.compile_for else hardware.for_device_kind(kind)
     setup = step_setup(
         target,
         rows=2,

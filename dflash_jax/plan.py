@@ -20,7 +20,7 @@ when the step fits, 1 when it does not; then it also names the fewest hosts of
 `--devices_per_host` devices on which it fits (an estimate from the target's shardings:
 `training.planning.smallest_fitting_mesh`).
 
-`--hardware=h100|h200|b200|tpu-v5e|tpu-v5p|tpu-v6e` compiles with that hardware's own compiler
+`--hardware=NAME`, a GPU or TPU of `training/planning/hardware.py`, compiles with that hardware's own compiler
 on this machine, without the hardware (`training/planning/compilers.py`: XLA:GPU deviceless, the fused
 attention kernels in; libtpu on a slice `--topology`, `--num_slices` of them), and the mesh
 search confirms its candidate with it; HBM is the part's unless `--hbm_gb` says otherwise.
@@ -44,7 +44,7 @@ from dflash_jax import cli
 from dflash_jax.errors import UserError
 from dflash_jax.simulated_devices import plan_xla_flags
 from dflash_jax.training.planning import compilers
-from dflash_jax.training.planning.roofline import HARDWARE_NAMES
+from dflash_jax.training.planning.hardware import ACCELERATORS, CPU, GIB, LIBTPU, NAMES
 
 RENAMED_FLAGS = {"hlo_out": "hlo_output"}
 DEFAULT_HBM_GB = 80.0  # --hardware=cpu: plan for an 80 GB GPU
@@ -58,8 +58,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer(
         "num_devices", 8, "Devices to plan for (simulated on CPU when fewer are here).", lower_bound=1, **fv
     )
+    hbm = ", ".join(f"{acc.name} {acc.hbm_bytes / GIB:g}" for acc in ACCELERATORS.values())
     flags.DEFINE_float(
-        "hbm_gb", 0.0, "Memory per device, GiB; 0 = the --hardware's (H100 80, H200 141, v5e 16; cpu 80).", **fv
+        "hbm_gb", 0.0, f"Memory per device, GiB; 0 = the --hardware's ({hbm}; {CPU} {DEFAULT_HBM_GB:g}).", **fv
     )
     flags.DEFINE_integer(
         "devices_per_host",
@@ -77,7 +78,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum(
         "hardware",
         "h100",
-        HARDWARE_NAMES,
+        NAMES,
         "The devices compiled for, by their own compiler without them (GPUs: XLA:GPU; TPUs: libtpu), and the speed "
         "is estimated for (cpu: XLA:CPU on simulated devices, this host's speed).",
         **fv,
@@ -127,7 +128,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
     del argv
     if f.hbm_gb < 0:
         raise UserError(f"--hbm_gb={f.hbm_gb} must be > 0 (0: the hardware's)")
-    acc = compilers.ACCELERATORS.get(f.hardware)
+    acc = ACCELERATORS.get(f.hardware)
     real = acc is not None and not f.simulate and compilers.installed(acc)
     if (f.topology or f.num_slices > 1) and not real:
         raise UserError("--topology and --num_slices are for a compile by --hardware's own compiler (not --simulate)")
@@ -155,7 +156,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:
 
     from dflash_jax.training.config.run_config import resolve
     from dflash_jax.training.config.targets import target_for_plan
-    from dflash_jax.training.planning.memory import GIB, format_plan, plan_train_step
+    from dflash_jax.training.planning.memory import format_plan, plan_train_step
     from dflash_jax.training.planning.roofline import format_speed, hardware
 
     config = f.config
@@ -198,9 +199,9 @@ def _search_fitting_mesh(config, target, setup, plan, hbm: float, per_host: int,
     then, with `acc` (its compiler installed), that candidate compiled by it; a candidate it
     finds too big moves the search on to more hosts."""
     from dflash_jax.training.config.run_config import resolve
-    from dflash_jax.training.planning.memory import GIB, format_mesh_choice, plan_train_step, smallest_fitting_mesh
+    from dflash_jax.training.planning.memory import format_mesh_choice, plan_train_step, smallest_fitting_mesh
 
-    sizes = (lambda d: True) if acc is None or acc.platform != "tpu" else _tpu_slice_size(acc)
+    sizes = (lambda d: True) if acc is None or acc.compiler is not LIBTPU else _tpu_slice_size(acc)
     hosts = 1
     for _ in range(MAX_CONFIRMING_COMPILES):
         choice = smallest_fitting_mesh(setup, plan, hbm, devices_per_host=per_host, min_hosts=hosts, sizes=sizes)
@@ -214,7 +215,7 @@ def _search_fitting_mesh(config, target, setup, plan, hbm: float, per_host: int,
         )
         verdict = "fits" if candidate.fits(hbm) else "DOES NOT FIT"
         print(
-            f"  compiled by {acc.compiler} on {devices} devices: {candidate.peak / GIB:.1f} GiB per device, {verdict}"
+            f"  compiled by {acc.compiler.name} on {devices} devices: {candidate.peak / GIB:.1f} GiB per device, {verdict}"
         )
         if candidate.fits(hbm):
             return

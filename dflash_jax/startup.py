@@ -27,7 +27,7 @@ import tempfile
 
 PLATFORMS_VARIABLE = "JAX_PLATFORMS"
 # The device files of an NVIDIA GPU (as JAX looks for them; /dev/dxg: WSL2), and of a TPU
-# (/dev/accel*: v4 and older; /dev/vfio/N: v5e and newer). An AMD GPU is /dev/kfd.
+# (/dev/accel*: v4 and older; /dev/vfio/N: the v5 generation and newer). An AMD GPU is /dev/kfd.
 NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 TPU_DEVICES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 OTHER_ACCELERATORS = ("/dev/kfd",)

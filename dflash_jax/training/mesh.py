@@ -59,7 +59,7 @@ def make_mesh(data: int, fsdp: int, tensor: int = 1, *, devices=None) -> Mesh:
     try:
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
     except NotImplementedError:
-        # A TPU torus whose axes no product of mesh axes matches (fsdp=8 on a v6e-16's 4x4): a mesh
+        # A TPU torus whose axes no product of mesh axes matches (fsdp=8 on 16 chips in a 4x4): a mesh
         # axis then spans parts of two physical ones, which costs link bandwidth but runs.
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
         return Mesh(grid, MESH_AXES, axis_types=axis_types)

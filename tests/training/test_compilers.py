@@ -10,23 +10,25 @@ import pytest
 from dflash_jax.errors import UserError
 from dflash_jax.training.config.presets import load_config_file
 from dflash_jax.training.config.run_config import resolve
-from dflash_jax.training.planning import compilers, hlo
+from dflash_jax.training.planning import compilers, hardware, hlo
 from dflash_jax.training.planning import memory as planning
 from support import training_runs as testing
 
 
 def test_topologies_by_size_as_the_clouds_offer_them():
-    v5e, v5p, h200 = (compilers.ACCELERATORS[n] for n in ("tpu-v5e", "tpu-v5p", "h200"))
+    v5e, v5p, h200 = (hardware.ACCELERATORS[n] for n in ("tpu-v5e", "tpu-v5p", "h200"))
     assert [compilers.default_topology(v5e, n) for n in (1, 4, 8, 16, 32)] == ["1x1", "2x2", "2x4", "4x4", "4x8"]
     assert [compilers.default_topology(v5p, n) for n in (4, 8, 16, 64)] == ["2x2x1", "2x2x2", "2x2x4", "4x4x4"]
     assert [compilers.default_topology(h200, n) for n in (4, 8, 32)] == ["1x1x4", "1x1x8", "1x4x8"]
-    assert (v5p.slice_name(4), v5e.slice_name(16), compilers.ACCELERATORS["tpu-v6e"].slice_name(8)) == (
+    assert (v5p.slice_name(4), v5e.slice_name(16), hardware.ACCELERATORS["tpu-v6e"].slice_name(8)) == (
         "v5p-8",
         "v5litepod-16",
         "v6e-8",
     )
     with pytest.raises(UserError, match="power of two of chips, not 12"):
         compilers.default_topology(v5e, 12)
+    with pytest.raises(UserError, match=r"the smallest tpu-v5p slice has 4 chips \(v5p-8\), not 2"):
+        compilers.default_topology(v5p, 2)
     with pytest.raises(UserError, match="not whole hosts of 8"):
         compilers.default_topology(h200, 12)
     with pytest.raises(UserError, match="is not sizes joined by 'x'"):
@@ -35,23 +37,23 @@ def test_topologies_by_size_as_the_clouds_offer_them():
 
 def test_every_gpu_has_its_target_config_with_its_memory():
     """The GpuTargetConfigProto files ship with the package and give the HBM the plan compares with."""
-    for name, acc in compilers.ACCELERATORS.items():
-        if acc.platform == "cuda":
-            assert 'platform_name: "CUDA"' in compilers.target_config(name)
-    gib = {n: compilers.ACCELERATORS[n].hbm_bytes / compilers.GIB for n in ("h100", "h200", "b200", "tpu-v5e")}
+    for acc in hardware.ACCELERATORS.values():
+        if acc.compiler is hardware.XLA_GPU:
+            assert 'platform_name: "CUDA"' in acc.target_config
+    gib = {n: hardware.ACCELERATORS[n].hbm_bytes / hardware.GIB for n in ("h100", "h200", "b200", "tpu-v5e")}
     assert gib == {"h100": 80, "h200": 141, "b200": 180, "tpu-v5e": 16}
 
 
 def test_a_missing_compiler_names_its_extra(monkeypatch):
     monkeypatch.setattr(compilers, "installed", lambda acc: False)
     with pytest.raises(UserError, match=r"XLA:GPU compiler is not installed: pip install 'dflash_jax\[gpu-compile\]'"):
-        compilers.devices(compilers.ACCELERATORS["h200"], 8)
+        compilers.devices(hardware.ACCELERATORS["h200"], 8)
     with pytest.raises(UserError, match=r"pip install 'dflash_jax\[tpu-compile\]'"):
-        compilers.devices(compilers.ACCELERATORS["tpu-v5p"], 4)
+        compilers.devices(hardware.ACCELERATORS["tpu-v5p"], 4)
 
 
 def _compile_tiny_step(name: str, num_devices: int) -> tuple[planning.Plan, str]:
-    acc = compilers.ACCELERATORS[name]
+    acc = hardware.ACCELERATORS[name]
     if not compilers.installed(acc):
         pytest.fail(compilers.missing(acc))  # .ci/run installs both compilers: missing is a failure
     setup = resolve(load_config_file(str(testing.REPO / "configs" / "default.py")), num_devices=num_devices)
@@ -70,8 +72,8 @@ def test_the_tiny_step_compiles_for_the_hardware(name):
     program's band (`hlo.buffer_band`), and the attention kernels "auto" picks are in it, the
     target's and the drafter's, each stating its cost."""
     plan, text = _compile_tiny_step(name, 4)
-    assert plan.platform == compilers.ACCELERATORS[name].platform.replace("cuda", "gpu")
-    assert plan.num_devices == 4 and plan.fits(compilers.ACCELERATORS[name].hbm_bytes)
+    assert plan.platform == hardware.ACCELERATORS[name].compiler.platform.replace("cuda", "gpu")
+    assert plan.num_devices == 4 and plan.fits(hardware.ACCELERATORS[name].hbm_bytes)
     lowest, highest = hlo.buffer_band(text)
     assert lowest <= plan.temporaries <= highest, (lowest, plan.temporaries, highest)
     assert plan.compiler_costs["flops"] > 0 and plan.kernels and plan.collectives
@@ -111,7 +113,7 @@ def test_a_mesh_over_two_tpu_slices_spans_them_with_its_data_axis():
     """Multi-slice (--num_slices): the data axis crosses the slices, the rest stays inside one."""
     from dflash_jax.training.mesh import make_mesh
 
-    devices = compilers.devices(compilers.ACCELERATORS["tpu-v5e"], 8, topology="2x2", num_slices=2)
+    devices = compilers.devices(hardware.ACCELERATORS["tpu-v5e"], 8, topology="2x2", num_slices=2)
     mesh = make_mesh(-1, 1, 1, devices=devices)
     assert [d.slice_index for d in mesh.devices.reshape(-1)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
@@ -121,7 +123,7 @@ def test_a_mesh_axis_no_physical_axes_multiply_to_splits_them():
     """gpt-oss-120b's fsdp=8 on a TPU v6e-16 (a 4x4 torus): no product of physical axes is 8."""
     from dflash_jax.training.mesh import make_mesh
 
-    devices = compilers.devices(compilers.ACCELERATORS["tpu-v6e"], 16)
+    devices = compilers.devices(hardware.ACCELERATORS["tpu-v6e"], 16)
     mesh = make_mesh(2, 8, 1, devices=devices)
     assert mesh.devices.shape == (2, 8, 1)
     assert sorted(d.id for d in mesh.devices.reshape(-1)) == sorted(d.id for d in devices)
@@ -131,13 +133,13 @@ _ROWS, _K, _N, _GROUPS = 512, 256, 384, 8
 _GROUPED_MATMUL_FLOPS = 2 * _ROWS * _K * _N
 
 
-def _grouped_matmul_args(hardware: str, num_devices: int) -> list:
-    """x [R, K], w [E, K, N], group_sizes [E] placed on one device of `hardware`'s topology."""
+def _grouped_matmul_args(part: str, num_devices: int) -> list:
+    """x [R, K], w [E, K, N], group_sizes [E] placed on one device of `part`'s topology."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    device = compilers.devices(compilers.ACCELERATORS[hardware], num_devices)[:1]
+    device = compilers.devices(hardware.ACCELERATORS[part], num_devices)[:1]
     placed = NamedSharding(Mesh(device, ("x",)), PartitionSpec())
     shapes = (((_ROWS, _K), jnp.bfloat16), ((_GROUPS, _K, _N), jnp.bfloat16), ((_GROUPS,), jnp.int32))
     return [jax.ShapeDtypeStruct(shape, dtype, sharding=placed) for shape, dtype in shapes]
@@ -170,7 +172,7 @@ def test_the_moe_grouped_matmul_is_a_triton_kernel_counted_by_its_rows_on_gpu():
 
 def test_a_tpu_out_of_memory_refusal_is_a_plan_that_does_not_fit():
     """libtpu refuses a step over its HBM; the plan reads the figures from its message."""
-    gib = compilers.GIB
+    gib = hardware.GIB
     placed = {"target": 15 * gib, "drafter": gib, "optimizer": 2 * gib, "batch": 0}
     common = dict(mesh="data=4", layout="data", platform="tpu", num_devices=4, rows=16, seq_len=3072)
     common |= dict(grad_accum_steps=1, bytes_per_device=placed, model_flops=1.0, remat_flops=0.0, tokens=1)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.training.planning import hlo, hlo_text, roofline
+from dflash_jax.training.planning import hardware, hlo, hlo_text, roofline
 
 # A loop of 16 iterations: slice row i of x, a matmul of it (fused with exp), and x updated in place
 # at row i; then one matmul of the result.
@@ -361,11 +361,17 @@ def test_roofline_arithmetic():
     assert math.isclose(roofline.estimate([small, large], [], hw).kernels_s, 100 * 3e7 / 1e11)
 
 
-def test_named_hardware():
+def test_named_hardware_is_its_records_published_peaks():
     h100, b200 = roofline.hardware("h100"), roofline.hardware("b200")
     assert (h100.matmul_flops, h100.memory_bandwidth, h100.link_bandwidth) == (989.4e12, 3.35e12, 450e9)
     assert b200.matmul_flops > 2 * h100.matmul_flops and roofline.hardware("h200").memory_bandwidth == 4.8e12
-    assert roofline.for_device_kind("NVIDIA H100 80GB HBM3") == h100
-    assert roofline.for_device_kind("NVIDIA H100 PCIe") is None  # not the SXM part's figures
-    with pytest.raises(ValueError, match="not one of h100, h200, b200, tpu-v5e, tpu-v5p, tpu-v6e, cpu"):
+    for name, part in hardware.ACCELERATORS.items():
+        hw = roofline.hardware(name)
+        assert (hw.name, hw.matmul_flops, hw.memory_bandwidth, hw.link_bandwidth) == (
+            name,
+            part.matmul_flops,
+            part.memory_bandwidth,
+            part.link_bandwidth,
+        )
+    with pytest.raises(ValueError, match=f"'tpu' is not one of {', '.join(hardware.NAMES)}$"):
         roofline.hardware("tpu")

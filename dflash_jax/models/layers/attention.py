@@ -29,7 +29,7 @@ it to every call, like maxtext's `AttentionOp` holds its kernel:
   jax's splash attention for the target (`kernels/tpu_packed_causal.py`) and Mosaic kernels for
   the blocks (`kernels/tpu_block.py`). Interpret mode, for tests, elsewhere.
 * "auto" (the config's default): "fused" on GPUs and TPUs, where the compilers' figures favour
-  the kernels for both patterns (docs/performance.md: on a v5p the drafter's block kernel takes a
+  the kernels for both patterns (docs/performance.md: on a TPU the drafter's block kernel takes a
   quarter of XLA's roofline time for Qwen3-30B-A3B, `bench/attention.py`, and splash cuts its
   target's attention from 0.164 s to 0.048 s a step); "xla" on CPUs.
 

@@ -7,8 +7,9 @@ peak and its memory time at the device's bandwidth; collectives take their bytes
 time is the sum: an estimate of a well-run program, with no launch gaps, no overlap and peak
 rates (compute-bound kernels rarely get more than 70-80% of peak, so real steps run longer).
 
-`python -m dflash_jax.plan --hardware=h100|h200|b200|tpu-v5e|tpu-v5p|tpu-v6e|cpu` prints it (`format_speed`);
-`bench/train_step.py --roofline` and `bench/device_check.py` print it against measured step times.
+`python -m dflash_jax.plan --hardware=NAME` prints it (`format_speed`), at a part's published peaks
+(`training/planning/hardware.py`) or at this host's CPU's measured rates; `bench/train_step.py --roofline` and `bench/device_check.py` print it against
+measured step times.
 """
 
 from __future__ import annotations
@@ -20,24 +21,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from dflash_jax.training.planning.hardware import ACCELERATORS, CPU, NAMES
 from dflash_jax.training.planning.hlo import Collective, Kernel
 from dflash_jax.training.planning.hlo_text import EXPECTED, UNKNOWN
 
 if TYPE_CHECKING:
     from dflash_jax.training.planning.memory import Plan
-
-# Published per-GPU figures, SXM parts: dense bf16 tensor-core FLOP/s (no sparsity), HBM bandwidth,
-# and NVLink bandwidth per direction (half the bidirectional figure NVIDIA quotes).
-#   H100 SXM5 (NVIDIA H100 Tensor Core GPU datasheet): 989.4 TFLOP/s bf16, HBM3 3.35 TB/s,
-#     NVLink 4 900 GB/s bidirectional.
-#   H200 SXM (NVIDIA H200 datasheet): the H100's compute, HBM3e 4.8 TB/s, NVLink 4 900 GB/s.
-#   B200 (NVIDIA HGX B200 datasheet, per GPU): 2.25 PFLOP/s bf16 dense (4.5 with sparsity),
-#     HBM3e 8 TB/s, NVLink 5 1.8 TB/s bidirectional.
-# Per TPU chip (Google Cloud's TPU v5e, v5p and v6e system architecture pages): bf16 peak, HBM
-# bandwidth, and half the chip's quoted inter-chip interconnect bandwidth as each way's share.
-#   v5e: 197 TFLOP/s, 819 GB/s, ICI 1,600 Gbps. v5p: 459 TFLOP/s, 2,765 GB/s, ICI 4,800 Gbps.
-#   v6e (Trillium): 918 TFLOP/s, 1,640 GB/s, ICI 3,584 Gbps.
-HARDWARE_NAMES = ("h100", "h200", "b200", "tpu-v5e", "tpu-v5p", "tpu-v6e", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,34 +41,17 @@ class Hardware:
     cache_bandwidth: float = 0.0
 
 
-PUBLISHED = {
-    "h100": Hardware("h100", 989.4e12, 3.35e12, 450e9),
-    "h200": Hardware("h200", 989.4e12, 4.8e12, 450e9),
-    "b200": Hardware("b200", 2250e12, 8.0e12, 900e9),
-    "tpu-v5e": Hardware("tpu-v5e", 197e12, 819e9, 100e9),
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 2765e9, 300e9),
-    "tpu-v6e": Hardware("tpu-v6e", 918e12, 1640e9, 224e9),
-}
-
-
 def hardware(name: str, *, devices: int = 1) -> Hardware:
-    """Published figures of a GPU or TPU chip, or this host's CPU measured (shared by `devices` simulated
-    devices, as when the plan compiles for 8 devices on one host)."""
-    if name == "cpu":
+    """The published peaks of a GPU or TPU chip, or this host's CPU measured (shared by `devices`
+    simulated devices, as when the plan compiles for 8 devices on one host)."""
+    if name == CPU:
         cpu = _measured_cpu()
         rates = ("matmul_flops", "memory_bandwidth", "link_bandwidth", "cache_bandwidth")
         return dataclasses.replace(cpu, **{f: getattr(cpu, f) / devices for f in rates})
-    if name not in PUBLISHED:
-        raise ValueError(f"hardware {name!r} is not one of {', '.join(HARDWARE_NAMES)}")
-    return PUBLISHED[name]
-
-
-def for_device_kind(kind: str) -> Hardware | None:
-    """The published figures of a JAX device kind ('NVIDIA H100 80GB HBM3'); None for a part not
-    listed (PCIe and NVL parts run at lower clocks)."""
-    if "PCIe" in kind or "NVL" in kind:
-        return None
-    return next((hw for name, hw in PUBLISHED.items() if name.upper() in kind.upper()), None)
+    if name not in ACCELERATORS:
+        raise ValueError(f"hardware {name!r} is not one of {', '.join(NAMES)}")
+    part = ACCELERATORS[name]
+    return Hardware(name, part.matmul_flops, part.memory_bandwidth, part.link_bandwidth)
 
 
 def measure_cpu(repeats: int = 5) -> Hardware:
@@ -109,7 +81,7 @@ def measure_cpu(repeats: int = 5) -> Hardware:
 
     memory = 2 * big / best(scale, (big // 4,))
     return Hardware(
-        "cpu",
+        CPU,
         matmul_flops=2 * n**3 / best(matmul, (n, n)),
         memory_bandwidth=memory,
         link_bandwidth=memory,
