@@ -53,7 +53,7 @@ from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import is_export_dir
-from dflash_jax.training.workdir import Workdir
+from dflash_jax.training.workdir import Workdir, check_writable
 
 ENGINE_WEIGHTS = ("file", "float32")
 RENAMED_FLAGS = {"drafter_step": "step", "num_prompts": "limit", "out_dir": "output"}
@@ -128,6 +128,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
     sampling = cli.sampling_config(f)
+    check_writable(f.output, "--output")  # before any model is loaded
     drafter = str(_model(f.drafter, "--drafter"))
     target = _target(f.target, drafter, f.step)
     engine = _prepare_engine(f, target, drafter) if f.engine else None  # its problems, before our decoder runs

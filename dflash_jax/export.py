@@ -30,7 +30,7 @@ from dflash_jax.models.formats.hf import read_config
 from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.training.checkpoint import RunCheckpoints
 from dflash_jax.training.drafters import export_checkpoint
-from dflash_jax.training.workdir import Workdir
+from dflash_jax.training.workdir import Workdir, check_writable, existing_workdir
 
 RENAMED_FLAGS = {"out": "output"}
 
@@ -63,9 +63,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
     check_gguf_flags(f)
-    workdir = Workdir.at(f.workdir)
-    if not workdir.has_checkpoints():  # checked here: opening the checkpoints would create the directory
-        raise UserError(f"--workdir={f.workdir}: not a training workdir (no {workdir.checkpoints})")
+    workdir = existing_workdir(f.workdir, "--workdir")  # checked here: opening the checkpoints would create it
+    if f.output:
+        check_writable(f.output, "--output")
     out = export_checkpoint(workdir, step=f.step, out_dir=f.output, dtype=DTYPES[f.dtype])
     print(f"exported drafter to {out}")
     if f.format == "gguf":

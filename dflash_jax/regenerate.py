@@ -19,9 +19,13 @@ globs, `hf://datasets/ORG/NAME/<glob>` or a data set by name (`data.presets`). R
 `messages` rewritten and `regenerated: {line, finish_reasons}` added (`line`: the row's number,
 from 1, over the input's files in turn; a JSONL file's line number). The output is append-only
 and the run resumes: rows already in --output are skipped, a line cut by a crash is dropped and
-redone. A row that fails (bad input, prompt too long, server error) is appended to
-`<output stem>.failures.jsonl` with its error and retried by the next run; the others go on.
-Rows are written as they finish, so with --concurrency > 1 their order may differ from the input.
+redone. A row that fails (bad input, prompt too long) is appended to
+`<output stem>.failures.jsonl` with its error and retried by the next run; the others go on; the
+failures file lists exactly the rows still failing. A server that fails by its own errors (nothing
+listens, it hangs past --request_timeout, answers HTTP 5xx or something other than JSON) for 3
+conversations in a row stops the run in one line, keeping the rows done. --output and its directory
+are made when the first row is written. Rows are written as they finish, so with --concurrency > 1
+their order may differ from the input.
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.data.presets import describe_presets
-from dflash_jax.data.sources import resolve_sources
-from dflash_jax.decoding.backends import HttpBackend, JaxBackend
+from dflash_jax.decoding.backends import HttpBackend, JaxBackend, ServerDown
 from dflash_jax.decoding.regeneration import Regeneration, failures_path
 from dflash_jax.errors import DataError, UserError
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.formats.hub import resolve_model
+from dflash_jax.training.workdir import check_writable
 
 RENAMED_FLAGS = {"model": "target"}
+SERVE_EXAMPLE = "vllm serve Qwen/Qwen3-8B --port 8000"
 
 
 def make_backend(f):
@@ -85,7 +90,7 @@ def make_backend(f):
 def _server(url: str, f):
     """A client of the server at `url`, which must answer now: without a server every row would
     fail, each after its retries."""
-    from dflash_jax.decoding.http_client import ChatCompletionsClient, RequestError
+    from dflash_jax.decoding.http_client import ChatCompletionsClient, NotAnApi, RequestError, Unreachable
 
     try:
         # Without a model name, the client asks the server for its models: it fails here at once.
@@ -95,10 +100,14 @@ def _server(url: str, f):
             timeout=f.request_timeout,
             retries=f.retries,
         )
-    except RequestError as e:
+    except Unreachable as e:
+        raise UserError(f"--server_url={url}: {e}; start the server first (e.g. `{SERVE_EXAMPLE}`)") from None
+    except NotAnApi as e:
         raise UserError(
-            f"--server_url={url}: {e}; start the server first (e.g. `vllm serve Qwen/Qwen3-8B --port 8000`)"
+            f"--server_url={url}: {e}; is it an OpenAI-compatible API's base URL (http://host:port/v1)?"
         ) from None
+    except RequestError as e:
+        raise UserError(f"--server_url={url}: {e}") from None
     if f.target:
         client.model = f.target
     return client
@@ -160,11 +169,21 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
     if os.path.abspath(f.output) == os.path.abspath(f.input):
         raise UserError(f"--output={f.output} must differ from --input: the output is appended to")
+    # Both before the back-end loads a model or asks a server.
+    check_writable(f.output, "--output", directory=False)
     try:
-        resolve_sources(f.input)  # before the back-end loads a model or asks a server
+        regeneration = Regeneration(f.input, f.output)
     except DataError as e:
         raise UserError(f"--input={f.input}: {e}") from None
-    counts = Regeneration(f.input, f.output).run(make_backend(f), limit=f.limit)
+    backend = make_backend(f)
+    try:
+        counts = regeneration.run(backend, limit=f.limit)
+    except ServerDown as e:
+        done = regeneration.counts["regenerated"]
+        raise UserError(
+            f"--server_url={e.url}: stopped: {e}; {done} rows regenerated into {f.output} in this run, "
+            "rerun the same command to go on"
+        ) from None
     print(
         f"{counts['regenerated']} rows regenerated into {f.output} ({counts['done_before']} were done "
         f"before), {counts['failed']} failed" + (f" (see {failures_path(f.output)})" if counts["failed"] else "")

@@ -18,7 +18,7 @@ import json
 import os
 import pathlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -153,9 +153,10 @@ def iter_chunks(paths: list[str], rows_per_chunk: int, data_format: str = "auto"
 
 
 def count_rows(path: str) -> int:
-    """The rows of one source file (JSON Lines: its non-blank lines)."""
+    """The rows of one source file (JSON Lines: its non-blank lines); a file that cannot be read
+    as a whole (another encoding or format, damaged Parquet) is a DataError naming it."""
     if _is_jsonl(path):
-        with open(path, "rb") as f:
+        with _open_jsonl(path) as f:
             return sum(1 for line in f if line.strip())
     if _is_json_array(path):
         return len(_json_array(path))
@@ -194,13 +195,22 @@ def _json_array_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
         yield RawChunk(path, first, chunk, round(len(chunk) * bytes_per_row))
 
 
-def _jsonl_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
+def _open_jsonl(path: str) -> BinaryIO:
+    """A JSON Lines file, open for reading, its start checked."""
     try:
         f = open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot read the file ({e.strerror})") from None
-    with f:
+    try:
         check_jsonl_start(path, f)
+    except Exception:
+        f.close()
+        raise
+    return f
+
+
+def _jsonl_chunks(path: str, rows_per_chunk: int) -> Iterator[RawChunk]:
+    with _open_jsonl(path) as f:
         first_row, rows, nbytes = 0, [], 0
         for line in f:
             rows.append(line)

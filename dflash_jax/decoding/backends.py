@@ -2,7 +2,8 @@
 server (vLLM / SGLang) for targets too large to run here.
 
 Both take (row, messages) pairs and yield (row, Regenerated | Exception) as rows finish; a
-failure belongs to its row and never stops the others. Every assistant turn is rewritten in
+failure belongs to its row and never stops the others, but a server that fails by its own errors
+(dead, hung, answering garbage) stops the run (`ServerDown`). Every assistant turn is rewritten in
 order, each from the conversation so far with the earlier turns already rewritten; a
 conversation ending with a non-assistant turn gets one new assistant turn appended.
 """
@@ -17,7 +18,7 @@ from collections.abc import Generator, Iterable, Iterator
 import numpy as np
 
 from dflash_jax.decoding.generate import TargetDecoder, prompt_bucket
-from dflash_jax.decoding.http_client import ChatCompletionsClient, Reply
+from dflash_jax.decoding.http_client import ChatCompletionsClient, Reply, ServerError
 from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.transformer import Transformer
@@ -117,10 +118,23 @@ class JaxBackend:
         return replies
 
 
+DOWN_AFTER = 3  # conversations in a row a server fails by its own errors before the run stops
+
+
+class ServerDown(Exception):
+    """A server failed `DOWN_AFTER` conversations in a row by its own errors (`ServerError`: dead,
+    hung, broken): every row would fail the same way, so the run stops; the rows in flight are
+    left for the next run. A row the server refuses for its content (`RequestError`) fails alone."""
+
+    def __init__(self, url: str, error: ServerError):
+        super().__init__(f"{DOWN_AFTER} conversations in a row failed, the last: {error}")
+        self.url = url
+
+
 class HttpBackend:
     """One request per assistant turn, to one of several servers (one per GPU, say): each
     conversation goes, all its turns, to the server with the fewest in flight; up to
-    `concurrency` conversations in flight per server."""
+    `concurrency` conversations in flight per server. Raises `ServerDown` when a server fails."""
 
     def __init__(self, clients: list[ChatCompletionsClient], *, concurrency: int, **chat_kwargs):
         self.clients, self.concurrency, self.chat_kwargs = clients, concurrency, chat_kwargs
@@ -141,6 +155,7 @@ class HttpBackend:
         pool = concurrent.futures.ThreadPoolExecutor(slots)
         in_flight: dict[concurrent.futures.Future, tuple[int, int]] = {}  # future -> (row, server)
         load = [0] * len(self.clients)
+        failing = [0] * len(self.clients)  # conversations failed in a row by each server's own errors
         try:
             while True:
                 # Keep a bounded window in flight: the input can be far larger than memory.
@@ -151,10 +166,19 @@ class HttpBackend:
                 if not in_flight:
                     return
                 finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+                down = None
                 for future in finished:
                     row, server = in_flight.pop(future)
                     load[server] -= 1
                     error = future.exception()
+                    failing[server] = failing[server] + 1 if isinstance(error, ServerError) else 0
+                    if failing[server] >= DOWN_AFTER:
+                        down = ServerDown(self.clients[server].base_url, error)
                     yield row, error if error is not None else future.result()
-        finally:  # on interruption, drop queued requests instead of waiting for them
-            pool.shutdown(wait=False, cancel_futures=True)
+                if down:
+                    raise down
+        finally:
+            if in_flight:  # stopped early: cut the requests in flight rather than wait them out
+                for client in self.clients:
+                    client.close()
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -37,6 +37,25 @@ class WorkdirBusyError(UserError):
     """Another training process holds the workdir."""
 
 
+def check_writable(path: str, name: str, *, directory: bool = True) -> None:
+    """Refuses, in one line naming `name` (a flag or config field), a `directory` (else a file)
+    at `path` that could not be written: `path` is a file (a directory), or lies under a file,
+    or its nearest existing directory is not writable. Checked before any work; directories
+    that do not exist yet are made when first written to (with their parents)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(full) and not directory:
+        raise UserError(f"{name}={path}: a directory; name the file to write")
+    if os.path.lexists(full) and not os.path.isdir(full) and directory:
+        raise UserError(f"{name}={path}: a file, not a directory")
+    existing = full if directory else os.path.dirname(full)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{name}={path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{name}={path}: {existing} is not writable")
+
+
 def _entry(name: str) -> property:
     """A path inside the workdir, as a read-only attribute."""
     return property(lambda self: os.path.join(self.root, name))
@@ -141,3 +160,15 @@ class Workdir:
             if any(name != ".train.lock" for name in files):
                 return False
         return True
+
+
+def existing_workdir(path: str, name: str) -> Workdir:
+    """The training workdir at `path`, which holds checkpoints; else a one-line UserError."""
+    workdir = Workdir.at(path)
+    if not os.path.lexists(workdir.root):
+        raise UserError(f"{name}={path}: no such directory")
+    if not os.path.isdir(workdir.root):
+        raise UserError(f"{name}={path}: a file, not a training workdir")
+    if not workdir.has_checkpoints():
+        raise UserError(f"{name}={path}: not a training workdir (no {workdir.checkpoints})")
+    return workdir

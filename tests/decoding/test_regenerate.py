@@ -19,7 +19,7 @@ from dflash_jax.decoding.http_client import ChatCompletionsClient
 from dflash_jax.decoding.prompt_sets import ChatTokenizer
 from dflash_jax.decoding.regeneration import Regeneration
 from dflash_jax.decoding.sampling import GREEDY
-from dflash_jax.errors import DataError, UserError
+from dflash_jax.errors import UserError
 from dflash_jax.models.formats.hf import load_target
 from support.chat_data import chat, write_jsonl
 from support.hub_cache import use_hub_cache
@@ -198,8 +198,8 @@ def test_resumes_without_duplicating_or_losing_rows(server, tmp_path):
 def test_output_that_is_not_a_regeneration_is_refused(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [chat("q")])
     output = write_jsonl(tmp_path / "out.jsonl", [chat("someone else's file")])
-    with pytest.raises(DataError, match="out.jsonl:1 is not a regenerated row"):
-        Regeneration(str(source), str(output)).run(InterruptedBackend(rows=1))
+    with pytest.raises(UserError, match="out.jsonl:1 is not a regenerated row; is this the right --output"):
+        Regeneration(str(source), str(output))  # before any back-end starts
 
 
 def test_jax_backend_writes_the_targets_greedy_responses(chat_target, tmp_path):
@@ -246,7 +246,7 @@ def closed_port_url() -> str:
         (["--input={source}", "--output={output}", "--target={missing}"], "--target={missing}: no such directory"),
         (
             ["--input={source}", "--output={output}", "--backend=http", "--server_url={closed}", "--retries=0"],
-            "--server_url={closed}: {closed}/models unreachable",
+            "--server_url={closed}: {closed}/models: nothing listens there (connection refused); start the server",
         ),
     ],
 )
@@ -306,4 +306,4 @@ def test_a_preset_is_regenerated_from_the_hub_cache(server, tmp_path, monkeypatc
         rows = sorted(read_jsonl(output), key=lambda r: r["regenerated"]["line"])
         assert [r["messages"][0]["content"] for r in rows] == questions[name]
         assert all(r["messages"][-1]["content"].startswith("reply to") for r in rows)
-        assert not (tmp_path / f"{name}.failures.jsonl").read_text()
+        assert not (tmp_path / f"{name}.failures.jsonl").exists()  # no row failed: no failures file
