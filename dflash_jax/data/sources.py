@@ -13,6 +13,7 @@ mark, damaged Parquet) is a `DataError` naming the file; a problem with one row 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import glob
 import json
 import os
@@ -94,11 +95,18 @@ def resolve_sources(spec: str) -> list[str]:
         elif os.path.lexists(part):
             raise DataError(f"{part}: not a regular file (a broken link?)")
         else:
-            raise DataError(f"data source {part!r} does not exist, nor is it a data set name ({', '.join(PRESETS)})")
+            raise DataError(f"data source {part!r} does not exist, nor is it a data set name{_near_names(part)}")
         paths.extend(os.path.abspath(p) for p in found)
     if not paths:
         raise DataError("no data source given (set config.data.train)")
     return paths
+
+
+def _near_names(name: str) -> str:
+    """' (ultrachat, sharegpt, ...); did you mean ultrachat?': the names, and the nearest one to a
+    mistyped name (as for a mistyped config field)."""
+    closest = difflib.get_close_matches(name.lower(), PRESETS, n=1)
+    return f" ({', '.join(PRESETS)})" + (f"; did you mean {closest[0]}?" if closest else "")
 
 
 def _is_source(path: str, named: bool = False) -> bool:

@@ -13,12 +13,14 @@ every export; `draft_token_ids` reads the V' most frequent back.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from dflash_jax.data.cache import write_json_atomically
@@ -52,7 +54,26 @@ def draft_token_ids(model_dir: str, size: int) -> np.ndarray:
         )
     with open(path) as f:
         ids = json.load(f)["token_ids"]
-    return np.asarray(ids[:size], np.int32)
+    return most_frequent(np.asarray(ids, np.int32), size, path)
+
+
+def most_frequent(ids: np.ndarray, size: int, source: str) -> np.ndarray:
+    """The first `size` of `ids` (token ids by falling count, from `source`); where training saw
+    fewer distinct tokens, all of them, said in one warning line."""
+    if size > len(ids):
+        _warn_capped(size, len(ids), source)
+    return ids[:size]
+
+
+@functools.cache  # once per run: evaluate reads the same vocabulary for its engine and its decoder
+def _warn_capped(size: int, seen: int, source: str) -> None:
+    logging.warning(
+        "draft vocabulary capped at %d tokens (asked for %d): the drafter's training saw only %d distinct tokens (%s)",
+        seen,
+        size,
+        seen,
+        source,
+    )
 
 
 class FullVocabulary:

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from dflash_jax.data.pipeline import DataPipeline
-from dflash_jax.decoding.draft_vocab import by_frequency, write_frequencies
+from dflash_jax.decoding.draft_vocab import by_frequency, most_frequent, write_frequencies
 from dflash_jax.errors import UserError
 from dflash_jax.models.formats.gguf_export import llama_cpp_problems
 from dflash_jax.models.formats.hf import load_target
@@ -163,7 +163,7 @@ class TrainingRun:
         counts = self.data.trained_token_counts(self.target.cfg.vocab_size)
         if write:
             write_frequencies(path, counts, source=f"data {self.data.cache.manifest['content_sha256'][:16]}")
-        return by_frequency(counts)[:size] if size else None
+        return most_frequent(by_frequency(counts), size, path) if size else None
 
     @property
     def served_params(self):
