@@ -58,6 +58,7 @@ CASES = [
         ["--drafter={p}/none", "--output={p}/afile/eval"],
         "--output={p}/afile/eval: {p}/afile is a file, not a directory",
     ),
+    (evaluate, ["--drafter={p}/afile"], "--drafter={p}/afile: a file, not a model directory (nor a .gguf file)"),
     (export, ["--workdir={p}/afile"], "--workdir={p}/afile: a file, not a training workdir"),
     (export, ["--workdir={p}/none"], "--workdir={p}/none: no such directory"),
     (export, ["--workdir={p}/adir"], "--workdir={p}/adir: not a training workdir (no {p}/adir/checkpoints)"),
@@ -83,7 +84,7 @@ CASES = [
 @pytest.mark.parametrize(
     "module, args, line",
     CASES,
-    ids=["evaluate-file", "evaluate-under-file", "export-file", "export-missing", "export-empty", "export-out-file",
+    ids=["evaluate-file", "evaluate-under-file", "evaluate-drafter-file", "export-file", "export-missing", "export-empty", "export-out-file",
          "export-out-under-file", "regenerate-dir", "regenerate-under-file"],
 )  # fmt: skip
 def test_a_wrong_path_is_one_line_before_any_work(place, module, args, line):
