@@ -126,11 +126,8 @@ class LayerAttention:
     values_from_keys: bool = False
 
 
-# The decoder layer of every layer: 'pre_norm' (layers.DecoderBlock) or 'gemma4' (models/layers/gemma.py:
-# sandwich norms, Gemma's attention, experts beside the dense MLP, a layer scalar).
-BLOCKS = ("pre_norm", "gemma4")
-# The blocks whose MoE layers keep their dense MLP, the experts beside it (the others replace it).
-EXPERTS_BESIDE_MLP = ("gemma4",)
+# `TransformerConfig.block` of the shared decoder layer (layers.DecoderBlock: pre-norm mixer and MLP).
+PRE_NORM = "pre_norm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +160,9 @@ class TransformerConfig:
     qk_norm_across_heads: bool = False  # q and k normalized over all their heads at once (MiniMax-M2)
     # Attention layers are multi-head latent attention (DeepSeek-V3); head_dim is then its R.
     latent_attention: LatentAttentionConfig | None = None
-    block: str = "pre_norm"  # one of BLOCKS
+    # The decoder layer of every layer: PRE_NORM, or the name of the family whose own layer it is
+    # (its `Family.layer`, models/family.py).
+    block: str = PRE_NORM
     mlp_activation: str = "silu"  # the dense MLPs' gate: 'silu' (SwiGLU) or 'gelu_tanh' (Gemma)
     embedding_scale: float = 1.0  # embeddings times this, rounded to the parameter dtype (Gemma: sqrt(D))
     final_logit_softcap: float = 0.0  # > 0: logits = c · tanh(logits / c) (Gemma)
@@ -186,16 +185,8 @@ class TransformerConfig:
             raise ModelError("linear_attention layers need the linear_* fields of the config")
         if self.moe_layers and self.moe is None:
             raise ModelError("moe_layers need the MoE fields of the config")
-        if self.block not in BLOCKS:
-            raise ModelError(f"block {self.block!r} is not supported (supported: {', '.join(BLOCKS)})")
         if self.latent_attention is not None and set(self.layer_types) - {"full_attention"}:
             raise ModelError("latent attention layers are full attention: no sliding or linear layers with them")
-
-
-def has_dense_mlp(cfg: TransformerConfig, index: int) -> bool:
-    """Whether layer `index` runs the dense MLP: a layer without experts, or one of a block that
-    keeps it beside them."""
-    return index not in cfg.moe_layers or cfg.block in EXPERTS_BESIDE_MLP
 
 
 def layer_attention(cfg: TransformerConfig, layer_type: str) -> LayerAttention:

@@ -3,7 +3,8 @@
 A family is one module of models/families/: it reads its config.json into a `TransformerConfig`
 (sizes, the mixer and MLP of every layer, its attention and norm style), lists where its
 weights live on the hub (a weight-map table, models/weight_maps.py), and declares what only it
-has: partition rules for its own parameters, the GGUF architectures that convert to it.
+has: partition rules for its own parameters, the GGUF architectures that convert to it, and its
+own decoder layer where the shared pre-norm block does not fit it (`DecoderLayer`).
 models/families/__init__.py finds every such module; nothing else names a family.
 """
 
@@ -29,6 +30,19 @@ class GgufArchitecture:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecoderLayer:
+    """A family's own decoder layer, which every layer of a config whose `block` names the family
+    is (models/transformer.py builds and counts it through this record)."""
+
+    # (cfg, index, attention_kw=, dtypes=, rngs=) -> layer `index`'s module, with the block
+    # interface of `layers.DecoderBlock`; attention_kw: what every attention module of the target
+    # is built with (hidden size, heads, attention code, dtypes, rngs).
+    build: Callable[..., Any]
+    # (cfg, index, rows, seq_len) -> multiply-adds of layer `index`'s forward over packed rows.
+    macs: Callable[[TransformerConfig, int, int, int], int]
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A target family as the hub publishes it."""
 
@@ -41,10 +55,12 @@ class Family:
     # Weight-map rows, tried before the generic ones (models/weight_maps.py).
     tensors: tuple[Tensor, ...] = ()
     # (regex on a parameter path, logical axes) of the parameters only this family's layers have
-    # (models/sharding.py, after its own table).
+    # (models/parameters.py, after the layers' own).
     partition_rules: tuple[tuple[str, tuple], ...] = ()
     # GGUF `general.architecture` -> how a file of it reads as this family (models/formats/gguf.py).
     gguf: Mapping[str, GgufArchitecture] = dataclasses.field(default_factory=dict)
+    # Its own decoder layer (its configs' `block` is then the family's name); None: the shared one.
+    layer: DecoderLayer | None = None
 
     def weight_map(self, architecture: str) -> WeightMap:
         prefix = self.architectures[architecture]

@@ -21,15 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models import families
 from dflash_jax.models.architecture import TransformerConfig, layer_attention, layer_window
 from dflash_jax.models.layers import layer_stack
-from dflash_jax.models.layers.basic import DecoderBlock, RMSNorm, Rotary, SwiGLU, rotary, soft_capped
+from dflash_jax.models.layers.basic import DecoderBlock, RMSNorm, Rotary, SwiGLU, rotary, soft_capped, swiglu_macs
 from dflash_jax.models.layers.cache import KVCache
-from dflash_jax.models.layers.gemma import Gemma4Attention, Gemma4Block
-from dflash_jax.models.layers.latent_attention import LatentAttention
-from dflash_jax.models.layers.linear_attention import GatedDeltaNet
-from dflash_jax.models.layers.mixers import DecodeStep, PackedRows, SelfAttention
-from dflash_jax.models.layers.moe import MoE
+from dflash_jax.models.layers.latent_attention import LatentAttention, latent_attention_macs
+from dflash_jax.models.layers.linear_attention import GatedDeltaNet, gated_deltanet_macs
+from dflash_jax.models.layers.mixers import DecodeStep, PackedRows, SelfAttention, attention_macs
+from dflash_jax.models.layers.moe import MoE, moe_macs
 from dflash_jax.models.parameters import param_sharding
 
 
@@ -67,10 +67,6 @@ def _mlp(cfg: TransformerConfig, experts: bool, *, dtypes: dict, rngs) -> nnx.Mo
     """A layer's MLP: the mixture of experts where the config says so, else SwiGLU."""
     if experts:
         return MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes)
-    return _dense_mlp(cfg, dtypes=dtypes, rngs=rngs)
-
-
-def _dense_mlp(cfg: TransformerConfig, *, dtypes: dict, rngs) -> SwiGLU:
     return SwiGLU(cfg.hidden_size, cfg.intermediate_size, activation=cfg.mlp_activation, rngs=rngs, **dtypes)
 
 
@@ -81,29 +77,33 @@ def layer_kind(cfg: TransformerConfig, index: int) -> tuple[str, bool]:
 
 
 def decoder_layer(cfg: TransformerConfig, index: int, *, attention: str, dtypes: dict, rngs) -> nnx.Module:
+    """Layer `index`: the family's own layer where `cfg.block` names one, else the pre-norm block
+    of its mixer and MLP."""
+    own = families.decoder_layer(cfg)
+    if own is not None:
+        attention_kw = _attention_kw(cfg, attention=attention, dtypes=dtypes, rngs=rngs)
+        return own.build(cfg, index, attention_kw=attention_kw, dtypes=dtypes, rngs=rngs)
     layer_type, experts = layer_kind(cfg, index)
-    if cfg.block == "gemma4":
-        return _gemma4_layer(cfg, layer_type, experts, attention=attention, dtypes=dtypes, rngs=rngs)
     name, mixer = _mixer(cfg, layer_type, attention=attention, dtypes=dtypes, rngs=rngs)
     mlp = _mlp(cfg, experts, dtypes=dtypes, rngs=rngs)
     return DecoderBlock(name, mixer, mlp, hidden_size=cfg.hidden_size, norm_kw=_norm_kw(cfg, dtypes))
 
 
-def _gemma4_layer(
-    cfg: TransformerConfig, layer_type: str, experts: bool, *, attention: str, dtypes: dict, rngs
-) -> Gemma4Block:
-    own = layer_attention(cfg, layer_type)
-    mixer = Gemma4Attention(
-        num_kv_heads=own.num_kv_heads,
-        head_dim=own.head_dim,
-        values_from_keys=own.values_from_keys,
-        eps=cfg.rms_norm_eps,
-        sliding_window=layer_window(cfg, layer_type),
-        **_attention_kw(cfg, attention=attention, dtypes=dtypes, rngs=rngs),
-    )
-    moe = MoE(cfg.hidden_size, cfg.moe, rngs=rngs, **dtypes) if experts else None
-    mlp = _dense_mlp(cfg, dtypes=dtypes, rngs=rngs)
-    return Gemma4Block(mixer, mlp, moe, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, **dtypes)
+def layer_macs(cfg: TransformerConfig, index: int, rows: int, seq_len: int) -> int:
+    """Multiply-adds of layer `index`'s forward over [rows, seq_len] packed rows, as each of the
+    mechanisms `decoder_layer` builds it of counts them (an MoE: the chosen experts only)."""
+    own = families.decoder_layer(cfg)
+    if own is not None:
+        return own.macs(cfg, index, rows, seq_len)
+    layer_type, experts = layer_kind(cfg, index)
+    if layer_type == "linear_attention":
+        mixer = rows * seq_len * gated_deltanet_macs(cfg.linear_attention, cfg.hidden_size)
+    elif cfg.latent_attention is not None:
+        mixer = latent_attention_macs(cfg, rows, seq_len)
+    else:
+        mixer = attention_macs(cfg, layer_type, rows, seq_len)
+    mlp = moe_macs(cfg.hidden_size, cfg.moe) if experts else swiglu_macs(cfg.hidden_size, cfg.intermediate_size)
+    return mixer + rows * seq_len * mlp
 
 
 def _norm_kw(cfg: TransformerConfig, dtypes: dict) -> dict:

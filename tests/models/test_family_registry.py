@@ -3,14 +3,23 @@ tables run on. The families' numbers against transformers are tests/models/test_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dflash_jax.errors import ModelError
 from dflash_jax.models import families
+from dflash_jax.models.architecture import layer_attention, layer_window
+from dflash_jax.models.layers.attention import packed_causal_pairs
+from dflash_jax.models.layers.linear_attention import CHUNK
+from dflash_jax.models.sharding import dotted
+from dflash_jax.models.transformer import decoder_layer, layer_kind, layer_macs
 from dflash_jax.models.weight_maps import Tensor, WeightMap, chain, checkpoint_name, split, transpose
 
 FAMILY_MODULES = Path(families.__file__).parent
@@ -66,6 +75,64 @@ def test_each_published_config_reads_as_its_family():
     assert families.weight_map(json.loads((TARGETS / "Qwen3.5-35B-A3B.json").read_text())).prefix == (
         "model.language_model."
     )
+
+
+def weight_macs(layer: nnx.Module, experts_per_token: float) -> float:
+    """Multiply-adds a token of a layer's weight matmuls, read from its parameters: every matrix
+    once, the stacked experts' by the share of them a token is routed to (biases, norms, scales
+    and the conv's taps are no matmul weights)."""
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(layer, nnx.Param))):
+        name = dotted(path)
+        if x.ndim < 2 or name.endswith(("_bias", "conv1d.weight")):
+            continue
+        total += x.size * experts_per_token if ".experts." in f".{name}" else x.size
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TARGETS.glob("*.json")))
+def test_each_kind_of_layer_counts_its_weights_and_its_attention(name):
+    """`layer_macs` of each kind of layer of every published target (Gemma 4's own layer too): the
+    weights its module holds, a token each, plus what attends (scores and outputs over the tiles
+    below the diagonal; latent attention's N + R wide keys and U wide values; Gated DeltaNet's
+    chunked delta rule)."""
+    cfg = families.target_config(json.loads((TARGETS / name).read_text()))
+    rows, seq_len = 2, 640
+    first_of_kind = {layer_kind(cfg, i): i for i in reversed(range(cfg.num_layers))}
+    for index in first_of_kind.values():
+        layer = nnx.eval_shape(
+            lambda i=index: decoder_layer(
+                cfg,
+                i,
+                attention="xla",
+                dtypes=dict(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16),
+                rngs=nnx.Rngs(0),
+            )
+        )
+        layer_type = cfg.layer_types[index]
+        share = cfg.moe.num_experts_per_token / cfg.moe.num_experts if cfg.moe else 0
+        if layer_type == "linear_attention":
+            lin = cfg.linear_attention
+            per_head = 2 * CHUNK * (lin.head_k_dim + lin.head_v_dim) + 3 * lin.head_k_dim * lin.head_v_dim
+            attends = rows * seq_len * lin.num_v_heads * per_head
+        elif cfg.latent_attention is not None:
+            latent = cfg.latent_attention
+            width = latent.qk_nope_head_dim + latent.qk_rope_head_dim + latent.v_head_dim
+            attends = rows * packed_causal_pairs(seq_len) * cfg.num_heads * width
+        else:
+            pairs = packed_causal_pairs(seq_len, layer_window(cfg, layer_type))
+            attends = 2 * rows * pairs * cfg.num_heads * layer_attention(cfg, layer_type).head_dim
+        expected = rows * seq_len * weight_macs(layer, share) + attends
+        assert layer_macs(cfg, index, rows, seq_len) == pytest.approx(expected, rel=1e-12), (name, index)
+
+
+def test_a_block_no_family_builds_is_one_line():
+    cfg = families.target_config(json.loads((TARGETS / "Qwen3-8B.json").read_text()))
+    assert families.decoder_layer(cfg) is None  # the shared pre-norm block
+    gemma = families.target_config(json.loads((TARGETS / "gemma-4-31B-it.json").read_text()))
+    assert families.decoder_layer(gemma) is families.FAMILIES["gemma4"].layer
+    with pytest.raises(ModelError, match=r"block 'qwen3' is not supported \(supported: pre_norm, gemma4\)"):
+        families.decoder_layer(dataclasses.replace(cfg, block="qwen3"))
 
 
 def test_a_qwen_hybrid_without_layer_types_has_every_fourth_layer_full():

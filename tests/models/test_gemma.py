@@ -14,8 +14,8 @@ from flax import nnx
 from transformers.models.gemma4 import modeling_gemma4 as g4
 
 from dflash_jax.models.architecture import RopeConfig
+from dflash_jax.models.families.gemma4 import Gemma4Attention, Gemma4Block
 from dflash_jax.models.layers.basic import SwiGLU, rotary
-from dflash_jax.models.layers.gemma import Gemma4Attention, Gemma4Block
 from dflash_jax.models.layers.mixers import DecodeStep, PackedRows
 
 HIDDEN, WINDOW = 64, 8

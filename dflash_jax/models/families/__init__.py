@@ -2,8 +2,9 @@
 
 A family module defines `FAMILY = Family(...)` (models/family.py): how its config.json reads and
 where its weights live on the hub. The loader (models/formats/hf.py), the memory plan and the
-training config (through `target_config`) and the error for an unknown architecture read this
-registry, which imports every module here at start-up; adding a family is adding its module.
+training config (through `target_config`), the target model (a family's own decoder layer,
+`decoder_layer`) and the error for an unknown architecture read this registry, which imports every
+module here at start-up; adding a family is adding its module.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 from dflash_jax.errors import ModelError
 from dflash_jax.models import registry
-from dflash_jax.models.architecture import TransformerConfig
-from dflash_jax.models.family import Family, text_fields
+from dflash_jax.models.architecture import PRE_NORM, TransformerConfig
+from dflash_jax.models.family import DecoderLayer, Family, text_fields
 from dflash_jax.models.weight_maps import WeightMap
 
 FAMILIES: dict[str, Family] = registry.discover(__name__, __path__, "FAMILY")
@@ -47,3 +48,14 @@ def weight_map(hf: dict[str, Any]) -> WeightMap:
     """Where the weights of the checkpoint whose config.json is `hf` live."""
     family, architecture = find(hf)
     return family.weight_map(architecture)
+
+
+def decoder_layer(cfg: TransformerConfig) -> DecoderLayer | None:
+    """The family's own decoder layer that `cfg.block` names; None for the shared pre-norm block."""
+    if cfg.block == PRE_NORM:
+        return None
+    family = FAMILIES.get(cfg.block)
+    if family is None or family.layer is None:
+        own = sorted(name for name, family in FAMILIES.items() if family.layer is not None)
+        raise ModelError(f"block {cfg.block!r} is not supported (supported: {', '.join([PRE_NORM, *own])})")
+    return family.layer

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.models.architecture import LatentAttentionConfig
+from dflash_jax.models.architecture import LatentAttentionConfig, TransformerConfig
 from dflash_jax.models.layers import attention
 from dflash_jax.models.layers.basic import RMSNorm, Rotary, apply_rope, linear
 from dflash_jax.models.layers.cache import leading_slots, write_rows
@@ -162,6 +162,24 @@ class LatentAttention(nnx.Module):
     def new_cache(self, batch: int, max_len: int, max_step: int = 1) -> LatentCache:
         """Slots for `max_len` tokens a row (rolled back, as attention, by lowering the lengths)."""
         return LatentCache(jnp.zeros((batch, max_len, self.kv_lora_rank + self.rope_dim), self.compute_dtype))
+
+
+def latent_attention_macs(cfg: TransformerConfig, rows: int, seq_len: int) -> int:
+    """Multiply-adds of a latent attention layer over [rows, seq_len] packed rows, as its packed
+    forward computes them: the low-rank projections, the latent expanded to every head's keys and
+    values, and attention of N + R wide keys and U wide values over the tiles below the diagonal."""
+    latent, h, heads = cfg.latent_attention, cfg.hidden_size, cfg.num_heads
+    qk = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    rank = latent.q_lora_rank
+    query = h * rank + rank * heads * qk if rank else h * heads * qk
+    weights = (
+        query
+        + h * (latent.kv_lora_rank + latent.qk_rope_head_dim)
+        + latent.kv_lora_rank * heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+        + heads * latent.v_head_dim * h
+    )
+    pairs = rows * attention.packed_causal_pairs(seq_len)
+    return rows * seq_len * weights + pairs * heads * (qk + latent.v_head_dim)
 
 
 def rope_rows_deinterleaved(weight: np.ndarray, head_width: int, rope_dim: int) -> np.ndarray:

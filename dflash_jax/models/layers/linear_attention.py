@@ -375,3 +375,14 @@ class GatedDeltaNet(nnx.Module):
             base=start + head,
         )
         return self._output(o, z), cache
+
+
+def gated_deltanet_macs(config: LinearAttentionConfig, hidden_size: int) -> int:
+    """Multiply-adds a token of the packed forward: the projections (q, k, v, z, and b and a per
+    value head; out), and per value head and chunk of L tokens the scores and decay-masked k·k
+    (2·L·L·H), the solve and the intra-chunk outputs (2·L·L·U), the state read, correction and
+    update (3·L·H·U)."""
+    key, value = config.num_k_heads * config.head_k_dim, config.num_v_heads * config.head_v_dim
+    projections = hidden_size * (2 * key + 2 * value + 2 * config.num_v_heads) + value * hidden_size
+    per_head = 2 * CHUNK * (config.head_k_dim + config.head_v_dim) + 3 * config.head_k_dim * config.head_v_dim
+    return projections + config.num_v_heads * per_head

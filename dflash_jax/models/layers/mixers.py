@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models.architecture import TransformerConfig, layer_attention, layer_window
 from dflash_jax.models.layers import attention
 from dflash_jax.models.layers.basic import RMSNorm, Rotary, apply_rope, linear
 from dflash_jax.models.layers.cache import LayerCache, leading_slots
@@ -176,3 +177,37 @@ class SelfAttention(AttentionProjections):
         mask = attention.cached_causal_mask(step.start, h.shape[1], keys.shape[1], self.sliding_window)
         attn = attention.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask, self._sinks())
         return self.output(attn, gate), cache
+
+
+def projection_macs(
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    output_gate: bool = False,
+    values_from_keys: bool = False,
+) -> int:
+    """Multiply-adds a token of the q/k/v/o projections (`AttentionProjections`); `output_gate`
+    doubles q_proj, `values_from_keys` drops v_proj."""
+    q_width = num_heads * head_dim * (2 if output_gate else 1)
+    kv_width = num_kv_heads * head_dim * (1 if values_from_keys else 2)
+    return hidden_size * (q_width + kv_width) + num_heads * head_dim * hidden_size
+
+
+def attention_macs(cfg: TransformerConfig, layer_type: str, rows: int, seq_len: int) -> int:
+    """Multiply-adds of a target attention layer of `layer_type` over [rows, seq_len] packed rows:
+    its projections (the layer kind's own head size and kv heads) and its scores and outputs over
+    the tiles below the diagonal, inside the window of a sliding layer
+    (`attention.packed_causal_pairs`)."""
+    own = layer_attention(cfg, layer_type)
+    weights = projection_macs(
+        cfg.hidden_size,
+        cfg.num_heads,
+        own.num_kv_heads,
+        own.head_dim,
+        output_gate=cfg.attention_output_gate,
+        values_from_keys=own.values_from_keys,
+    )
+    pairs = attention.packed_causal_pairs(seq_len, layer_window(cfg, layer_type))
+    return rows * seq_len * weights + 2 * rows * pairs * cfg.num_heads * own.head_dim

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from dflash_jax.models.architecture import MoeConfig
-from dflash_jax.models.layers.basic import GATE_ACTIVATIONS, Linear, SwiGLU, linear
+from dflash_jax.models.layers.basic import GATE_ACTIVATIONS, Linear, SwiGLU, linear, swiglu_macs
 from dflash_jax.models.sharding import (
     BATCH,
     EMBED,
@@ -392,6 +392,18 @@ class MoE(nnx.Module):
         else:
             hidden = GATE_ACTIVATIONS["gelu_tanh" if self.config.activation == "geglu" else "silu"](gate) * up
         return project(hidden, "down_proj")
+
+
+def moe_macs(hidden_size: int, config: MoeConfig) -> int:
+    """Multiply-adds a token: the router, the experts chosen for it only, and the shared expert
+    (and its gate) where there is one."""
+    shared = config.shared_expert_intermediate_size
+    return (
+        hidden_size * config.num_experts
+        + config.num_experts_per_token * swiglu_macs(hidden_size, config.expert_intermediate_size)
+        + swiglu_macs(hidden_size, shared)
+        + (hidden_size if shared and config.shared_expert_gate else 0)
+    )
 
 
 def _expert_state_specs(state, expert_axes: tuple[str, ...]):
