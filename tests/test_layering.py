@@ -2,8 +2,10 @@
 
     errors, bundled, simulated_devices <- models <- data <- decoding <- training <- command-line modules
 
-no module imports, through others, itself (no import circles, inside a package included), and
-the package imports no test framework or reference implementation (torch)."""
+inside a package too, its modules and subpackages stand in levels (`LEVELS`) and import only their
+own level or below (lazy imports included); no module imports, through others, itself (no import
+circles, inside a package included), and the package imports no test framework or reference
+implementation (torch)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,66 @@ def layer_of(module: str) -> int:
     """'dflash_jax.training.loop' -> 4; a top-level module other than errors is a command line."""
     parts = module.split(".")
     return LAYERS.get(parts[1], COMMAND_LINE) if len(parts) > 1 else COMMAND_LINE
+
+
+# Inside a package: its modules and subpackages by level, lowest first. A module may import its
+# own level's (without circles: test_no_import_circles) and the levels below; every module and
+# subpackage of the package stands in its table.
+LEVELS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "dflash_jax.models": (
+        ("architecture", "registry", "sharding", "weight_maps"),  # configs, axis names, the weight-map engine
+        ("hf_config", "kernels", "quantized"),  # config.json fields, Pallas kernels, quantized formats
+        ("layers",),  # the mechanisms, each with its partition rules and multiply-adds
+        ("family", "kind"),  # what a target family and a drafter kind declare
+        ("families", "kinds"),  # one module each
+        ("parameters", "transformer", "drafter_format", "drafter_config", "drafter"),  # the models
+        ("formats",),  # checkpoints in and out
+    ),
+    "dflash_jax.models.layers": (
+        ("attention", "basic", "cache", "chunking", "layer_stack"),
+        ("block_attention", "mixers", "moe"),
+        ("latent_attention", "linear_attention"),  # target mixers on mixers' inputs
+    ),
+    "dflash_jax.training": (
+        ("mesh", "workdir", "warm_start"),
+        ("optim",),
+        ("head_terms", "objective"),
+        ("kinds", "loss"),  # each drafter kind's loss terms, and the loss they make up
+        ("config",),
+        ("step",),
+        ("checkpoint", "drafters", "monitoring", "acceptance_eval", "summary"),
+        ("planning",),
+        ("loop",),
+    ),
+    "dflash_jax.decoding": (
+        ("draft_vocab", "http_client", "outputs", "prompt_sets", "report", "sampling"),
+        ("drafting", "generate"),
+        ("kinds",),  # each drafter kind's drafting walk
+        ("speculative",),
+        ("acceptance", "backends", "engines", "regeneration"),
+        ("measurement",),
+    ),
+}
+
+
+def level_violations(package: str, levels: tuple[tuple[str, ...], ...], graph: dict[str, set[str]]) -> list[str]:
+    """What breaks `package`'s levels in an import graph of module names: a member (module or
+    subpackage) that has no level or does not exist, a member importing a higher level's."""
+    level = {member: n for n, members in enumerate(levels) for member in members}
+
+    def member(module: str) -> str | None:
+        return module[len(package) + 1 :].split(".")[0] if module.startswith(f"{package}.") else None
+
+    members = {member(m) for m in graph} - {None}
+    found = [f"{package}.{m} has no level in LEVELS" for m in sorted(members - set(level))]
+    found += [f"{package}.{m} is in LEVELS but no module" for m in sorted(set(level) - members)]
+    for module, imported in sorted(graph.items()):
+        own = member(module)
+        for target in sorted(imported):
+            other = member(target)
+            if own in level and other in level and level[other] > level[own]:
+                found.append(f"{module} (level {level[own]} of {package}) imports {target} (level {level[other]})")
+    return found
 
 
 def imported_modules(path: Path, modules: set[str]) -> set[str]:
@@ -87,6 +149,11 @@ def test_imports_point_down(path):
     assert violations(module_name(path), path) == []
 
 
+@pytest.mark.parametrize("package", list(LEVELS))
+def test_modules_import_only_their_level_or_below(package):
+    assert level_violations(package, LEVELS[package], import_graph()) == []
+
+
 def test_no_import_circles():
     """Imports inside functions and under TYPE_CHECKING count: they are circles all the same."""
     assert circles(import_graph()) == []
@@ -112,3 +179,18 @@ def test_the_check_can_fail(tmp_path):
         "from dflash_jax.models import families\nfrom dflash_jax.models.architecture import X\n"
     )
     assert imported_modules(tmp_path / "f.py", modules) == modules
+    # Inside a package: a layer importing the model inside a function, a module with no level, a
+    # level naming no module; importing the package itself or the same member is no violation.
+    (tmp_path / "g.py").write_text("def f():\n    from dflash_jax.models.transformer import Transformer\n")
+    graph = {
+        "dflash_jax.models.layers.moe": imported_modules(tmp_path / "g.py", {"dflash_jax.models.transformer"}),
+        "dflash_jax.models.transformer": {"dflash_jax.models", "dflash_jax.models.layers.moe"},
+        "dflash_jax.models.layers.basic": {"dflash_jax.models.layers.moe"},
+        "dflash_jax.models.extra": set(),
+    }
+    levels = (("layers",), ("transformer", "drafter"))
+    assert level_violations("dflash_jax.models", levels, graph) == [
+        "dflash_jax.models.extra has no level in LEVELS",
+        "dflash_jax.models.drafter is in LEVELS but no module",
+        "dflash_jax.models.layers.moe (level 0 of dflash_jax.models) imports dflash_jax.models.transformer (level 1)",
+    ]
