@@ -1,6 +1,7 @@
 """The frozen target LM, built layer by layer from its config's per-layer spec, in Flax NNX.
 
-Every layer is a `layers.DecoderBlock`: a token mixer chosen by `cfg.layer_types[i]` and an MLP.
+Every layer is a `layers.DecoderBlock`: a token mixer chosen by `cfg.layer_types[i]` and an MLP
+(or, where `cfg.block` names a family, that family's own layer: `family.DecoderLayer`).
 With `scan_layers`, each run of a repeating layer pattern runs under one scan over its layers'
 stacked weights (models/layers/layer_stack.py; docs/design.md §8). Two entry points:
   * `__call__` runs packed rows (tokens, segment_ids, positions); no mixer ever crosses a
