@@ -283,11 +283,12 @@ def test_released_configs_read_as_the_engines_read_them():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(kind="medusa"), r"kind='medusa' is not one of dflash, dflash2, dspark, domino"),
+        (dict(kind="medusa"), r"kind='medusa' is not one of dflash, dflash2, dspark, domino, xpress"),
         (dict(kind="dflash2", conv_group_size=24), r"conv_group_size=24 must divide hidden_size=32"),
         (dict(kind="dflash2", selector_top_k=65), r"selector_top_k=65 must be in \[1, vocab_size=64\]"),
         (dict(kind="dflash2", conv_kernel_size=5), r"conv_kernel_size=5 must be in \[1, block_size=4\]"),
         (dict(kind="dspark", markov_rank=0), r"markov_rank=0 must be at least 1"),
+        (dict(kind="xpress", xpress_num_passes=0), r"xpress_num_passes=0 must be at least 1"),
     ],
 )
 def test_kind_errors_are_one_line(target, fields, message):

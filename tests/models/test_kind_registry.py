@@ -39,7 +39,7 @@ def test_every_kind_is_a_module_in_each_layer_and_nothing_else_is():
     assert sorted(walks.WALKS) == _modules(walks) == sorted(kinds.KINDS)
     assert all(callable(f) for f in (*losses.TERMS.values(), *walks.WALKS.values()))
     assert kinds.DEFAULT in kinds.KINDS
-    with pytest.raises(ModelError, match="^kind='medusa' is not one of dflash, dflash2, dspark, domino$"):
+    with pytest.raises(ModelError, match="^kind='medusa' is not one of dflash, dflash2, dspark, domino, xpress$"):
         kinds.get("medusa")
 
 

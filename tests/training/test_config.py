@@ -118,7 +118,7 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"train.max_steps": True}, 1, "train.max_steps=True must be an integer"),
         ({"drafter.target_layer_ids": (0, "1")}, 1, r"drafter.target_layer_ids=\(0, '1'\) must be a tuple of integers"),
         # Drafter kinds: a bad value, a bad size, a bad combination.
-        ({"drafter.kind": "eagle"}, 1, "^drafter.kind='eagle' is not one of dflash, dflash2, dspark, domino$"),
+        ({"drafter.kind": "eagle"}, 1, "^drafter.kind='eagle' is not one of dflash, dflash2, dspark, domino, xpress$"),
         (
             {"drafter.kind": "dflash2", "drafter.conv_group_size": 24},
             1,

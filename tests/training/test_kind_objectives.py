@@ -1,6 +1,7 @@
 """The drafter kinds' objectives against float64 references of their trainers' code
-(tests/support/kind_references.py): DFlash2's unary + candidate loss, DSpark's CE + L1 +
-confidence loss, values and gradients, and their blocks on packed rows."""
+(tests/support/kind_references.py, tests/support/xpress_reference.py): DFlash2's unary + candidate
+loss, DSpark's CE + L1 + confidence loss, XPress's teacher-forced + Jacobi rounds + backbone loss,
+values and gradients, and their blocks on packed rows."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.transformer import Transformer
+from dflash_jax.models.weight_maps import checkpoint_name
 from dflash_jax.training import objective
 from dflash_jax.training.kinds import TERMS
 from dflash_jax.training.loss import drafter_loss
 from support import kind_references as ref
+from support import xpress_reference
 from support.blocks import objective_config
 
 VOCAB, MASK, HIDDEN = 64, 63, 32
@@ -38,7 +41,7 @@ TARGET = TransformerConfig(
     head_dim=8,
     rope=RopeConfig(10000.0),
 )
-HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8)
+HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8, xpress_rank=8, xpress_mlp_hidden=16)
 
 
 def head_fields(kind):
@@ -196,6 +199,74 @@ def test_dspark_terms_match_the_reference_values_and_gradients():
     np.testing.assert_allclose(g_params["confidence_head"]["proj"]["bias"][0], cb.grad, rtol=1e-4, atol=1e-6)
 
 
+def _checkpoint_tensors(module, prefix):
+    """The module's parameters as torch leaves under their export names, in torch's layout, and
+    the way back to ours: name -> (tensor, its path in the module, whether it is transposed)."""
+    found = {}
+    for path, value in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(module))):
+        keys = (prefix, *(str(p.key) for p in path))
+        name, transposed = checkpoint_name(keys)
+        array = np.asarray(value, np.float64)
+        found[name] = (_t(array.T if transposed else array), keys[1:], transposed)
+    return found
+
+
+@pytest.mark.parametrize("loss, distill", [("dflash", False), ("dpace", True)], ids=["dflash-ce", "dpace-distill"])
+def test_xpress_terms_match_the_reference_values_and_gradients(loss, distill):
+    rng = np.random.default_rng(2)
+    cfg, drafter = _cfg("xpress", loss=loss, distill=distill), _drafter("xpress")
+    head_module = drafter.xpress_head
+    head_module.mix.L[...] = jnp.asarray(0.3 * rng.normal(size=head_module.mix.L.shape), jnp.float32)  # not 0
+    blocks, labels, anchors, mask, target_hidden = _random_blocks(rng, 3, distill)
+    # Hidden states that make some labels the backbone's argmax, some not; the anchor's slot too.
+    head = rng.normal(size=(HIDDEN, VOCAB)) / np.sqrt(HIDDEN)
+    hidden = (
+        rng.normal(size=(*labels.shape, HIDDEN)) + 2.0 * head.T[labels] * (rng.random(labels.shape) < 0.5)[..., None]
+    )
+    hidden = np.concatenate([rng.normal(size=(*labels.shape[:2], 1, HIDDEN)), hidden], axis=2)
+    value, (weights, hits), g_hidden, g_params = _jax_terms(
+        "xpress", drafter, jnp.asarray(hidden, jnp.float32), jnp.asarray(head, jnp.float32), blocks, cfg
+    )
+
+    tensors = _checkpoint_tensors(head_module, "xpress_head")
+    h = _t(hidden)
+    expected = xpress_reference.loss(
+        h.flatten(0, 1),
+        torch.tensor(head),
+        torch.tensor(labels).flatten(0, 1),
+        torch.tensor(mask).flatten(0, 1),
+        torch.tensor(anchors).flatten(),
+        {name: t for name, (t, _, _) in tensors.items()},
+        rounds=3,
+        loss_name=loss,
+        gamma=4.0,
+        target_logits=None if target_hidden is None else torch.tensor(target_hidden).flatten(0, 1) @ torch.tensor(head),
+    )
+    expected.backward()
+    np.testing.assert_allclose(float(value), expected.item(), rtol=1e-5)
+    if loss == "dflash":
+        np.testing.assert_allclose(weights, np.asarray(mask) * np.exp(-np.arange(3) / 4.0), rtol=1e-6)
+    np.testing.assert_allclose(g_hidden, h.grad, rtol=1e-4, atol=1e-6)
+    assert h.grad[:, :, 0].abs().sum().item() > 0  # the anchor's state reaches the refiner (mean, mixer)
+    for name, (t, path, transposed) in tensors.items():
+        got = functools.reduce(lambda tree, key: tree[key], path, g_params["xpress_head"])
+        want = t.grad.numpy()
+        np.testing.assert_allclose(got, want.T if transposed else want, rtol=1e-4, atol=1e-6, err_msg=name)
+        assert float(np.abs(want).sum()) > 0, name
+    # A hit: the teacher-forced refined logits pick the label.
+    logits = xpress_reference.refined_logits(
+        h.flatten(0, 1).detach(),
+        h.flatten(0, 1).detach() @ torch.tensor(head),
+        torch.tensor(anchors).flatten(),
+        torch.tensor(labels).flatten(0, 1),
+        {name: t.detach() for name, (t, _, _) in tensors.items()},
+    )
+    np.testing.assert_array_equal(
+        np.asarray(hits).reshape(-1, 3), (logits.argmax(-1) == torch.tensor(labels).flatten(0, 1)).numpy()
+    )
+    assert 0 < np.asarray(hits).sum() < hits.size
+
+
 def _row(tokens, segment_ids, loss_mask):
     segment_ids = np.asarray([segment_ids], np.int32)
     positions = np.zeros_like(segment_ids)
@@ -234,7 +305,7 @@ def target():
     return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], compiler_options=FAST_COMPILE)())
 
 
-@pytest.mark.parametrize("kind", ["dflash2", pytest.param("dspark", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["dflash2", *(pytest.param(k, marks=pytest.mark.slow) for k in ("dspark", "xpress"))])
 def test_loss_of_packed_rows_is_the_references_on_the_drafters_states(target, kind):
     """drafter_loss on packed rows: the reference loss of the drafter's own hidden states, the
     blocks' labels, and (DSpark) the target's distribution at the position before each label."""
@@ -276,6 +347,18 @@ def test_loss_of_packed_rows_is_the_references_on_the_drafters_states(target, ki
             torch.tensor(np.asarray(selector.hidden_projection.kernel[...], np.float64)),
             top_k=6,
             alpha=0.7,
+            gamma=4.0,
+        )
+    elif kind == "xpress":  # the refiner reads every slot's state, the anchor's too
+        expected = xpress_reference.loss(
+            flat(np.asarray(hidden, np.float64)),
+            head,
+            labels,
+            mask,
+            anchor_tokens,
+            {name: t.detach() for name, (t, _, _) in _checkpoint_tensors(drafter.xpress_head, "xpress_head").items()},
+            rounds=3,
+            loss_name="dflash",
             gamma=4.0,
         )
     else:

@@ -19,8 +19,10 @@ from dflash_jax.models.kinds.domino import KIND as DOMINO
 from dflash_jax.models.kinds.domino import DominoFields
 from dflash_jax.models.kinds.dspark import KIND as DSPARK
 from dflash_jax.models.kinds.dspark import DSparkFields
+from dflash_jax.models.kinds.xpress import KIND as XPRESS
+from dflash_jax.models.kinds.xpress import XPressFields
 
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (DFLASH, DFLASH2, DSPARK, DOMINO)}
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (DFLASH, DFLASH2, DSPARK, DOMINO, XPRESS)}
 # The kind a drafter is unless its config says otherwise: the backbone alone.
 DEFAULT = DFLASH.name
 # config.json `architectures` entry -> its kind.
@@ -31,7 +33,7 @@ PROJECTOR_TYPES = {kind.projector_type: kind for kind in KINDS.values() if kind.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KindFields(DFlash2Fields, DSparkFields, DominoFields):
+class KindFields(DFlash2Fields, DSparkFields, DominoFields, XPressFields):
     """Every kind's sizes, with their defaults: a drafter of one kind leaves the others' alone."""
 
 
