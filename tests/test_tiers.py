@@ -54,10 +54,9 @@ def reached_from(files: list[Path]) -> set[str]:
             continue
         seen.add(module)
         todo += imports(path)
-        # A drafter kind names its loss terms and drafting walk 'module:function' (models/kind.py).
-        todo += re.findall(r"""["'](dflash_jax(?:\.\w+)+):\w+["']""", path.read_text())
-        if path.name == "__init__.py" and "registry.discover(__name__, __path__" in path.read_text():
-            # A registry package imports every module of its own (models/families/, models/kinds/).
+        if path.name == "__init__.py" and re.search(r"registry\.\w+\(__name__, __path__", path.read_text()):
+            # A registry package imports every module of its own (models/families/, and each drafter
+            # kind's loss terms and walk: training/kinds/, decoding/kinds/).
             todo += [f"{module}.{p.stem}" for p in path.parent.glob("*.py") if p.stem != "__init__"]
         parent = module.rpartition(".")[0]  # importing a.b.c runs a.b's __init__ too
         todo += [parent] if parent else []

@@ -169,4 +169,4 @@ def test_a_kind_llama_cpp_does_not_serve_is_a_problem_not_a_crash(target):
     by llama.cpp b11434) is a reason, not an exception."""
     cfg = make_drafter(target, kind="domino", gru_hidden_dim=16, emb_dim=8).cfg
     (problem,) = llama_cpp_problems(cfg.to_hf(), target.cfg.num_layers)
-    assert "not ['DominoDraftModel']" in problem
+    assert "not drafter kind 'domino'" in problem

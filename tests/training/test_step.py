@@ -256,7 +256,7 @@ def test_the_configured_attention_code_is_what_the_step_traces(attention, kernel
         target_graphdef=graphdef,
         target_params=target_params,
         tx=optax.sgd(1.0),
-        cfg=dataclasses.replace(OBJECTIVE, target_layer_ids=drafter_cfg.target_layer_ids),
+        cfg=dataclasses.replace(OBJECTIVE, drafter=drafter_cfg),
         grad_accum_steps=1,
         mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),
