@@ -38,7 +38,7 @@ def _parts(setup: TrainSetup, rows: int, seq_len: int) -> tuple[float, float, fl
 
     def layer_weights(hidden, inter, heads, kv_heads):  # multiply-adds per token
         weights = projection_macs(hidden, heads, kv_heads, hd) + swiglu_macs(hidden, inter)
-        return weights + kind.layer_macs(d)  # the kind's own per layer (DFlash2's convolutions)
+        return weights + kind.layer_macs(d)  # the kind's own per layer
 
     # Target: forward through the last feature layer (the last layer, and the LM head on the
     # slots, to distill).
