@@ -1,5 +1,6 @@
-"""The README as a newcomer types it: its development install and test commands are the ones
-`.ci/run` runs, and every `configs/NAME.py[:variants]` string in it is accepted as written."""
+"""The README as a newcomer types it: a manual of at most 250 lines (its measurements live in
+docs/performance.md), its development install and test commands are the ones `.ci/run` runs, and
+every `configs/NAME.py[:variants]` string in it is accepted as written."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")
 # `configs/qwen3.py:8b,b10` as a reader copies it; `configs/NAME.py` (a placeholder) is not one.
 CONFIG_STRING = re.compile(r"configs/[a-z0-9_]+\.py(?::[a-z0-9.,-]+)?")
+# Issue 57: what it is, install, the CPU default, a real run, serving, configs, further reading.
+MAX_LINES = 250
 # Flags that change only how much a command prints.
 QUIET = {"-q", "--quiet"}
 
@@ -51,6 +54,11 @@ def ci_commands() -> list[tuple[str, ...]]:
         if command[:2] == ("pip", "install") and "--upgrade" not in command or command[:1] == ("pytest",):
             out.append(command)
     return out
+
+
+def test_the_readme_is_a_manual_of_at_most_250_lines():
+    lines = len(README.splitlines())
+    assert lines <= MAX_LINES, f"README.md has {lines} lines: move tables and details to docs/ (at most {MAX_LINES})"
 
 
 def test_readme_test_commands_are_what_ci_runs():
