@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from flax import nnx
 from dflash_jax.data.synthetic import packed_batch
 from dflash_jax.models import kernels
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
-from dflash_jax.models.kernels import cost
+from dflash_jax.models.kernels import block, cost
 from dflash_jax.models.layers import attention, block_attention
 from dflash_jax.models.transformer import Transformer
 from support import block_cases
@@ -157,10 +158,82 @@ def test_target_forward_fused_equals_xla():
     np.testing.assert_allclose(np.where(real, outs["fused"], 0), np.where(real, outs["xla"], 0), atol=1e-4)
 
 
-def test_unsupported_head_dim_falls_back_to_xla():
+def test_unsupported_head_dim_falls_back_to_xla_and_says_so():
     q, k, v = _qkv(1, 64, 2, 1, 24)  # not a power of two
     seg = jnp.ones((1, 64), jnp.int32)
-    np.testing.assert_allclose(_packed_causal("fused", q, k, v, seg), _packed_causal("xla", q, k, v, seg), atol=1e-6)
+    with kernels.noting_fallbacks() as reasons:
+        fused = _packed_causal("fused", q, k, v, seg)
+    np.testing.assert_allclose(fused, _packed_causal("xla", q, k, v, seg), atol=1e-6)
+    assert reasons == [
+        "the target's attention runs XLA's code, not a kernel: heads of 24 (the kernels take powers of two from 16)"
+    ]
+
+
+@pytest.mark.parametrize("tiles", [kernels.Tiles(16, 16, 1), kernels.Tiles(32, 32, 2)])
+def test_smaller_tiles_compute_the_same_attention(monkeypatch, tiles):
+    """Where the 64-row, 64-key tiles would not fit the GPU the kernels take smaller ones: the
+    block kernels then split a block's G·L query rows over programs (forward, dq: the own
+    block's dk, dv summed over them) and over the context dk, dv walk's steps."""
+    monkeypatch.setattr(kernels, "candidates", lambda rows, keys: [tiles])
+    args = block_cases.inputs(2, 100, 5, 8, 8, 2, 32, jnp.float32)  # M = 4 heads x 16 slots = 64 rows
+    mask = block_cases.context_mask(2, 100, 5)
+    assert block.tiles_for(args[0], 2) == (tiles,) * 3
+    cotangent = block_cases.normal(30, args[0].shape)
+    out_xla, grads_xla = block_cases.loss_and_grads("xla", args, mask, cotangent)
+    out_fused, grads_fused = block_cases.loss_and_grads("fused", args, mask, cotangent)
+    np.testing.assert_allclose(out_fused, out_xla, atol=2e-5)
+    for name, fused, xla in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads_fused, grads_xla):
+        np.testing.assert_allclose(fused, xla, atol=2e-5, err_msg=name)
+    batch = _packed(1, 100, (10, 60))
+    q, k, v = _qkv(1, 100, 4, 2, 32)
+    real = _real(batch["segment_ids"])
+    target = [_packed_causal(impl, q, k, v, batch["segment_ids"]) for impl in ("fused", "xla")]
+    np.testing.assert_allclose(*(np.where(real, out, 0) for out in target), atol=2e-5)
+
+
+def test_where_no_tile_fits_the_gpu_the_layers_run_xla_and_say_why(monkeypatch):
+    monkeypatch.setattr(kernels, "shared_memory_per_block", lambda: 4096)
+    args = block_cases.inputs(1, 40, 2, 8, 4, 2, 32, jnp.float32)
+    mask = block_cases.context_mask(1, 40, 2)
+    q, k, v = _qkv(1, 64, 2, 1, 32)
+    seg = jnp.ones((1, 64), jnp.int32)
+    with kernels.noting_fallbacks() as reasons:
+        blocks = {
+            impl: block_attention.block_attention(*args, mask, blocks_per_chunk=2, implementation=impl)
+            for impl in ("fused", "xla")
+        }
+        target = {impl: _packed_causal(impl, q, k, v, seg) for impl in ("fused", "xla")}
+    np.testing.assert_array_equal(blocks["fused"], blocks["xla"])
+    np.testing.assert_array_equal(target["fused"], target["xla"])
+    why = "heads of 32 (no tile of its kernels fits the GPU's 4,096 bytes of shared memory a block)"
+    assert reasons == [
+        f"the drafter's attention runs XLA's code, not a kernel: {why}",
+        f"the target's attention runs XLA's code, not a kernel: {why}",
+    ]
+
+
+def test_shared_memory_per_block_is_the_target_configs_and_the_traced_gpus(monkeypatch):
+    """The planner's GPUs (H100, H200: compute capability 9.0; B200: 10.0) say what the table
+    says; the kernels read the active mesh's devices, and on a CPU plan for an H100."""
+    from dflash_jax.models import sharding
+
+    targets = Path(kernels.__file__).parents[2] / "training" / "planning" / "gpu_targets"
+    assert len(list(targets.glob("*.txtpb"))) >= 3
+    for target in targets.glob("*.txtpb"):
+        text = target.read_text()
+        optin = int(re.search(r"shared_memory_per_block_optin: (\d+)", text).group(1))
+        capability = ".".join(re.search(r"cuda_compute_capability \{ major: (\d+) minor: (\d+) \}", text).groups())
+        assert kernels.SHARED_MEMORY_PER_BLOCK[capability] == optin, target.name
+    assert kernels.shared_memory_per_block() == kernels.SHARED_MEMORY_PER_BLOCK["9.0"]
+
+    class Ampere:
+        compute_capability = "8.6"
+
+    class Mesh:
+        devices = np.array([Ampere()])
+
+    monkeypatch.setattr(sharding, "active_mesh", lambda: Mesh())
+    assert kernels.shared_memory_per_block() == 101_376
 
 
 def test_kernels_lower_to_triton_for_gpu():

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 
@@ -73,3 +74,119 @@ def next_power_of_2(n: int) -> int:
 def supported_head_dim(head_dim: int) -> bool:
     """Triton tiles need power-of-two sizes; Qwen3 and Llama-3 use 128 (the tiny target 64)."""
     return head_dim >= 16 and head_dim == next_power_of_2(head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles that fit: a Triton program whose tiles ask for more shared memory than the GPU gives one
+# block does not compile (XLA:GPU: "Shared memory size limit exceeded"). Each kernel estimates
+# what its tiles ask for and takes the first of its candidates that fits; where none does, the
+# layer runs XLA's attention and says so (`fall_back`).
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    rows: int  # query rows a program (or a loop step) multiplies at once
+    keys: int  # keys a loop step reads
+    stages: int  # Triton's software pipelining: a loop's reads are kept in this many copies
+
+
+# Shared memory one block may opt in to, by CUDA compute capability (NVIDIA's CUDA C++ Programming
+# Guide, technical specifications): 227 KiB on the data-center Hopper and Blackwell parts, what the
+# target configs of the planner's H100, H200 and B200 say (training/planning/gpu_targets/, a test
+# checks); 163 KiB on an A100; 99 KiB on the other Ampere, Ada and Blackwell parts.
+SHARED_MEMORY_PER_BLOCK = {
+    "8.0": 166_912,
+    "8.6": 101_376,
+    "8.9": 101_376,
+    "9.0": 232_448,
+    "10.0": 232_448,
+    "12.0": 101_376,
+}
+# Besides the tiles Triton places barriers (an H100's figures are the estimates' exactly, a B200
+# asks 32 bytes more): a candidate must leave this much free.
+SHARED_MEMORY_RESERVE = 1024
+
+
+def shared_memory_per_block() -> int:
+    """Of the GPU the program is traced for: the active mesh's devices (a GPU topology's when the
+    planner compiles without one), else JAX's first device; an H100's where neither is a GPU (on
+    a CPU the kernels run in interpret mode what an H100 would run)."""
+    from dflash_jax.models import sharding
+
+    mesh = sharding.active_mesh()
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        return SHARED_MEMORY_PER_BLOCK["9.0"]
+    return SHARED_MEMORY_PER_BLOCK.get(capability, min(SHARED_MEMORY_PER_BLOCK.values()))
+
+
+def candidates(rows: int, keys: int) -> list[Tiles]:
+    """Tiles of up to `rows` x `keys` (powers of two) and no side under 16 (Triton's dots), best
+    first: pipelined (2 stages) before not, then the larger, then the one with more rows (from 64
+    rows a matmul runs on Hopper's faster warpgroup instructions, `uses_warpgroup_matmuls`)."""
+    sides = [16 << i for i in range(max(rows, keys).bit_length())]
+    options = [Tiles(r, k, st) for r in sides if r <= rows for k in sides if k <= keys for st in (2, 1)]
+    return sorted(options, key=lambda t: (-t.stages, -t.rows * t.keys, -t.rows))
+
+
+def first_fitting(candidates: Iterable[Tiles], shared_memory: Callable[[Tiles], int]) -> Tiles | None:
+    """The first candidate whose `shared_memory` estimate fits the GPU's, with the reserve."""
+    limit = shared_memory_per_block() - SHARED_MEMORY_RESERVE
+    return next((t for t in candidates if shared_memory(t) <= limit), None)
+
+
+def uses_warpgroup_matmuls(rows: int) -> bool:
+    """Triton (num_warps=4) multiplies a left operand of 64 rows or more with Hopper's warpgroup
+    matmuls (wgmma), which read their right operand, and a loaded left one, from shared memory;
+    fewer rows run mma.sync, whose operands pass through shared memory into registers."""
+    return rows >= 64
+
+
+def loop_buffers(tiles: Tiles) -> int:
+    """Copies of a tile a pipelined loop reads: one a stage under warpgroup matmuls, one fewer
+    under mma.sync (the next step's copy lands while registers hold this one's); one unpipelined."""
+    if tiles.stages == 1:
+        return 1
+    return tiles.stages if uses_warpgroup_matmuls(tiles.rows) else tiles.stages - 1
+
+
+def walk_shared_memory(tiles: Tiles, head_dim: int, itemsize: int, key_bytes: int = 0) -> int:
+    """A program whose [rows, H] query tile walks [keys, H] key and value tiles in a loop (an
+    online softmax): the query tile; `loop_buffers` copies of the key and value tiles (unpipelined
+    they take turns in one) and of `key_bytes` a key also read a step (segment ids), but for the
+    step in flight; under mma.sync the probabilities' [rows, keys] tile on its way to the values'
+    matmul. XLA:GPU's figures for an H100, e.g. 327,936 bytes for rows = keys = 64 in 2 stages at
+    H = 512 (Gemma 4's global heads), tests/training/test_kernel_fit.py."""
+    query = tiles.rows * head_dim * itemsize
+    key_tile = tiles.keys * head_dim * itemsize
+    if tiles.stages == 1:
+        kv = key_tile
+    else:
+        kv = loop_buffers(tiles) * 2 * key_tile + (tiles.stages - 1) * tiles.keys * key_bytes
+    probabilities = 0 if uses_warpgroup_matmuls(tiles.rows) else tiles.rows * tiles.keys * itemsize
+    return query + kv + probabilities
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallbacks: a layer asked for a kernel ('auto' on a GPU or TPU, or 'fused') that runs XLA's
+# attention instead says why, once, to whoever collects the reasons (the plan prints them).
+
+_FALLBACKS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("dflash_kernel_fallbacks", default=None)
+
+
+@contextlib.contextmanager
+def noting_fallbacks() -> Iterator[list[str]]:
+    """While tracing inside: the list of `fall_back` reasons, each once, in the order met."""
+    reasons: list[str] = []
+    token = _FALLBACKS.set(reasons)
+    try:
+        yield reasons
+    finally:
+        _FALLBACKS.reset(token)
+
+
+def fall_back(reason: str) -> None:
+    reasons = _FALLBACKS.get()
+    if reasons is not None and reason not in reasons:
+        reasons.append(reason)

@@ -9,7 +9,8 @@ With a sliding window W the walk starts at the tile holding the window start of 
 (never earlier than its document start): a query tile visits about (block_q + W) / block_k key
 tiles, however long the row. Attention sinks start the online softmax: the running max at the
 sink's logit and the running denominator at exp(0) = 1, as if one key of value zero came first.
-The target is frozen, so no backward pass is defined.
+The tiles are 64 x 64, smaller where a program's would not fit the GPU's shared memory (Gemma 4's
+heads of 512: `tiles_for`). The target is frozen, so no backward pass is defined.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.models.kernels import LOG2_E, MASKED, cost, interpret_mode
+from dflash_jax.models import kernels
+from dflash_jax.models.kernels import LOG2_E, MASKED, Tiles, cost, interpret_mode
 
-BLOCK_Q = 64
-BLOCK_K = 64
+BLOCK_Q = 64  # queries a program at most
+BLOCK_K = 64  # keys a step at most
 
 
 def document_starts(segment_ids: jax.Array) -> jax.Array:
@@ -36,6 +38,13 @@ def document_starts(segment_ids: jax.Array) -> jax.Array:
         [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
     )
     return jax.lax.cummax(jnp.where(new_run, index, 0), axis=1)
+
+
+def tiles_for(head_dim: int, itemsize: int) -> Tiles | None:
+    """The first of `kernels.candidates` whose walk (segment ids read with the keys) fits the GPU's
+    shared memory; None if none does."""
+    walk = functools.partial(kernels.walk_shared_memory, head_dim=head_dim, itemsize=itemsize, key_bytes=4)
+    return kernels.first_fitting(kernels.candidates(BLOCK_Q, BLOCK_K), walk)
 
 
 def _kernel(
@@ -91,12 +100,14 @@ def packed_causal_attention(
 
     Same result as `attention.attend` under the causal same-document mask (and the sliding
     window, with the sinks [K*G], where given) at every non-padding position. S is padded to a
-    multiple of the tile sizes inside.
+    multiple of the tile sizes inside. The tiles must fit the GPU (`tiles_for` is not None: the
+    caller checks).
     """
     b, s, heads, head_dim = q.shape
     group = heads // k.shape[2]
-    tile = max(BLOCK_Q, BLOCK_K)
-    pad = (-s) % tile
+    tiles = tiles_for(head_dim, q.dtype.itemsize)
+    block_q, block_k = tiles.rows, tiles.keys
+    pad = (-s) % max(block_q, block_k)
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
@@ -105,35 +116,35 @@ def packed_causal_attention(
     kernel = functools.partial(
         _kernel,
         scale=head_dim**-0.5,
-        block_q=BLOCK_Q,
-        block_k=BLOCK_K,
+        block_q=block_q,
+        block_k=block_k,
         sliding_window=sliding_window,
         has_sinks=sinks is not None,
     )
     in_specs = [
-        pl.BlockSpec((None, BLOCK_Q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
+        pl.BlockSpec((None, block_q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
         pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
         pl.BlockSpec((None, padded, None, head_dim), lambda i, r, h: (r, 0, h // group, 0)),
-        pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
+        pl.BlockSpec((None, block_q), lambda i, r, h: (r, i)),
         pl.BlockSpec((None, padded), lambda i, r, h: (r, 0)),
-        pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (r, i)),
+        pl.BlockSpec((None, block_q), lambda i, r, h: (r, i)),
     ]
     inputs = [q, k, v, segment_ids, segment_ids, starts]
     if sinks is not None:
-        # One row of BLOCK_Q copies per head: Triton loads power-of-two blocks, not scalars.
-        inputs.append(jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (heads, BLOCK_Q)))
-        in_specs.append(pl.BlockSpec((None, BLOCK_Q), lambda i, r, h: (h, 0)))
+        # One row of block_q copies per head: Triton loads power-of-two blocks, not scalars.
+        inputs.append(jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (heads, block_q)))
+        in_specs.append(pl.BlockSpec((None, block_q), lambda i, r, h: (h, 0)))
     call = pl.pallas_call(
         kernel,
-        grid=(padded // BLOCK_Q, b, heads),
+        grid=(padded // block_q, b, heads),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, BLOCK_Q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
+        out_specs=pl.BlockSpec((None, block_q, None, head_dim), lambda i, r, h: (r, i, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=tiles.stages),
         interpret=interpret_mode(),
         name="packed_causal_attention",
     )
-    walk = cost.causal_walk_flops(padded // BLOCK_Q, BLOCK_Q, BLOCK_K, head_dim, sliding_window)
+    walk = cost.causal_walk_flops(padded // block_q, block_q, block_k, head_dim, sliding_window)
     with cost.stating_flops(b * heads * walk):
         out = call(*inputs)
     return out[:, :s]

@@ -33,6 +33,10 @@ it to every call, like maxtext's `AttentionOp` holds its kernel:
   quarter of XLA's roofline time for Qwen3-30B-A3B, `bench/attention.py`, and splash cuts its
   target's attention from 0.164 s to 0.048 s a step); "xla" on CPUs.
 
+A layer whose heads no kernel runs (DeepSeek-V3's latent attention: values narrower than keys;
+tiles that fit no GPU's shared memory; a window on the drafter's blocks) runs the XLA code under
+"fused" too, and says why once (`kernel_runs`): the plan prints each reason.
+
 Decoding (`attend` with a cache mask, `block_attention.block_attention_cached`) always uses XLA.
 """
 
@@ -44,7 +48,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models import sharding
+from dflash_jax.models import kernels, sharding
 from dflash_jax.models.kernels import MASKED, target_backend
 
 IMPLEMENTATIONS = ("auto", "xla", "fused")
@@ -150,16 +154,14 @@ def packed_causal_attention(
     q [B, S, K*G, H], k [B, S, K, H], v [B, S, K, U], segment_ids [B, S] (0 = padding) ->
     [B, S, K*G, U]. Equals `attend` under the causal same-document mask (outputs at padding
     positions are unspecified on the fused path). `implementation`: 'xla' or 'fused' (resolved);
-    the fused kernels need U = H (latent attention's U < H runs the XLA code).
+    where the kernel cannot run these heads (latent attention's U < H, no tile fitting the GPU's
+    shared memory) the XLA code runs and says why (`kernels.fall_back`).
     `sliding_window` (0: none) and `sinks` [K*G] fp32 (None: none): the module docstring.
     """
-    if implementation == "fused" and fused_supported(q) and v.shape[-1] == q.shape[-1]:
+    if implementation == "fused" and kernel_runs("target", _why_no_causal_kernel(q, v)):
         from dflash_jax.models.kernels import packed_causal, tpu_packed_causal
 
-        on_tpu = target_backend() == "tpu"
-        if on_tpu and not tpu_packed_causal.supported(q.shape[1]):
-            return _packed_causal_xla(q, k, v, segment_ids, sliding_window, sinks)
-        fused = tpu_packed_causal if on_tpu else packed_causal
+        fused = tpu_packed_causal if target_backend() == "tpu" else packed_causal
         kernel = functools.partial(fused.packed_causal_attention, sliding_window=sliding_window)
         if sinks is None:
             return per_shard(kernel, (q, k, v, segment_ids), (HEADS_SPEC, KV_SPEC, KV_SPEC, ROWS_SPEC), HEADS_SPEC)
@@ -226,10 +228,39 @@ KV_SPEC = (sharding.BATCH, ..., sharding.KV_HEADS, None)
 ROWS_SPEC = (sharding.BATCH, ...)
 
 
-def fused_supported(q: jax.Array) -> bool:
-    from dflash_jax.models.kernels import supported_head_dim
+def kernel_runs(part: str, unfit: str) -> bool:
+    """Whether the `part`'s kernel runs; where it cannot (`unfit` says why), the XLA code runs and
+    says so once (`kernels.fall_back`: the plan prints it)."""
+    if unfit:
+        kernels.fall_back(f"the {part}'s attention runs XLA's code, not a kernel: {unfit}")
+    return not unfit
 
-    return supported_head_dim(q.shape[-1])
+
+def why_no_kernel(q: jax.Array) -> str:
+    """Why no kernel takes these heads ('' when they do)."""
+    h = q.shape[-1]
+    return "" if kernels.supported_head_dim(h) else f"heads of {h} (the kernels take powers of two from 16)"
+
+
+def no_tile_fits(h: int) -> str:
+    limit = kernels.shared_memory_per_block()
+    return f"heads of {h} (no tile of its kernels fits the GPU's {limit:,} bytes of shared memory a block)"
+
+
+def _why_no_causal_kernel(q: jax.Array, v: jax.Array) -> str:
+    """Why the packed causal kernel cannot run q [B, S, K*G, H] and v [..., U] ('' when it can)."""
+    from dflash_jax.models.kernels import packed_causal, tpu_packed_causal
+
+    h, u = q.shape[-1], v.shape[-1]
+    if u != h:
+        return f"heads of {h} with values of {u} (the kernels take values as wide)"
+    if why_no_kernel(q):
+        return why_no_kernel(q)
+    if target_backend() == "tpu":
+        return (
+            "" if tpu_packed_causal.supported(q.shape[1]) else f"rows of {q.shape[1]} (splash takes multiples of 128)"
+        )
+    return "" if packed_causal.tiles_for(h, q.dtype.itemsize) else no_tile_fits(h)
 
 
 def per_shard(fn, args, logical_specs, out_logical_spec):

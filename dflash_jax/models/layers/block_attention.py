@@ -89,9 +89,10 @@ def block_attention(
     backward pass, so no [N·L, S] score tensor for all blocks ever lives. `implementation`: 'xla'
     or 'fused' (resolved). The fused path reads each block's mask as one span [start, end) (what
     `block_context_mask` gives for contiguous documents) and visits only those keys; it has no
-    window or causal pattern, so such layers run the XLA path.
+    window or causal pattern, so such layers run the XLA path, as do heads whose tiles fit no GPU
+    kernel (each says why: `attention.kernel_runs`).
     """
-    if implementation == "fused" and attention.fused_supported(q) and not window and not causal:
+    if implementation == "fused" and attention.kernel_runs("drafter", _why_no_block_kernel(q, k_ctx, window, causal)):
         from dflash_jax.models.kernels import block, tpu_block
 
         fused = tpu_block if target_backend() == "tpu" else block
@@ -115,6 +116,19 @@ def block_attention(
     return _block_attention_xla(
         q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blocks_per_chunk, window, causal, positions, ctx_positions
     )
+
+
+def _why_no_block_kernel(q: jax.Array, k_ctx: jax.Array, window: int, causal: bool) -> str:
+    """Why the block kernels cannot run these layers ('' when they can)."""
+    from dflash_jax.models.kernels import block
+
+    if window or causal:
+        return "layers with a window or a causal block (the kernels have neither)"
+    if attention.why_no_kernel(q):
+        return attention.why_no_kernel(q)
+    if target_backend() == "tpu" or block.tiles_for(q, k_ctx.shape[2]):
+        return ""
+    return attention.no_tile_fits(q.shape[-1])
 
 
 def _block_attention_xla(

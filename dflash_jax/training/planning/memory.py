@@ -69,6 +69,7 @@ class Plan:
     generated_code: int = 0  # per device, bytes of the compiled program
     compiler_costs: dict[str, float] = dataclasses.field(default_factory=dict)  # `compiler_costs`
     out_of_memory: str = ""  # the compiler's refusal (TPU); then the memory figures come from its message
+    kernel_fallbacks: tuple[str, ...] = ()  # why layers asked for a kernel run XLA's attention (kernels.fall_back)
 
     def fits(self, hbm_bytes: float) -> bool:
         return self.peak <= USABLE_FRACTION * hbm_bytes
@@ -116,7 +117,8 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
     platform = devices[0].platform
     start = time.perf_counter()
     with kernels.compiled_for(platform) if platform != "cpu" else contextlib.nullcontext():
-        lowered, state, target, batch = lower_train_step(setup, mesh)
+        with kernels.noting_fallbacks() as kernel_fallbacks:
+            lowered, state, target, batch = lower_train_step(setup, mesh)
     lower_seconds = time.perf_counter() - start
     placed = {
         "target": bytes_per_device(target),
@@ -151,6 +153,7 @@ def plan_train_step(setup: TrainSetup, devices=None, *, hlo_path: str = "") -> P
         lower_seconds=lower_seconds,
         compile_cpu_seconds=compile_cpu_seconds,
         device_kind=devices[0].device_kind,
+        kernel_fallbacks=tuple(kernel_fallbacks),
     )
     if compiled is None:
         return _refused_plan(refusal, common)
@@ -381,6 +384,7 @@ def format_plan(
         f"    total                    {_gib(plan.peak)}  of {usable / GIB:.1f} GiB usable"
         f" ({USABLE_FRACTION:.0%} of {hbm_bytes / GIB:g} GiB)",
         f"  {verdict(plan, hbm_bytes, fsdp=fsdp, tensor=tensor, remat=remat, remat_policy=remat_policy)}",
+        *(f"  {reason}" for reason in plan.kernel_fallbacks),
         f"  model FLOPs per step {plan.model_flops / 1e12:,.1f} TFLOP"
         f" (+ {plan.remat_flops / 1e12:,.1f} TFLOP recomputed in the backward pass)",
         f"  tokens per step {plan.tokens:,} ({plan.rows} x {plan.seq_len}); drafter block tokens {plan.block_tokens:,}"
