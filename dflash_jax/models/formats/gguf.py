@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import shutil
 import tempfile
@@ -130,14 +132,138 @@ def weights_file(model_path: str | os.PathLike) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
+# GGUF metadata value types (gguf.GGUFValueType) of a fixed size -> bytes; 8 is a string, 9 an array.
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+# The fewest bytes a metadata entry (key length, type, a one-byte value) and a tensor's description
+# (name length, dimension count, one dimension, type, offset) take in the header.
+_MIN_ENTRY_BYTES, _MIN_TENSOR_BYTES = 13, 32
+
+
+def check_gguf(path: str | os.PathLike) -> None:
+    """Walks a GGUF file's header (the magic, version, counts, metadata and tensor descriptions) with
+    every count, length and offset checked against the file's size before it is used, then checks
+    that each tensor's data lies inside the file. A truncated, damaged or hostile file is a one-line
+    ModelError naming it, before the `gguf` package reads it and before any large allocation."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 24:
+        raise _unreadable(path, f"{size} bytes, no GGUF header")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        header = _Header(path, data)
+        tensors, data_start = header.walk()
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for name, dims, type_id, offset in tensors:
+        if type_id not in GGML_QUANT_SIZES:
+            raise _unreadable(path, f"tensor {name!r} has an unknown type {type_id}")
+        block, block_bytes = GGML_QUANT_SIZES[type_id]
+        count = math.prod(dims)  # in Python's integers: no overflow
+        if count % block:
+            raise _unreadable(path, f"tensor {name!r} of shape {dims} does not fill whole {block}-value blocks")
+        end = data_start + offset + count // block * block_bytes
+        if end > size:
+            kind = GGMLQuantizationType(type_id).name
+            raise _unreadable(
+                path, f"tensor {name!r} ({dims} {kind}) ends at byte {end:,}, past the end of the file ({size:,})"
+            )
+
+
+def _unreadable(path: Path, detail: str) -> ModelError:
+    return ModelError(f"{path}: not a readable GGUF file, truncated or corrupt ({detail})")
+
+
+class _Header:
+    """A cursor over a GGUF file's header that never reads past the file's end."""
+
+    def __init__(self, path: Path, data: mmap.mmap):
+        self.path, self.data, self.at, self.order = path, data, 0, "little"
+
+    def walk(self) -> tuple[list[tuple[str, list[int], int, int]], int]:
+        """(name, dims, type, offset) of each tensor, and where their data starts."""
+        if self.take(4, "the magic") != b"GGUF":
+            raise _unreadable(self.path, "no GGUF magic at its start")
+        version = self.uint(4, "the version")
+        if not version & 0xFFFF:  # written on a big-endian machine
+            self.order, version = "big", int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version not in (2, 3):
+            raise _unreadable(self.path, f"GGUF version {version}; versions 2 and 3 are read")
+        num_tensors, num_entries = self.uint(8, "the tensor count"), self.uint(8, "the metadata count")
+        if num_tensors * _MIN_TENSOR_BYTES + num_entries * _MIN_ENTRY_BYTES > self.left:
+            raise _unreadable(
+                self.path,
+                f"its header claims {num_tensors:,} tensors and {num_entries:,} metadata entries, "
+                f"more than {len(self.data):,} bytes hold",
+            )
+        alignment = 32  # gguf.GGUF_DEFAULT_ALIGNMENT
+        for _ in range(num_entries):
+            key = self.string("a metadata key")
+            value_type = self.uint(4, f"the type of {key!r}")
+            value = self.value(value_type, key)
+            if key == "general.alignment" and value_type == _UINT32:
+                alignment = value
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise _unreadable(self.path, f"general.alignment {alignment} is not a power of two")
+        tensors = []
+        for _ in range(num_tensors):
+            name = self.string("a tensor name")
+            num_dims = self.uint(4, f"the dimensions of {name!r}")
+            if not 0 < num_dims <= _MAX_DIMS:
+                raise _unreadable(self.path, f"tensor {name!r} has {num_dims} dimensions")
+            dims = [self.uint(8, f"the shape of {name!r}") for _ in range(num_dims)]
+            tensors.append((name, dims, self.uint(4, f"the type of {name!r}"), self.uint(8, f"the offset of {name!r}")))
+        return tensors, -(-self.at // alignment) * alignment
+
+    @property
+    def left(self) -> int:
+        return len(self.data) - self.at
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > self.left:
+            raise _unreadable(
+                self.path,
+                f"{what} needs {n:,} bytes at byte {self.at:,}, past the end of the file ({len(self.data):,})",
+            )
+        self.at += n
+        return self.data[self.at - n : self.at]
+
+    def uint(self, n: int, what: str) -> int:
+        return int.from_bytes(self.take(n, what), self.order)
+
+    def string(self, what: str) -> str:
+        return self.take(self.uint(8, what), what).decode("utf-8", errors="replace")
+
+    def value(self, value_type: int, key: str) -> int | None:
+        """Reads past one metadata value; returns a fixed-size one as an unsigned integer."""
+        if value_type in _VALUE_BYTES:
+            return self.uint(_VALUE_BYTES[value_type], f"the value of {key!r}")
+        if value_type == _STRING:
+            self.string(f"the value of {key!r}")
+            return None
+        if value_type != _ARRAY:
+            raise _unreadable(self.path, f"metadata {key!r} has an unknown type {value_type}")
+        item_type, count = self.uint(4, f"the value of {key!r}"), self.uint(8, f"the value of {key!r}")
+        if item_type in _VALUE_BYTES:
+            self.take(count * _VALUE_BYTES[item_type], f"the {count:,} values of {key!r}")
+        elif count * 8 > self.left:  # a string or an array takes 8 bytes at least
+            raise _unreadable(self.path, f"metadata {key!r} claims {count:,} values, more than the file holds")
+        else:
+            for _ in range(count):
+                self.value(item_type, key)
+        return None
+
+
 class GgufFile:
-    """A GGUF file's metadata and tensors, checked: the architecture is one of ARCHITECTURES, every
-    tensor has a name here and a type the `gguf` package dequantizes."""
+    """A GGUF file's metadata and tensors, checked: its header's sizes and offsets fit the file
+    (`check_gguf`), the architecture is one of ARCHITECTURES, every tensor has a name here and a
+    type the `gguf` package dequantizes."""
 
     def __init__(self, path: str | os.PathLike):
         from gguf import GGUFReader  # imported where used: 0.4 s that other targets need not pay
 
         self.path = Path(path)
+        check_gguf(self.path)
         try:
             reader = GGUFReader(self.path)
             self.metadata = {name: field.contents() for name, field in reader.fields.items()}

@@ -27,6 +27,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models import families
 from dflash_jax.models.formats.gguf import (
     LAYER_TENSORS,
+    check_gguf,
     copy_field,
     interleave_qk,
     layer_module,
@@ -35,6 +36,7 @@ from dflash_jax.models.formats.gguf import (
     write_file,
 )
 from dflash_jax.models.formats.gguf_tokenizer import CONTROL, PRE_TOKENIZER_SPLITS, USER_DEFINED
+from dflash_jax.models.formats.hf import safetensors_header
 
 NORMAL = 1  # gguf.constants.TokenType
 # Hugging Face architecture -> (GGUF architecture, how llama.cpp reads it), from the families.
@@ -62,6 +64,7 @@ def widened_gguf(gguf_file: str | os.PathLike, out_file: str | os.PathLike) -> P
     key, out_file = f"{source}:{stat.st_size}:{stat.st_mtime_ns}", Path(out_file)
     if out_file.is_file() and _field(out_file, WIDENED_FROM) == key:
         return out_file
+    check_gguf(source)
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(out_file), reader.fields["general.architecture"].contents())
     writer.add_string(WIDENED_FROM, key)
@@ -128,6 +131,7 @@ def write_target_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike)
 
     weights = {}
     for part in sorted(model_dir.glob("*.safetensors")):
+        safetensors_header(part)  # a damaged file: one line naming it
         weights.update(load_file(str(part)))
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not cfg.get("tie_word_embeddings"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable, Collection, Sequence
@@ -26,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dflash_jax.errors import ModelError
@@ -49,29 +50,136 @@ _NUMPY_DTYPES = {
 
 
 def read_config(path: str | os.PathLike) -> dict:
+    """A model directory's config.json; one that is not a JSON object is a one-line ModelError naming it."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
-    return json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ModelError(f"{config_file}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{config_file}: not a JSON object but a {type(config).__name__}")
+    return config
+
+
+def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
+    """The drafter a directory's config.json describes; one that does not describe a drafter (a
+    field missing or of the wrong type) is a one-line ModelError naming the file."""
+    config_file = Path(path) / "config.json"
+    hf = read_config(path)
+    try:
+        return DrafterConfig.from_hf(hf)
+    except KeyError as e:
+        raise ModelError(f"{config_file}: the field {e.args[0]!r} is missing") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a ModelError too: its checks of the fields
+        raise ModelError(f"{config_file}: {e}") from None
+
+
+# safetensors' own limit on a header (its reader refuses larger ones).
+MAX_SAFETENSORS_HEADER = 100_000_000
+# Bits per element of each safetensors dtype.
+SAFETENSORS_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+_MAX_DIMS = 64  # numpy's
+
+
+def safetensors_header(file: str | os.PathLike) -> dict[str, dict]:
+    """The tensors of a safetensors file, name -> {dtype, shape, data_offsets}. The file is an 8-byte
+    little-endian header size, the JSON header, then the data (offsets count from its start). Every
+    size and offset is checked against the file's size before more than 8 bytes are read, so a
+    truncated, damaged or hostile file is a one-line ModelError naming it, never a large allocation."""
+    file = Path(file)
+    size = file.stat().st_size
+    if size < 8:
+        raise ModelError(f"{file}: {size} bytes: not a safetensors file (empty or truncated)")
+    with open(file, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        if header_size > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise ModelError(
+                f"{file}: not a safetensors file, or truncated: its header claims {header_size:,} bytes, "
+                f"the file holds {size:,}"
+            )
+        text = f.read(header_size)
+    try:
+        header = json.loads(text)
+    except ValueError:  # not UTF-8, not JSON
+        raise ModelError(f"{file}: damaged, or not a safetensors file: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{file}: damaged, or not a safetensors file: its header is not a JSON object")
+    data_size = size - 8 - header_size
+    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in tensors.items():
+        if problem := _tensor_problem(entry, data_size):
+            raise ModelError(f"{file}: tensor {name!r} {problem}")
+    return tensors
+
+
+def _tensor_problem(entry, data_size: int) -> str | None:
+    """What is wrong with a tensor's header entry in a file of `data_size` data bytes, or None."""
+    if not isinstance(entry, dict):
+        return "is not described by a JSON object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in SAFETENSORS_BITS:
+        return f"has an unknown dtype {dtype!r}"
+    if not (_counts(shape) and len(shape) <= _MAX_DIMS and _counts(offsets) and len(offsets) == 2):
+        return f"has a bad shape {shape!r} or data_offsets {offsets!r}"
+    begin, end = offsets
+    if end > data_size:
+        return f"ends at byte {end:,} of the data, which holds {data_size:,}: the file is truncated or damaged"
+    needed = -(-math.prod(shape) * SAFETENSORS_BITS[dtype] // 8)  # in Python's integers: no overflow
+    if needed != end - begin:
+        return f"of shape {shape} {dtype} needs {needed:,} bytes, its data_offsets {offsets} span {end - begin:,}"
+    return None
+
+
+def _counts(value) -> bool:
+    """A JSON list of non-negative integers."""
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
 
 
 class SafetensorsReader:
-    """Random access to the tensors of a single-file or sharded (`*.index.json`) checkpoint."""
+    """Random access to the tensors of a single-file or sharded (`*.index.json`) checkpoint, each
+    file's header checked (`safetensors_header`) when the reader opens."""
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            files = json.loads(index.read_text())["weight_map"]
-            self.files = {name: path / f for name, f in files.items()}
+            try:
+                files = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                self.files = {name: path / f for name, f in files.items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ModelError(f"{index}: damaged: not JSON with a weight_map of tensor names to files") from None
+            for f in set(self.files.values()):
+                if not f.is_file():
+                    raise ModelError(f"{index}: names {f.name}, which {path} does not hold")
+                safetensors_header(f)
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files in {path}")
-            self.files = {}
-            for f in files:
-                with safe_open(f, framework="numpy") as handle:
-                    self.files.update({name: f for name in handle.keys()})
+            self.files = {name: f for f in files for name in safetensors_header(f)}
 
     def names(self) -> Collection[str]:
         return self.files.keys()
@@ -79,11 +187,15 @@ class SafetensorsReader:
     def get(self, name: str) -> np.ndarray:
         if name not in self.files:
             raise KeyError(name)
-        with safe_open(self.files[name], framework="numpy") as handle:
-            dtype = handle.get_slice(name).get_dtype()
-            if dtype not in _FP8_DTYPES:
-                return handle.get_tensor(name)
-        return _raw_tensor(self.files[name], name, _FP8_DTYPES[dtype])
+        file = self.files[name]
+        try:
+            with safe_open(file, framework="numpy") as handle:
+                dtype = handle.get_slice(name).get_dtype()
+                if dtype not in _FP8_DTYPES:
+                    return handle.get_tensor(name)
+        except SafetensorError as e:  # what the header check leaves to the reader (bytes after the data)
+            raise ModelError(f"{file}: damaged, or not a safetensors file ({e})") from None
+        return _raw_tensor(file, name, _FP8_DTYPES[dtype])
 
 
 # Checkpoint dtypes numpy has no name for (safetensors' numpy reader fails on them): read raw.
@@ -91,13 +203,11 @@ _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e
 
 
 def _raw_tensor(file: Path, name: str, dtype) -> np.ndarray:
-    """One tensor of a safetensors file read from its bytes: an 8-byte little-endian header size,
-    the JSON header (dtype, shape, data offsets from the end of the header), then the data."""
+    """One tensor of a safetensors file read from its bytes (`safetensors_header` checked them)."""
+    entry = safetensors_header(file)[name]
+    begin, end = entry["data_offsets"]
     with open(file, "rb") as f:
-        header_size = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(header_size))[name]
-        begin, end = entry["data_offsets"]
-        f.seek(8 + header_size + begin)
+        f.seek(8 + int.from_bytes(f.read(8), "little") + begin)
         data = f.read(end - begin)
     return np.frombuffer(data, dtype).reshape(entry["shape"])
 
@@ -213,7 +323,7 @@ def load_drafter(
     attention: str = "auto",
 ) -> DFlashDrafter:
     """Load a drafter in the export format of docs/design.md §5 (ours, or a released one)."""
-    cfg = DrafterConfig.from_hf(read_config(path))
+    cfg = read_drafter_config(path)
     reader = SafetensorsReader(path)
     kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention)
     model, used = _load(DFlashDrafter, cfg, kw, WeightMap(prefix=""), reader, mesh, source=str(path))
