@@ -60,6 +60,7 @@ KINDS = {
     # SpecForge's Qwen3-8B sizes in proportion to the hidden size (1024 and 256 of 4096); γ 4 as
     # for the 7 drafts of DFlash's blocks of 8.
     "domino": "drafter.kind=domino+drafter.block_size=7+loss=dflash+drafter.gru_hidden_dim=64+drafter.emb_dim=16+loss_decay_gamma=4.0",
+    "xpress": "drafter.kind=xpress",
 }
 
 STUDIES = {

@@ -236,12 +236,19 @@ def test_hub_ids_that_are_not_cached_are_one_line_errors(tiny_hub, monkeypatch):
     assert str(raised.value).endswith("hf download tiny/other")
 
 
-@pytest.mark.parametrize("kind, threshold", [("dflash2", 0.0), pytest.param("dspark", 0.3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind, threshold",
+    [("dflash2", 0.0), *(pytest.param(k, t, marks=pytest.mark.slow) for k, t in (("dspark", 0.3), ("xpress", 0.0)))],
+)
 def test_evaluate_reports_per_slot_acceptance_for_every_kind(chat_target, prompts_file, tmp_path, kind, threshold):
-    """A DFlash2 or DSpark export evaluates like a DFlash one: per-slot acceptance for each of its
-    drafts (DSpark: every slot of its block of 4 drafts, so 5 tokens are verified a step)."""
+    """A DFlash2, DSpark or XPress export evaluates like a DFlash one: per-slot acceptance for each
+    of its drafts (DSpark: every slot of its block of 4 drafts, so 5 tokens are verified a step)."""
     target = load_target(chat_target, param_dtype=jnp.float32, compute_dtype=jnp.float32)
-    heads = dict(selector_rank=16) if kind == "dflash2" else dict(markov_rank=16)
+    heads = {
+        "dflash2": dict(selector_rank=16),
+        "dspark": dict(markov_rank=16),
+        "xpress": dict(xpress_rank=16, xpress_mlp_hidden=32),
+    }[kind]
     drafter = make_drafter(target, seed=3, mask_id=CHAT_VOCAB - 1, kind=kind, **heads)
     export = export_drafter(drafter, tmp_path / "export", dtype=jnp.float32)
     settings = [f"--drafter={export}", f"--target={chat_target}", f"--prompts={prompts_file}", "--limit=2"]

@@ -124,10 +124,19 @@ def small_models():
     dspark.markov_head.markov_w1.embedding[...] = jax.random.normal(w1, (SMALL_VOCAB, 8))
     dspark.markov_head.markov_w2.kernel[...] = 0.3 * jax.random.normal(w2, (8, SMALL_VOCAB))
     dspark.confidence_head.proj.kernel[...] = 10 * dspark.confidence_head.proj.kernel[...]
+    # XPress: one Jacobi pass for 2 drafts, so the second is drawn after the seed's first, not
+    # after the final one; a refiner bias of order 1 on an untrained backbone.
+    xpress = make_drafter(target, block_size=3, kind="xpress", xpress_rank=8, xpress_num_passes=1, **kw)
+    head, keys = xpress.xpress_head, jax.random.split(jax.random.key(1), 4)
+    head.w1.embedding[...] = jax.random.normal(keys[0], (SMALL_VOCAB, 8))
+    head.in_proj.kernel[...] = 0.3 * jax.random.normal(keys[1], (24, 8))
+    head.mix.L[...] = 0.5 * jax.random.normal(keys[2], (8, 3, 3))
+    head.w2.kernel[...] = 0.3 * jax.random.normal(keys[3], (8, SMALL_VOCAB))
     return {
         "dflash": (target, make_drafter(target, block_size=3, **kw)),
         "dflash2": (target, perturbed(make_drafter(target, block_size=3, kind="dflash2", selector_top_k=12, **kw))),
         "dspark": (target, dspark),
+        "xpress": (target, xpress),
     }
 
 
@@ -147,6 +156,7 @@ DRAFT_TOKENS = np.array([9, 0, 4, 12, 1, 7, 15, 3, 10, 5, 2, 13, 8], np.int32)
         pytest.param("dspark", SamplingConfig(1.0), 0.2, None, marks=pytest.mark.slow),
         pytest.param("dflash", SamplingConfig(1.0), 0.0, DRAFT_TOKENS, marks=pytest.mark.slow),
         pytest.param("dflash2", SamplingConfig(1.0), 0.0, DRAFT_TOKENS, marks=pytest.mark.slow),
+        pytest.param("xpress", SamplingConfig(1.0), 0.0, None, marks=pytest.mark.slow),
     ],
 )
 def test_sampled_speculative_decoding_keeps_the_target_distribution(

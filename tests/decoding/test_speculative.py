@@ -65,7 +65,7 @@ def cases(random_target, untrained_drafter):
         "copies_target": (copy_target, OracleDrafter(copy_target, successor)),
         "partial": (noisy_target, OracleDrafter(noisy_target, noisy_successor)),
     }
-    for kind in ("dflash2", "dspark"):
+    for kind in ("dflash2", "dspark", "xpress"):
         cases[f"{kind}_untrained"] = (random_target, perturbed(make_drafter(random_target, seed=2, kind=kind)))
         cases[f"{kind}_copies_target"] = (copy_target, successor_drafter(copy_target, successor, kind))
         cases[f"{kind}_partial"] = (noisy_target, successor_drafter(noisy_target, noisy_successor, kind))
@@ -106,6 +106,9 @@ def test_target_decoder_matches_uncached_greedy(random_target):
         pytest.param("dspark_untrained", (1.0, 1.3), 2, marks=pytest.mark.slow),
         pytest.param("dspark_copies_target", (BLOCK + 0.3, BLOCK + 1), 1, marks=pytest.mark.slow),
         ("dspark_partial", (1.5, BLOCK + 0.5), 2),
+        pytest.param("xpress_untrained", (1.0, 1.3), 2, marks=pytest.mark.slow),
+        pytest.param("xpress_copies_target", (BLOCK - 0.5, BLOCK), 1, marks=pytest.mark.slow),
+        ("xpress_partial", (1.5, BLOCK - 0.5), 2),
     ],
 )
 def test_greedy_is_lossless(cases, name, tau_range, batch_size):
@@ -126,6 +129,7 @@ def test_greedy_is_lossless(cases, name, tau_range, batch_size):
         "partial",
         "dflash2_partial",
         "dspark_copies_target",
+        pytest.param("xpress_partial", marks=pytest.mark.slow),
         pytest.param("copies_target", marks=pytest.mark.slow),
     ],
 )
@@ -156,7 +160,12 @@ def test_greedy_is_lossless_at_every_max_new_tokens(cases, max_new):
 
 
 @pytest.mark.parametrize(
-    "name", ["copies_target", "dflash2_copies_target", pytest.param("dspark_copies_target", marks=pytest.mark.slow)]
+    "name",
+    [
+        "copies_target",
+        "dflash2_copies_target",
+        *(pytest.param(f"{kind}_copies_target", marks=pytest.mark.slow) for kind in ("dspark", "xpress")),
+    ],
 )
 def test_greedy_with_a_draft_vocabulary_is_lossless(cases, name):
     """Every token in the draft vocabulary (in another order): the same drafts, all accepted. A
@@ -191,7 +200,11 @@ def test_first_token_stop_ends_without_a_step(cases):
 
 @pytest.mark.parametrize(
     "name",
-    ["untrained", "dflash2_partial", *(pytest.param(n, marks=pytest.mark.slow) for n in ("partial", "dspark_partial"))],
+    [
+        "untrained",
+        "dflash2_partial",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("partial", "dspark_partial", "xpress_partial")),
+    ],
 )
 def test_step_bookkeeping(cases, name):
     """Per step: a+1 tokens emitted (1..B, B the tokens verified), both caches hold exactly
@@ -275,7 +288,7 @@ def test_rejects_mismatched_drafter_and_long_prompts(random_target):
 
 
 @pytest.mark.parametrize(
-    "kind", ["dflash", "dflash2", *(pytest.param(k, marks=pytest.mark.slow) for k in ("dspark", "domino"))]
+    "kind", ["dflash", "dflash2", *(pytest.param(k, marks=pytest.mark.slow) for k in ("dspark", "domino", "xpress"))]
 )
 def test_served_drafts_equal_the_training_forward(cases, kind):
     """At every step, the drafter's logits as served equal its training forward for that anchor.
@@ -318,15 +331,20 @@ def test_served_drafts_equal_the_training_forward(cases, kind):
         segment_ids, positions = jnp.ones_like(seq), jnp.arange(seq.shape[1])[None]
         features = t.features(seq, segment_ids, positions, d.cfg.target_layer_ids)
         blocks = jnp.full((1, anchor_index.shape[1], BLOCK), MASK_ID).at[..., 0].set(seq[0, anchor_index[0]])
-        hidden = d(
+        states = d(
             t.embed(blocks),
             anchor_index[..., None] + jnp.arange(BLOCK),
             d.context(features),
             positions,
             block_context_mask(segment_ids, anchor_index),
-        )[0, :, d.cfg.first_draft_slot :]
+        )[0]
+        hidden = states[:, d.cfg.first_draft_slot :]
         unary = t.unembed(hidden)
         previous = jnp.concatenate([blocks[0, :, :1], drafts[:, :-1]], axis=1)
+        if d.cfg.kind == "xpress":  # its passes (more than the B - 1 drafts) reach the sequential walk
+            head = d.xpress_head
+            latent = head.latent(head.hidden_part(states), jnp.concatenate([blocks[0, :, :1], previous], axis=1))
+            return unary + head.bias(latent[:, 1:])
         if d.cfg.kind == "dspark":
             return unary + d.markov_head.bias(d.markov_head.embed(previous))
         if d.cfg.kind == "domino":  # the GRU over the anchor and the drafts before each slot, as training reads labels

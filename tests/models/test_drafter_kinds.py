@@ -27,7 +27,9 @@ from dflash_jax.models.kinds.dflash2 import grouped_dynamic_conv
 from support import kind_references as ref
 from support.decoding_models import MASK_ID, VOCAB, make_target, random_prompts
 
-HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8, gru_hidden_dim=8, emb_dim=8)
+HEAD_FIELDS = dict(
+    selector_rank=8, selector_top_k=6, markov_rank=8, gru_hidden_dim=8, emb_dim=8, xpress_rank=8, xpress_mlp_hidden=16
+)
 
 
 def head_fields(kind):
@@ -174,10 +176,21 @@ KIND_TENSORS = {
         "confidence_head.proj.weight": (1, c.hidden_size + c.markov_rank),
         "confidence_head.proj.bias": (1,),
     },
+    # vLLM's qwen3_xpress.py (tests/models/test_xpress.py checks them against its loader).
+    "xpress": lambda c: {
+        "xpress_head.w1.weight": (c.vocab_size, c.xpress_rank),
+        **{f"xpress_head.down_{x}.weight": (c.xpress_rank, c.hidden_size) for x in "hg"},
+        "xpress_head.in_proj.weight": (c.xpress_rank, 3 * c.xpress_rank),
+        "xpress_head.mix.L": (c.xpress_rank, c.block_size, c.block_size),
+        "xpress_head.mlp.gate_proj.weight": (c.xpress_mlp_hidden, c.xpress_rank),
+        "xpress_head.mlp.up_proj.weight": (c.xpress_mlp_hidden, c.xpress_rank),
+        "xpress_head.mlp.down_proj.weight": (c.xpress_rank, c.xpress_mlp_hidden),
+        "xpress_head.w2.weight": (c.vocab_size, c.xpress_rank),
+    },
 }
 
 
-@pytest.mark.parametrize("kind", ["dflash2", pytest.param("dspark", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["dflash2", *(pytest.param(k, marks=pytest.mark.slow) for k in ("dspark", "xpress"))])
 def test_export_in_the_engines_layout_loads_back_and_decodes_the_same(target, kind, tmp_path):
     drafter = trained_like(make_drafter(target, kind))
     cfg = drafter.cfg
@@ -199,6 +212,9 @@ def test_export_in_the_engines_layout_loads_back_and_decodes_the_same(target, ki
             "mask_token_id": MASK_ID,
             "target_layer_ids": [0, 1],
         }
+    elif kind == "xpress":  # what vLLM's qwen3_xpress.py reads
+        assert config["architectures"] == ["Qwen3XPressModel"] and config["xpress_block_size"] == 4
+        assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 1]}
     else:  # what vLLM's qwen3_dspark.py and DeepSpec read
         assert config["architectures"] == ["Qwen3DSparkModel"]
         wanted = dict(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=True)

@@ -75,15 +75,21 @@ def perturbed(drafter: nnx.Module, seed: int = 0, scale: float = 0.05) -> nnx.Mo
 
 
 def successor_drafter(target: Transformer, successor: np.ndarray, kind: str, scale: float = 5.0) -> DFlashDrafter:
-    """A real DFlash2 or DSpark drafter whose heads draft successor[previous token], slot after
-    slot from the anchor: the oracle of `OracleDrafter`, through the kinds' own walks.
+    """A real DFlash2, DSpark or XPress drafter whose heads draft successor[previous token], slot
+    after slot from the anchor: the oracle of `OracleDrafter`, through the kinds' own walks.
 
     Its layers add nothing (zero output projections), so every mask slot's hidden state is the
     same h. DFlash2: every token is a candidate, P(h) = scale·1, A = scale·I and B[b] = scale·e_a
     for b = successor[a], so the pair score is scale³ for the successor, 0 elsewhere. DSpark:
     W1 = scale·I and W2[a, successor[a]] = scale², a Markov bias of scale³ for the successor.
-    Either outweighs the unary logits."""
-    fields = dict(selector_rank=VOCAB, selector_top_k=VOCAB) if kind == "dflash2" else dict(markov_rank=VOCAB)
+    XPress: the same W1 and W2 (as w1 and w2), in_proj passing w1's part alone and the SwiGLU
+    adding nothing, so that its Jacobi passes reach the successors (B - 1 passes or more).
+    Each outweighs the unary logits."""
+    fields = {
+        "dflash2": dict(selector_rank=VOCAB, selector_top_k=VOCAB),
+        "dspark": dict(markov_rank=VOCAB),
+        "xpress": dict(xpress_rank=VOCAB, xpress_mlp_hidden=8),
+    }[kind]
     drafter = make_drafter(target, kind=kind, **fields)
     for layer in drafter.layers:
         layer.self_attn.o_proj.kernel[...] = jnp.zeros_like(layer.self_attn.o_proj.kernel[...])
@@ -95,9 +101,15 @@ def successor_drafter(target: Transformer, successor: np.ndarray, kind: str, sca
         selector.hidden_projection.kernel[...] = jnp.outer(h / jnp.sum(h * h), jnp.full((VOCAB,), scale))
         selector.predecessor_codebook[...] = identity
         selector.successor_codebook[...] = identity[inverse]
-    else:
+    elif kind == "dspark":
         drafter.markov_head.markov_w1.embedding[...] = identity
         drafter.markov_head.markov_w2.kernel[...] = scale * identity[successor]  # row a: scale² at successor[a]
+    else:
+        head = drafter.xpress_head
+        head.w1.embedding[...] = identity
+        head.in_proj.kernel[...] = jnp.zeros_like(head.in_proj.kernel[...]).at[2 * VOCAB :].set(jnp.eye(VOCAB))
+        head.mlp.down_proj.kernel[...] = jnp.zeros_like(head.mlp.down_proj.kernel[...])
+        head.w2.kernel[...] = scale * identity[successor]
     return drafter
 
 

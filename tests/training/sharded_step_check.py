@@ -37,7 +37,12 @@ TARGET = TransformerConfig(
     rope=RopeConfig(10000.0),
 )
 # Every drafter kind (docs/design.md §12); the heads' vocabulary-sized tables split over 8 too.
-KIND_FIELDS = {"dflash": {}, "dflash2": dict(selector_rank=16), "dspark": dict(markov_rank=16)}
+KIND_FIELDS = {
+    "dflash": {},
+    "dflash2": dict(selector_rank=16),
+    "dspark": dict(markov_rank=16),
+    "xpress": dict(xpress_rank=16, xpress_mlp_hidden=32),
+}
 DRAFTERS = {
     kind: DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=255, block_size=8, kind=kind, **fields)
     for kind, fields in KIND_FIELDS.items()
@@ -126,7 +131,7 @@ def main():
     assert jax.device_count() == 8, jax.devices()
     one_device = make_mesh(1, 1, devices=jax.devices()[:1])
     single = {name: run(one_device, name)[:2] for name in OPTIMIZER_NAMES}
-    single.update({kind: run(one_device, kind=kind)[:2] for kind in ("dflash2", "dspark")})
+    single.update({kind: run(one_device, kind=kind)[:2] for kind in ("dflash2", "dspark", "xpress")})
     layouts = {
         "data=8": make_mesh(8, 1),
         "data=2,fsdp=4": make_mesh(2, 4),
@@ -136,7 +141,7 @@ def main():
     runs = [(name, "adamw", "dflash") for name in layouts]
     runs += [("data=8", "muon", "dflash"), ("data=2,fsdp=2,tensor=2", "muon", "dflash")]
     # The drafter kinds' heads in the most split layout.
-    runs += [("data=2,fsdp=2,tensor=2", "adamw", kind) for kind in ("dflash2", "dspark")]
+    runs += [("data=2,fsdp=2,tensor=2", "adamw", kind) for kind in ("dflash2", "dspark", "xpress")]
     compiled = {}
     for name, optimizer, kind in runs:
         params, metrics, compiled[name, optimizer, kind] = run(layouts[name], optimizer, kind)

@@ -108,7 +108,7 @@ def test_sharded_steps_match_one_device():
         env=env,
         capture_output=True,
         text=True,
-        timeout=1500,  # every layout, Muon and the drafter kinds: 12 compiled steps
+        timeout=1500,  # every layout, Muon and the drafter kinds: 14 compiled steps
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -295,11 +295,24 @@ def test_muon_leaves_vocabulary_tables_to_adamw():
         "layers": {"0": {"mlp": {"kernel": jnp.zeros((4, 6)), "scale": jnp.zeros(4)}}},
         "candidate_selector": {"predecessor_codebook": jnp.zeros((50, 8)), "hidden_projection": jnp.zeros((4, 8))},
         "markov_head": {"markov_w1": {"embedding": jnp.zeros((50, 8))}, "markov_w2": {"kernel": jnp.zeros((8, 50))}},
+        "xpress_head": {
+            "w1": {"embedding": jnp.zeros((50, 8))},
+            "w2": {"kernel": jnp.zeros((8, 50))},
+            "in_proj": {"kernel": jnp.zeros((24, 8))},
+            "mix": {"L": jnp.zeros((8, 4, 4))},
+        },
     }
-    labels = muon_labels(params, (*kinds.get("dflash2").adam_params, *kinds.get("dspark").adam_params))
+    adam_params = (*kinds.get("dflash2").adam_params, *kinds.get("dspark").adam_params)
+    labels = muon_labels(params, (*adam_params, *kinds.get("xpress").adam_params))
     assert labels["layers"]["0"]["mlp"] == {"kernel": "muon", "scale": "adam"}
     assert labels["candidate_selector"] == {"predecessor_codebook": "adam", "hidden_projection": "muon"}
     assert labels["markov_head"] == {"markov_w1": {"embedding": "adam"}, "markov_w2": {"kernel": "adam"}}
+    assert labels["xpress_head"] == {
+        "w1": {"embedding": "adam"},
+        "w2": {"kernel": "adam"},
+        "in_proj": {"kernel": "muon"},
+        "mix": {"L": "adam"},  # not a matrix
+    }
 
 
 def test_a_drafter_started_from_a_target_layer_holds_its_weights():
