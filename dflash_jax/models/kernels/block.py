@@ -116,8 +116,8 @@ def _dq_kernel(
     dq = dq + plgpu.dot(ds.astype(kb.dtype), kb)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
     # This program's rows' share of the own block's dk, dv (summed over the row tiles outside).
-    dkb_ref[...] = plgpu.dot(ds.astype(q.dtype).T, q) * scale
-    dvb_ref[...] = plgpu.dot(p.astype(do.dtype).T, do)
+    dkb_ref[...] = (plgpu.dot(ds.astype(q.dtype).T, q) * scale).astype(dkb_ref.dtype)
+    dvb_ref[...] = plgpu.dot(p.astype(do.dtype).T, do).astype(dvb_ref.dtype)
 
 
 def _dkv_context_kernel(
@@ -277,7 +277,8 @@ def _dq_call(q, kc, vc, kb, vb, start, end, do, lse, delta, block_len, tiles):
     lp = kb.shape[3]
     row_tiles = m // tiles.rows
     own_block_share = pl.BlockSpec((None, None, None, None, lp, h), lambda b, n, g, i: (b, g, n, i, 0, 0))
-    shares = jax.ShapeDtypeStruct((b, kv, n, row_tiles, lp, h), jnp.float32)
+    # The row tiles' shares of the own block's dk, dv, in fp32 to be summed (in its dtype when one).
+    shares = jax.ShapeDtypeStruct((b, kv, n, row_tiles, lp, h), kb.dtype if row_tiles == 1 else jnp.float32)
     call = pl.pallas_call(
         functools.partial(_dq_kernel, scale=h**-0.5, block_len=block_len, keys=tiles.keys),
         grid=(b, n, kv, row_tiles),
