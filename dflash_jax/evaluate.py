@@ -51,8 +51,7 @@ from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.formats.gguf_target import served_gguf, widened_gguf
 from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.training.acceptance_eval import run_evaluation
-from dflash_jax.training.checkpoint import RunCheckpoints
-from dflash_jax.training.drafters import is_export_dir
+from dflash_jax.training.drafters import is_export_dir, run_meta
 from dflash_jax.training.workdir import Workdir, check_writable
 
 ENGINE_WEIGHTS = ("file", "float32")
@@ -218,18 +217,11 @@ def _target(spec: str | None, drafter: str, step: int | None) -> str:
             f"--target is required: --drafter={drafter} is not a training workdir (nor an export inside one) "
             "whose checkpoint names the target"
         )
-    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
     try:
         # The export inside a workdir is of its last step; any checkpoint names the same target.
-        step = checkpoints.latest_step() if step is None or is_export_dir(drafter) else step
-        if step not in checkpoints.manager.all_steps():
-            at = f" of step {step}" if step is not None else ""
-            raise UserError(
-                f"--drafter={drafter}: no checkpoint{at} in {checkpoints.directory} to read the target from"
-            )
-        named = checkpoints.restore_meta(step)["config"]["target"]["path"]
-    finally:
-        checkpoints.close()
+        named = run_meta(workdir, None if is_export_dir(drafter) else step)["config"]["target"]["path"]
+    except UserError as e:
+        raise UserError(f"--drafter={drafter}: {e}") from None
     try:
         return str(resolve_model(named))
     except UserError as e:

@@ -28,8 +28,7 @@ from dflash_jax.models.formats.gguf_export import served_kind, write_drafter_ggu
 from dflash_jax.models.formats.gguf_target import served_gguf
 from dflash_jax.models.formats.hf import read_config
 from dflash_jax.models.formats.hub import resolve_model
-from dflash_jax.training.checkpoint import RunCheckpoints
-from dflash_jax.training.drafters import export_checkpoint
+from dflash_jax.training.drafters import export_checkpoint, run_meta
 from dflash_jax.training.workdir import Workdir, check_writable, existing_workdir
 
 RENAMED_FLAGS = {"out": "output"}
@@ -83,12 +82,8 @@ def check_gguf_flags(f: flags.FlagValues) -> None:
 
 
 def _run_target(workdir: Workdir) -> str:
-    """The target.path the run's latest checkpoint was trained against."""
-    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
-    try:
-        return checkpoints.restore_meta(checkpoints.latest_step())["config"]["target"]["path"]
-    finally:
-        checkpoints.close()
+    """The target.path the run was trained against (its newest readable checkpoint's)."""
+    return run_meta(workdir)["config"]["target"]["path"]
 
 
 def run() -> None:

@@ -11,6 +11,15 @@ line saying what, where and how much space the checkpoint needs; the partial dir
 removed and the last good checkpoints stay (docs/design.md §7.3). Asynchronous saves are checked
 after every step, so a failure is noticed as soon as it happens.
 
+A checkpoint damaged after its save (a truncated or garbled file, a missing item, an emptied step
+directory, metadata that is not JSON) is passed over: `newest_readable` reads the newest one that
+reads, saying in one warning line which it passed over and why; none readable is one line naming
+the directory. Damage is found cheaply where Orbax leaves a mark (its `commit_success.txt` of a
+finished save, its items, the JSON it writes), otherwise by the restore failing. Nothing is
+deleted: export and evaluate leave a damaged checkpoint where it is; a resumed run, which saves
+those steps again, keeps it beside them as `<step>.damaged`. A byte changed inside the arrays'
+data goes unnoticed (Orbax keeps no checksum of it).
+
 A second manager keeps the drafter weights with the best acceptance length (tau) measured
 during training.
 """
@@ -18,22 +27,37 @@ during training.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import logging
 import os
 import shutil
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as save_policies
 
 from dflash_jax.data.pipeline import DataIterator, DataIteratorRestore, DataIteratorSave
 from dflash_jax.errors import UserError
 from dflash_jax.training.step import TrainState
 
+log = logging.getLogger(__name__)
+
 # How long a failed save waits for its other writers before removing the partial checkpoint.
 _WRITER_GRACE_S = 10.0
+# The items of every step (see above); `meta` and `data` are JSON files.
+ITEMS, JSON_ITEMS = ("state", "meta", "data"), ("meta", "data")
+# What Orbax writes in a step: the marker of a finished save, the step's metadata and the state's tree.
+COMMITTED, STEP_METADATA, STATE_METADATA = "commit_success.txt", "_CHECKPOINT_METADATA", "state/_METADATA"
+# A damaged step a resumed run keeps beside the steps it saves again (Orbax sees no step in the name).
+DAMAGED_SUFFIX = ".damaged"
+
+T = TypeVar("T")
 
 
 def join_by(thread: threading.Thread, deadline: float) -> None:
@@ -76,22 +100,96 @@ class RunCheckpoints:
 
     def __init__(self, directory: str, *, every_steps: int, keep: int | None, async_save: bool):
         self.directory = directory
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                # Exactly every N steps (Orbax's default would also save the first step); the
-                # loop forces the final and the on-signal saves.
-                save_decision_policy=save_policies.FixedIntervalPolicy(every_steps),
-                max_to_keep=keep,
-                enable_async_checkpointing=async_save,
-                cleanup_tmp_directories=True,  # leftovers of saves that never finished
-            ),
-        )
+        with _without_orbax_metadata_lines():  # it reads every step's metadata
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    # Exactly every N steps (Orbax's default would also save the first step); the
+                    # loop forces the final and the on-signal saves.
+                    save_decision_policy=save_policies.FixedIntervalPolicy(every_steps),
+                    max_to_keep=keep,
+                    enable_async_checkpointing=async_save,
+                    cleanup_tmp_directories=True,  # leftovers of saves that never finished
+                ),
+            )
         self._saving: tuple[int, int] | None = None  # (step, bytes) of the latest save started
         self._threads_before_save: set[threading.Thread] = set()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def damage(self, step: int) -> str | None:
+        """Why the checkpoint of `step` cannot be read, as far as it shows without reading its
+        arrays; None if it looks sound."""
+        path = os.path.join(self.directory, str(step))  # Orbax's step name
+        names = os.listdir(path)
+        if not names:
+            return "an empty directory"
+        if COMMITTED not in names:
+            return f"its save did not finish (no {COMMITTED})"
+        if missing := [item for item in ITEMS if not os.path.isdir(os.path.join(path, item))]:
+            return f"its {' and '.join(missing)} item{'s are' if len(missing) > 1 else ' is'} missing"
+        json_files = [STEP_METADATA, STATE_METADATA]
+        for item in JSON_ITEMS:
+            json_files += [f"{item}/{name}" for name in os.listdir(os.path.join(path, item)) if name != COMMITTED]
+        for name in json_files:
+            try:
+                with open(os.path.join(path, name), encoding="utf-8") as f:
+                    json.load(f)
+            except FileNotFoundError:
+                return f"{name} is missing"
+            except ValueError:  # not UTF-8, not JSON
+                return f"{name} is not JSON"
+        return None
+
+    def newest_readable(
+        self, read: Callable[[int], T], *, step: int | None = None, resuming: bool = False
+    ) -> tuple[int, T]:
+        """(step, `read(step)`) for the newest checkpoint that is sound and reads, or for `step`
+        alone if given. Those passed over are said in one warning line and left where they are,
+        except `resuming`, which moves them aside (the run saves those steps again). None readable:
+        a one-line UserError naming the directory. A UserError of `read` (a config that does not
+        match the checkpoint) is raised as it is: the checkpoint is not damaged."""
+        steps = self.manager.all_steps()
+        if step is not None and step not in steps:
+            raise UserError(f"no checkpoint of step {step} in {self.directory} (steps: {sorted(steps)})")
+        if not steps:
+            raise UserError(f"no checkpoint in {self.directory}")
+        damaged: list[tuple[int, str]] = []
+        for candidate in [step] if step is not None else sorted(steps, reverse=True):
+            reason = self.damage(candidate)
+            if reason is None:
+                try:
+                    value = read(candidate)
+                except UserError:
+                    raise
+                except Exception as e:  # Orbax and TensorStore raise many kinds of errors on a damaged file
+                    reason = _read_failure(e, os.path.join(self.directory, str(candidate)))
+                else:
+                    if damaged:
+                        kept = self._set_aside([s for s, _ in damaged]) if resuming else ()
+                        _warn_damaged(_damaged(self.directory, damaged), candidate, kept)
+                    return candidate, value
+            damaged.append((candidate, reason))
+        if step is not None:
+            raise UserError(_damaged(self.directory, damaged))
+        raise UserError(
+            f"no readable checkpoint: {_damaged(self.directory, damaged)}; start afresh in a new workdir "
+            "(or move the checkpoints away)"
+        )
+
+    def _set_aside(self, steps: list[int]) -> tuple[str, ...]:
+        """Renames damaged steps out of Orbax's sight, so that the run can save them again; returns
+        their new paths."""
+        kept = tuple(_free_name(os.path.join(self.directory, f"{step}{DAMAGED_SUFFIX}")) for step in steps)
+        if jax.process_index() == 0:
+            for step, path in zip(steps, kept):
+                os.rename(os.path.join(self.directory, str(step)), path)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("dflash_jax: damaged checkpoints set aside")
+        with _without_orbax_metadata_lines():
+            self.manager.reload()
+        return kept
 
     def save(
         self,
@@ -129,19 +227,23 @@ class RunCheckpoints:
         with self._reporting_failures():
             self.manager.check_for_errors()
 
-    def restore(
-        self, step: int, abstract_state: TrainState, iterator: DataIterator
-    ) -> tuple[TrainState, dict[str, Any]]:
-        """Restores onto `abstract_state`'s shardings; repositions `iterator` in place."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                meta=ocp.args.JsonRestore(),
-                data=DataIteratorRestore(iterator),
-            ),
-        )
-        return restored.state, restored.meta
+    def resume(
+        self, abstract_state: TrainState, iterator: DataIterator, check_meta: Callable[[dict[str, Any]], None]
+    ) -> tuple[int, TrainState, dict[str, Any]]:
+        """(step, state, metadata) of the newest readable checkpoint, restored onto `abstract_state`'s
+        shardings, after `check_meta(metadata)` (a UserError for a config it does not fit), with
+        `iterator` repositioned in place to where that step left it. Damaged newer steps are kept
+        aside (`newest_readable`)."""
+
+        def read(step: int) -> tuple[TrainState, dict[str, Any]]:
+            meta = self.restore_meta(step)
+            check_meta(meta)
+            return self.restore_state(step, abstract_state), meta
+
+        step, (state, meta) = self.newest_readable(read, resuming=True)
+        # Once the step is chosen: a data iterator that refuses a changed data set is no damage.
+        self.manager.restore(step, args=ocp.args.Composite(data=DataIteratorRestore(iterator)))
+        return step, state, meta
 
     def restore_state(self, step: int, abstract_state: TrainState) -> TrainState:
         """The train state alone (export needs neither data nor metadata)."""
@@ -192,14 +294,75 @@ class RunCheckpoints:
         self.manager.close()
 
 
+def _read_failure(error: Exception, step_dir: str) -> str:
+    """A restore's failure in a few words: its root cause's first line (TensorStore's says which
+    file and bytes), without the step's path or TensorStore's spec, cut short."""
+    while cause := error.__cause__ or error.__context__:
+        error = cause
+    text = (str(error).strip().splitlines() or ["no detail"])[0].split(" [tensorstore_spec")[0]
+    text = f"{type(error).__name__}: {text.replace(step_dir + os.sep, '')}"
+    return f"reading it failed ({text[:300]}{'...' if len(text) > 300 else ''})"
+
+
+def _damaged(directory: str, damaged: list[tuple[int, str]]) -> str:
+    """'the checkpoint of step 8 in DIR is damaged (why)', for one step or several."""
+    if len(damaged) == 1:
+        (step, reason), *_ = damaged
+        return f"the checkpoint of step {step} in {directory} is damaged ({reason})"
+    steps = ", ".join(str(step) for step, _ in damaged)
+    reasons = "; ".join(f"step {step}: {reason}" for step, reason in damaged)
+    return f"the checkpoints of steps {steps} in {directory} are damaged ({reasons})"
+
+
+@functools.cache  # once per process: evaluate reads a workdir's checkpoints more than once
+def _warn_damaged(damaged: str, used: int, kept: tuple[str, ...]) -> None:
+    if kept:
+        log.warning(
+            "%s; resuming from step %d, the newest readable one; kept aside as %s", damaged, used, ", ".join(kept)
+        )
+    else:
+        log.warning("%s; using step %d, the newest readable one", damaged, used)
+
+
+class _OrbaxMetadataLines(logging.Filter):
+    """Orbax's log lines about a step whose metadata file is missing or not JSON (it quotes the
+    whole file): `RunCheckpoints.damage` says what is wrong with that step, in its one line."""
+
+    PREFIXES = ("Metadata file does not exist", "Failed to read Metadata file", "Failed to json parse Metadata file")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIXES)
+
+
+@contextlib.contextmanager
+def _without_orbax_metadata_lines():
+    """Drops `_OrbaxMetadataLines` while Orbax lists a directory's steps (absl's logger: Orbax's)."""
+    logger, quiet = logging.getLogger("absl"), _OrbaxMetadataLines()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _free_name(path: str) -> str:
+    """`path`, or `path.1`, `path.2`... where an earlier damaged copy has the name."""
+    candidate, n = path, 0
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
+
+
 class BestCheckpoint:
     """The drafter weights of the best acceptance length (tau) seen so far."""
 
     def __init__(self, directory: str, *, resumed_step: int | None = None):
-        self.manager = ocp.CheckpointManager(
-            directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
-        )
+        with _without_orbax_metadata_lines():
+            self.manager = ocp.CheckpointManager(
+                directory,
+                options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=False),
+            )
         # A resumed run redoes the steps after its checkpoint: a best kept from those steps
         # belongs to the lost future (the rerun measures it again, bitwise the same).
         for step in self.manager.all_steps():

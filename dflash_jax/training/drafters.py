@@ -40,17 +40,10 @@ def export_params(
 
 
 def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterConfig, nnx.State]:
-    """The drafter config and fp32 weights of a run's checkpoint (default: the latest): its
-    weight average where the run kept one."""
-    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
-    try:
-        step = checkpoints.latest_step() if step is None else step
-        if step is None:
-            raise UserError(f"no checkpoint in {checkpoints.directory}")
-        if step not in checkpoints.manager.all_steps():
-            raise UserError(
-                f"no checkpoint of step {step} in {checkpoints.directory} (steps: {checkpoints.manager.all_steps()})"
-            )
+    """The drafter config and fp32 weights of a run's checkpoint (default: the newest readable
+    one, training/checkpoint.py): its weight average where the run kept one."""
+
+    def read(step: int) -> tuple[DrafterConfig, nnx.State]:
         meta = checkpoints.restore_meta(step)
         cfg = DrafterConfig.from_hf(meta["drafter_config"])
         # Only the structure of the optimizer state matters for restoring, not its schedule.
@@ -67,6 +60,20 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
         )
         state = checkpoints.restore_state(step, abstract)
         return cfg, served_params(state.params, state.opt_state)
+
+    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
+    try:
+        return checkpoints.newest_readable(read, step=step)[1]
+    finally:
+        checkpoints.close()
+
+
+def run_meta(workdir: Workdir, step: int | None = None) -> dict:
+    """The metadata (the run's config, the drafter's config.json) of a run's checkpoint: `step`'s,
+    or the newest readable one's."""
+    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False)
+    try:
+        return checkpoints.newest_readable(checkpoints.restore_meta, step=step)[1]
     finally:
         checkpoints.close()
 

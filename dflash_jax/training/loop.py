@@ -1,6 +1,6 @@
 """The training loop: resume, train, evaluate, checkpoint, stop cleanly, export.
 
-Rerunning with the same workdir resumes from its latest checkpoint: weights, optimizer state,
+Rerunning with the same workdir resumes from its latest readable checkpoint: weights, optimizer state,
 step, RNG key and the data iterator's position, so the rest of the run is bitwise the run that
 would have happened without the interruption. SIGTERM / SIGINT finish the current step, save
 and return; a second SIGINT interrupts at once. Steps with a non-finite loss or gradient are
@@ -136,8 +136,10 @@ class TrainingRun:
         if self.last_saved is None:
             self.state, self.best_tau = program.init_state(), None
         else:
-            _check_same_optimizer(optimizer_of(self.checkpoints.restore_meta(self.last_saved)), setup)
-            self.state, meta = self.checkpoints.restore(self.last_saved, program.abstract_state, self.iterator)
+            # The newest readable checkpoint: a damaged newer one is kept aside, its steps redone.
+            self.last_saved, self.state, meta = self.checkpoints.resume(
+                program.abstract_state, self.iterator, lambda meta: _check_same_optimizer(optimizer_of(meta), setup)
+            )
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
         self.evaluate = AcceptanceEval.for_setup(setup, draft_tokens) if setup.eval.during_training else None
