@@ -69,6 +69,7 @@ KINDS = {
     "dflash": {"drafter.kind": "dflash"},
     "dflash2": {},  # the default's
     "dspark": {"drafter.kind": "dspark", "train.loss": "dflash"},
+    "xpress": {"drafter.kind": "xpress"},
 }
 
 

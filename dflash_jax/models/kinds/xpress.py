@@ -96,13 +96,10 @@ class XPressHead(nnx.Module):
         u = self.mix(hidden_part + self.w1(previous) @ kernel[2 * self.rank :])
         return u + self.mlp(u)
 
-    def bias(self, latent: jax.Array, w2: jax.Array | None = None) -> jax.Array:
-        """w2 · y: [..., r] -> [..., V] fp32. `w2`: the kernel [r, V] to use instead of the
-        module's own."""
-        kernel = self.w2.kernel[...] if w2 is None else w2
-        return jnp.einsum(
-            "...r,rv->...v", latent, kernel.astype(self.compute_dtype), preferred_element_type=jnp.float32
-        )
+    def bias(self, latent: jax.Array) -> jax.Array:
+        """w2 · y: [..., r] -> [..., V] fp32."""
+        kernel = self.w2.kernel[...].astype(self.compute_dtype)
+        return jnp.einsum("...r,rv->...v", latent, kernel, preferred_element_type=jnp.float32)
 
 
 def _export(cfg) -> tuple[dict, dict]:
