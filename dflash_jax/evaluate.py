@@ -46,12 +46,15 @@ from dflash_jax.decoding.engines.llama_server import Drafting, evaluate_engine
 from dflash_jax.decoding.measurement import write_outputs
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.report import engine_table
+from dflash_jax.decoding.speculative import check_fits
 from dflash_jax.errors import UserError
+from dflash_jax.models import families
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.formats.gguf_target import served_gguf, widened_gguf
+from dflash_jax.models.formats.hf import read_config
 from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.training.acceptance_eval import run_evaluation
-from dflash_jax.training.drafters import is_export_dir, run_meta
+from dflash_jax.training.drafters import any_drafter_config, is_export_dir, run_meta
 from dflash_jax.training.workdir import Workdir, check_writable
 
 ENGINE_WEIGHTS = ("file", "float32")
@@ -130,6 +133,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     check_writable(f.output, "--output")  # before any model is loaded
     drafter = str(_model(f.drafter, "--drafter"))
     target = _target(f.target, drafter, f.step)
+    _check_fits(drafter, target, f.step)
     engine = _prepare_engine(f, target, drafter) if f.engine else None  # its problems, before our decoder runs
     evaluation = run_evaluation(
         target,
@@ -226,6 +230,16 @@ def _target(spec: str | None, drafter: str, step: int | None) -> str:
         return str(resolve_model(named))
     except UserError as e:
         raise UserError(f"the target of --drafter={drafter}, target.path={e}; pass --target") from None
+
+
+def _check_fits(drafter: str, target: str, step: int | None) -> None:
+    """The drafter was made for this target, as their config files say (the drafter's weights files'
+    headers checked too), before either model loads."""
+    try:
+        target_cfg = families.target_config(read_config(target))
+    except FileNotFoundError as e:
+        raise UserError(f"--target={target}: {e}") from None
+    check_fits(any_drafter_config(drafter, step), target_cfg, f"--drafter={drafter}", f"the target {target}")
 
 
 def _run_of(drafter: str) -> Workdir | None:

@@ -31,9 +31,29 @@ from dflash_jax.decoding.kinds import WALKS
 from dflash_jax.decoding.sampling import SamplingConfig, verify_block
 from dflash_jax.errors import ModelError
 from dflash_jax.models import kinds
+from dflash_jax.models.architecture import TransformerConfig
 from dflash_jax.models.drafter import ContextCache, DFlashDrafter
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.layers.cache import KVCache
 from dflash_jax.models.transformer import Transformer
+
+
+def check_fits(
+    drafter: DrafterConfig, target: TransformerConfig, what: str = "the drafter", target_name: str = "the target"
+) -> None:
+    """A one-line ModelError, `what` does not fit `target_name`, unless `drafter` was made for a
+    target of `target`'s hidden size and vocabulary, with the layers it reads."""
+    problems = []
+    if drafter.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {drafter.hidden_size} (the target's: {target.hidden_size})")
+    if drafter.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary of {drafter.vocab_size} (the target's: {target.vocab_size})")
+    if drafter.num_target_layers != target.num_layers:
+        problems.append(f"made for a {drafter.num_target_layers}-layer target (this one has {target.num_layers})")
+    if missing := [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]:
+        problems.append(f"reads target layers {missing}, which the target does not have")
+    if problems:
+        raise ModelError(f"{what} does not fit {target_name}: {'; '.join(problems)}")
 
 
 @flax.struct.dataclass
@@ -159,16 +179,7 @@ class SpeculativeDecoder(Decoder):
         draft_tokens: np.ndarray | None = None,
         **kwargs,
     ):
-        if drafter.cfg.vocab_size != target.cfg.vocab_size or drafter.cfg.hidden_size != target.cfg.hidden_size:
-            raise ValueError(
-                f"drafter (vocab {drafter.cfg.vocab_size}, hidden {drafter.cfg.hidden_size}) does not "
-                f"fit the target (vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size})"
-            )
-        if drafter.cfg.num_target_layers != target.cfg.num_layers:
-            raise ValueError(
-                f"drafter was built for a {drafter.cfg.num_target_layers}-layer target, "
-                f"this target has {target.cfg.num_layers} layers"
-            )
+        check_fits(drafter.cfg, target.cfg)  # a guard: the commands check the config files before loading
         if confidence_threshold and (problem := kinds.confidence_problem(drafter.cfg.kind)):
             raise ModelError(f"a confidence threshold {problem}")
         if draft_tokens is not None and not 0 < len(draft_tokens) <= target.cfg.vocab_size:

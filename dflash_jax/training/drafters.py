@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 from dflash_jax.errors import UserError
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
-from dflash_jax.models.formats.hf import export_drafter, load_drafter
+from dflash_jax.models.formats.hf import SafetensorsReader, export_drafter, load_drafter, read_drafter_config
 from dflash_jax.training.checkpoint import RunCheckpoints, ema_decay_of, optimizer_of
 from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.optim.ema import served_params
@@ -93,16 +93,9 @@ def load_any_drafter(
     path: str, *, step: int | None = None, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16
 ) -> DFlashDrafter:
     """A drafter from an export directory or from a training workdir's checkpoint."""
-    if is_export_dir(path):
-        if step is not None:
-            raise UserError(f"{path} is an export directory; a checkpoint step only applies to workdirs")
+    workdir = _run_holding(path, step)
+    if workdir is None:
         return load_drafter(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
-    workdir = Workdir.at(path)
-    if not workdir.has_checkpoints():
-        raise UserError(
-            f"{path} is neither a drafter export directory (config.json + model.safetensors) nor a "
-            "training workdir (checkpoints/)"
-        )
     cfg, params = restore_params(workdir, step)
     graphdef, _ = nnx.split(
         nnx.eval_shape(
@@ -110,3 +103,28 @@ def load_any_drafter(
         )
     )
     return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(param_dtype), params))
+
+
+def any_drafter_config(path: str, step: int | None = None) -> DrafterConfig:
+    """The config of the drafter `load_any_drafter` loads, read without its weights (an export's
+    weights files have their headers checked: a damaged one is one line before any model loads)."""
+    workdir = _run_holding(path, step)
+    if workdir is None:
+        SafetensorsReader(path)
+        return read_drafter_config(path)
+    return DrafterConfig.from_hf(run_meta(workdir, step)["drafter_config"])
+
+
+def _run_holding(path: str, step: int | None) -> Workdir | None:
+    """The training workdir a drafter path is, or None for an export directory."""
+    if is_export_dir(path):
+        if step is not None:
+            raise UserError(f"{path} is an export directory; a checkpoint step only applies to workdirs")
+        return None
+    workdir = Workdir.at(path)
+    if not workdir.has_checkpoints():
+        raise UserError(
+            f"{path} is neither a drafter export directory (config.json + model.safetensors) nor a "
+            "training workdir (checkpoints/)"
+        )
+    return workdir

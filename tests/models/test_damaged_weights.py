@@ -1,7 +1,9 @@
 """Damaged and hostile weight files end in one line naming the file (issue 59): a drafter export
 whose model.safetensors is truncated, garbled or claims absurd sizes, whose config.json is not JSON or
 lacks a field, and GGUF files whose headers claim more than the file holds. A header claiming
-terabytes is refused before anything of that size is allocated: each case runs under tracemalloc."""
+terabytes is refused before anything of that size is allocated: each case runs under tracemalloc.
+A drafter made for another target is refused by `evaluate` from the two config.json files, before
+either model loads."""
 
 from __future__ import annotations
 
@@ -9,20 +11,25 @@ import json
 import re
 import shutil
 import struct
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from absl import flags
 from flax import nnx
 
+from dflash_jax import evaluate
 from dflash_jax.errors import ModelError
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.families import target_config
 from dflash_jax.models.formats.hf import export_drafter, load_drafter, read_config
 from dflash_jax.models.formats.hub import resolve_model
+from support.stderr import user_lines
 
 TINY_TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen3"
 TIB = 2**40
@@ -267,3 +274,86 @@ def test_the_crafted_gguf_header_reads_when_sound(tmp_path):
     sound = tmp_path / "sound.gguf"
     sound.write_bytes(gguf_bytes())
     check_gguf(sound)  # the cases above differ from it in the one field they name
+
+
+# A drafter that does not fit its target: refused from the two config.json files, before any model loads.
+def drafter_for(tmp_path: Path, **target_fields) -> Path:
+    """An export of a drafter made for tiny-qwen3 with `target_fields` changed."""
+    hf = {k: v for k, v in read_config(TINY_TARGET).items() if k != "layer_types"} | target_fields
+    cfg = DrafterConfig.for_target(target_config(hf), num_layers=1, mask_token_id=5, block_size=4)
+    return export_drafter(DFlashDrafter(cfg, rngs=nnx.Rngs(0)), tmp_path / "other", dtype=jnp.float32)
+
+
+def run_evaluate(args: list[str], monkeypatch) -> None:
+    """`evaluate` as the command runs it, failing the test if it gets as far as loading a model."""
+
+    def loads(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evaluate, "run_evaluation", loads)
+    flag_values = flags.FlagValues()
+    evaluate.define_flags(flag_values)
+    flag_values(["evaluate", *args])
+    evaluate.main([], flag_values)
+
+
+@pytest.mark.parametrize(
+    "target_fields, expected",
+    [
+        (
+            {"hidden_size": 128, "vocab_size": 2048, "num_hidden_layers": 2},
+            "hidden size 128 (the target's: 256); vocabulary of 2048 (the target's: 4096); made for a 2-layer "
+            "target (this one has 4)",
+        ),
+        (
+            {"num_hidden_layers": 8},
+            "made for a 8-layer target (this one has 4); reads target layers [4], which the target does not have",
+        ),
+    ],
+    ids=["sizes", "layers"],
+)
+def test_a_drafter_for_another_target_is_one_line_before_any_model_loads(
+    tmp_path, monkeypatch, target_fields, expected
+):
+    other = drafter_for(tmp_path, **target_fields)
+    output = tmp_path / "eval"
+    with pytest.raises(ModelError) as raised:
+        run_evaluate([f"--drafter={other}", f"--target={TINY_TARGET}", f"--output={output}"], monkeypatch)
+    assert str(raised.value) == f"--drafter={other} does not fit the target {TINY_TARGET}: {expected}"
+    assert not output.exists()
+
+
+def test_a_damaged_drafter_is_refused_before_any_model_loads(export, tmp_path, monkeypatch):
+    weights = damaged_copy(export, tmp_path) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ModelError, match="the file is truncated or damaged$") as raised:
+        run_evaluate([f"--drafter={weights.parent}", f"--target={TINY_TARGET}"], monkeypatch)
+    assert str(raised.value).startswith(f"{weights}: tensor ")
+
+
+@pytest.mark.slow
+def test_the_command_says_a_damaged_or_misfitting_drafter_in_one_line(export, tmp_path):
+    damaged = damaged_copy(export, tmp_path)
+    (damaged / "model.safetensors").write_bytes(b"\0" * 7)
+    other = drafter_for(tmp_path, hidden_size=128)
+    for drafter, expected in (
+        (damaged, f"error: {damaged / 'model.safetensors'}: 7 bytes: not a safetensors file (empty or truncated)"),
+        (other, f"error: --drafter={other} does not fit the target {TINY_TARGET}: hidden size 128 (the target's: 256)"),
+    ):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dflash_jax.evaluate",
+                f"--drafter={drafter}",
+                f"--target={TINY_TARGET}",
+                f"--output={tmp_path / 'eval'}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=TINY_TARGET.parents[1],
+        )
+        assert result.returncode == 1
+        assert user_lines(result.stderr) == [expected]
+    assert not (tmp_path / "eval").exists()
