@@ -338,7 +338,7 @@ def test_served_drafts_equal_the_training_forward(cases, kind):
             positions,
             block_context_mask(segment_ids, anchor_index),
         )[0]
-        hidden = states[:, d.cfg.first_draft_slot :]
+        hidden = states[:, d.cfg.first_draft_slot : d.cfg.first_draft_slot + d.cfg.num_drafts]  # the proposed slots
         unary = t.unembed(hidden)
         previous = jnp.concatenate([blocks[0, :, :1], drafts[:, :-1]], axis=1)
         if d.cfg.kind == "xpress":  # its passes (more than the B - 1 drafts) reach the sequential walk
