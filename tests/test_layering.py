@@ -15,7 +15,17 @@ import pytest
 
 from support.package_imports import PACKAGE, imports, module_name
 
-LAYERS = {"errors": 0, "bundled": 0, "simulated_devices": 0, "models": 1, "data": 2, "decoding": 3, "training": 4}
+LAYERS = {
+    "errors": 0,
+    "bundled": 0,
+    "simulated_devices": 0,
+    "field_checks": 0,
+    "startup": 0,
+    "models": 1,
+    "data": 2,
+    "decoding": 3,
+    "training": 4,
+}
 COMMAND_LINE = 5  # dflash_jax/<name>.py: cli, commands, train, prepare, evaluate, regenerate, export, plan, ...
 FORBIDDEN = {"torch", "pytest", "support"}
 

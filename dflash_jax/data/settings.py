@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_jax.data.formats import FORMATS
+from dflash_jax.field_checks import at_least, one_of
 
 ON_BAD_SAMPLE = ("skip", "error")
 OVERLENGTH = ("truncate", "drop")
@@ -51,23 +52,16 @@ class DataConfig:
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one message per field (empty when all is well)."""
-        out = []
-        choices = {"format": FORMATS, "on_bad_sample": ON_BAD_SAMPLE, "overlength": OVERLENGTH}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                out.append(f"data.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        minimum = {
-            "seq_len": 2,
-            "global_batch_rows": 1,
-            "pack_window": 1,
-            "docs_per_row": 0,
-            "tokenize_processes": 0,
-            "seed": 0,
-            "heldout_rows": 0,
-            "read_threads": 0,
-            "prefetch_batches": 0,
-        }
-        for name, low in minimum.items():
-            if getattr(self, name) < low:
-                out.append(f"data.{name}={getattr(self, name)} must be at least {low}")
-        return out
+        return one_of("data", self, format=FORMATS, on_bad_sample=ON_BAD_SAMPLE, overlength=OVERLENGTH) + at_least(
+            "data",
+            self,
+            seq_len=2,
+            global_batch_rows=1,
+            pack_window=1,
+            docs_per_row=0,
+            tokenize_processes=0,
+            seed=0,
+            heldout_rows=0,
+            read_threads=0,
+            prefetch_batches=0,
+        )

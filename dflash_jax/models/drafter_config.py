@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from dflash_jax.errors import ModelError
+from dflash_jax.field_checks import at_least, one_of
 from dflash_jax.models import drafter_format, kinds
 from dflash_jax.models.architecture import RopeConfig, TransformerConfig
 
@@ -94,7 +95,9 @@ class DrafterConfig(kinds.KindFields):
     def problems(self) -> list[str]:
         """The checks of the config section alone: each sentinel's range (the rest needs the
         target, `for_target`)."""
-        minimum = dict(
+        return one_of("drafter", self, kind=tuple(kinds.KINDS)) + at_least(
+            "drafter",
+            self,
             num_layers=1,
             block_size=2,
             mask_token_id=-1,
@@ -105,14 +108,6 @@ class DrafterConfig(kinds.KindFields):
             num_context_layers=0,
             sliding_window=0,
         )
-        out = [
-            f"drafter.{name}={getattr(self, name)} must be at least {low}"
-            for name, low in minimum.items()
-            if getattr(self, name) < low
-        ]
-        if self.kind not in kinds.KINDS:
-            out.append(f"drafter.kind={self.kind!r} is not one of {', '.join(kinds.KINDS)}")
-        return out
 
     def _problems(self) -> list[str]:
         """Every check of a resolved drafter, in order; the first one found is raised."""

@@ -14,8 +14,9 @@ import re
 
 import ml_collections
 
+from dflash_jax.field_checks import field_path
 from dflash_jax.models.drafter_config import section_fields
-from dflash_jax.training.config.sections import SECTIONS, TopLevelSettings, field_path
+from dflash_jax.training.config.sections import SECTIONS, TopLevelSettings
 
 _FIELD = re.compile(r"\s+(\w+)\s*:[^=]+=")
 _METHODS = re.compile(r"\s+(def |@)")  # the fields end where the methods begin

@@ -15,8 +15,9 @@ import typing
 import ml_collections
 
 from dflash_jax.errors import ConfigError
+from dflash_jax.field_checks import field_path
 from dflash_jax.models.drafter_config import section_fields
-from dflash_jax.training.config.sections import SECTIONS, TopLevelSettings, field_path
+from dflash_jax.training.config.sections import SECTIONS, TopLevelSettings
 
 FIELDS_DOCUMENTED = (
     "every field, its default and its meaning are documented in the section dataclasses of "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_jax.data.settings import DataConfig
+from dflash_jax.field_checks import at_least, one_of
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.layers.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
@@ -34,7 +35,7 @@ class TopLevelSettings:
     seed: int = 0
 
     def problems(self) -> list[str]:
-        return _at_least("", self, seed=0)
+        return at_least("", self, seed=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ class TargetSettings:
     plan_config: str = ""
 
     def problems(self) -> list[str]:
-        return _one_of("target", self, dtype=sorted(DTYPES))
+        return one_of("target", self, dtype=sorted(DTYPES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
     init_from_target_layer: int = -1
 
     def problems(self) -> list[str]:
-        out = _one_of(
+        out = one_of(
             "train",
             self,
             anchor_scheme=ANCHOR_SCHEMES,
@@ -90,7 +91,7 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
             attention=ATTENTION_IMPLEMENTATIONS,
             remat_policy=tuple(REMAT_POLICIES),
         )
-        out += _at_least(
+        out += at_least(
             "train",
             self,
             num_epochs=1,
@@ -148,7 +149,7 @@ class CheckpointSettings:
     async_save: bool = True
 
     def problems(self) -> list[str]:
-        return _at_least("checkpoint", self, every_steps=1, keep=1)
+        return at_least("checkpoint", self, every_steps=1, keep=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +162,7 @@ class LogSettings:
     wandb_project: str = "dflash_jax"
 
     def problems(self) -> list[str]:
-        return _at_least("log", self, every_steps=1)
+        return at_least("log", self, every_steps=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +194,7 @@ class EvalSettings:
         return self.enabled and self.every_steps > 0
 
     def problems(self) -> list[str]:
-        out = _at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1, draft_vocab=0)
+        out = at_least("eval", self, every_steps=0, num_prompts=0, max_new_tokens=1, draft_vocab=0)
         if not 0 <= self.confidence_threshold < 1:
             out.append(f"eval.confidence_threshold={self.confidence_threshold} must be in [0, 1)")
         return out
@@ -211,7 +212,7 @@ class DistributedSettings:
     process_id: int = -1
 
     def problems(self) -> list[str]:
-        return _at_least("distributed", self, num_processes=0, process_id=-1)
+        return at_least("distributed", self, num_processes=0, process_id=-1)
 
 
 # Every section in the order base_config() lists them, after the top-level fields.
@@ -226,24 +227,3 @@ SECTIONS = {
     "eval": EvalSettings,
     "distributed": DistributedSettings,
 }
-
-
-def field_path(section: str, name: str) -> str:
-    """How messages and overrides name a field: `section.name`, or `name` at the top level."""
-    return f"{section}.{name}" if section else name
-
-
-def _at_least(section: str, settings, **minimum) -> list[str]:
-    return [
-        f"{field_path(section, name)}={getattr(settings, name)} must be at least {low}"
-        for name, low in minimum.items()
-        if getattr(settings, name) < low
-    ]
-
-
-def _one_of(section: str, settings, **allowed) -> list[str]:
-    return [
-        f"{field_path(section, name)}={getattr(settings, name)!r} is not one of {', '.join(choices)}"
-        for name, choices in allowed.items()
-        if getattr(settings, name) not in choices
-    ]
