@@ -217,10 +217,6 @@ def _clamped(first_ref, count_ref, entry, step):
     return first_ref[entry] + jnp.minimum(step, jnp.maximum(count_ref[entry] - 1, 0))
 
 
-def _params():
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
-
-
 def _cost(q, kc, own_keys, *, context_matmuls, own_matmuls, reread):
     """CostEstimate of one call: its FLOPs by `cost.block_walk_flops` (`own_keys` = CHUNK·L); each
     visit copies in `reread` bytes, besides the operands and results read or written once."""
@@ -239,8 +235,29 @@ def _cost(q, kc, own_keys, *, context_matmuls, own_matmuls, reread):
     )
 
 
-def _interpret() -> bool:
-    return target_backend() != "tpu"
+def _walk_call(kernel, operands, *, q, walk, spans, grid, in_specs, out_specs, scratch_shapes, out_shape,
+               cost_estimate, name, **static):  # fmt: skip
+    """What the three calls share: `kernel` (with q's softmax scale, its query rows a block and
+    `static`) over `grid` on `operands`, after the four it prefetches into scalar memory: `walk`,
+    each walk's first step (a tile or a chunk) and count of steps [B·C or B·T], and `spans`, the
+    blocks' (start, end) [B, Np]. The grid's last axis walks the steps, accumulating in scratch."""
+    _, _, _, rows, h = q.shape
+    prefetched = (*walk, *(x.reshape(-1) for x in spans))
+    return pl.pallas_call(
+        functools.partial(kernel, scale=h**-0.5, rows_per_block=rows // CHUNK, **static),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetched),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch_shapes,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=cost_estimate,
+        interpret=target_backend() != "tpu",
+        name=name,
+    )(*prefetched, *operands)
 
 
 def _per_chunk(x):
@@ -248,70 +265,68 @@ def _per_chunk(x):
 
 
 def _chunk_walk(q, kc, start, end):
-    """What the forward and dq calls share: (tile, tiles, first tile and tile count per chunk,
-    the BlockSpec of the context tile each grid step (b, k, chunk, step) reads)."""
-    chunks, h = q.shape[2], q.shape[4]
+    """What the forward and dq calls share: (tile, the grid (b, k, chunk, step), the `walk` of
+    `_walk_call`, the BlockSpec of the context tile each grid step reads)."""
+    b, kv, chunks, _, h = q.shape
     tile = _tile(kc.shape[2])
     first, count = _chunk_tiles(start, end, tile)
 
     def context_tile(b, k, c, j, first_ref, count_ref, *_):
         return b, k, _clamped(first_ref, count_ref, b * chunks + c, j), 0
 
-    return tile, kc.shape[2] // tile, first, count, pl.BlockSpec((None, None, tile, h), context_tile)
+    grid = (b, kv, chunks, kc.shape[2] // tile)
+    return tile, grid, (first, count), pl.BlockSpec((None, None, tile, h), context_tile)
 
 
 def _forward_call(q, kc, vc, kb, vb, start, end, block_len):
     b, kv, chunks, rows, h = q.shape
-    tile, tiles, first, count, ctx = _chunk_walk(q, kc, start, end)
+    tile, grid, walk, ctx = _chunk_walk(q, kc, start, end)
     lse_shape = jax.ShapeDtypeStruct((b, kv, chunks, 1, rows), jnp.float32)
-    kernel = functools.partial(
-        _forward_kernel, scale=h**-0.5, rows_per_block=rows // CHUNK, block_len=block_len, tile=tile
-    )
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(b, kv, chunks, tiles),
-            in_specs=[_per_chunk(q), ctx, ctx, _per_chunk(kb), _per_chunk(vb)],
-            out_specs=[_per_chunk(q), _per_chunk(lse_shape)],
-            scratch_shapes=[
-                pltpu.VMEM((rows, LANES), jnp.float32),
-                pltpu.VMEM((rows, LANES), jnp.float32),
-                pltpu.VMEM((rows, h), jnp.float32),
-            ],
-        ),
+    return _walk_call(
+        _forward_kernel,
+        (q, kc, vc, kb, vb),
+        q=q,
+        walk=walk,
+        spans=(start, end),
+        grid=grid,
+        in_specs=[_per_chunk(q), ctx, ctx, _per_chunk(kb), _per_chunk(vb)],
+        out_specs=[_per_chunk(q), _per_chunk(lse_shape)],
+        scratch_shapes=[
+            pltpu.VMEM((rows, LANES), jnp.float32),
+            pltpu.VMEM((rows, LANES), jnp.float32),
+            pltpu.VMEM((rows, h), jnp.float32),
+        ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), lse_shape],
-        compiler_params=_params(),
         cost_estimate=_cost(
             q, kc, kb.shape[3], context_matmuls=2, own_matmuls=2, reread=2 * tile * h * kc.dtype.itemsize
         ),
-        interpret=_interpret(),
         name="dflash_block_attention_fwd_tpu",
-    )(first, count, start.reshape(-1), end.reshape(-1), q, kc, vc, kb, vb)
+        block_len=block_len,
+        tile=tile,
+    )
 
 
 def _dq_call(q, kc, vc, kb, vb, start, end, do, lse, delta, block_len):
-    b, kv, chunks, rows, h = q.shape
-    tile, tiles, first, count, ctx = _chunk_walk(q, kc, start, end)
-    kernel = functools.partial(_dq_kernel, scale=h**-0.5, rows_per_block=rows // CHUNK, block_len=block_len, tile=tile)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(b, kv, chunks, tiles),
-            in_specs=[_per_chunk(q), ctx, ctx, _per_chunk(kb), _per_chunk(vb), _per_chunk(do)]
-            + [_per_chunk(lse), _per_chunk(delta)],
-            out_specs=[_per_chunk(q), _per_chunk(kb), _per_chunk(vb)],
-            scratch_shapes=[pltpu.VMEM((rows, h), jnp.float32)],
-        ),
+    rows, h = q.shape[3:]
+    tile, grid, walk, ctx = _chunk_walk(q, kc, start, end)
+    return _walk_call(
+        _dq_kernel,
+        (q, kc, vc, kb, vb, do, lse, delta),
+        q=q,
+        walk=walk,
+        spans=(start, end),
+        grid=grid,
+        in_specs=[_per_chunk(q), ctx, ctx, *map(_per_chunk, (kb, vb, do, lse, delta))],
+        out_specs=[_per_chunk(q), _per_chunk(kb), _per_chunk(vb)],
+        scratch_shapes=[pltpu.VMEM((rows, h), jnp.float32)],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, kb, vb)],
-        compiler_params=_params(),
         cost_estimate=_cost(
             q, kc, kb.shape[3], context_matmuls=3, own_matmuls=5, reread=2 * tile * h * kc.dtype.itemsize
         ),
-        interpret=_interpret(),
         name="dflash_block_attention_dq_tpu",
-    )(first, count, start.reshape(-1), end.reshape(-1), q, kc, vc, kb, vb, do, lse, delta)
+        block_len=block_len,
+        tile=tile,
+    )
 
 
 def _dkv_context_call(q, do, lse, delta, start, end, kc, vc):
@@ -325,24 +340,22 @@ def _dkv_context_call(q, do, lse, delta, start, end, kc, vc):
 
     per_chunk = [pl.BlockSpec((None, None, None, *x.shape[3:]), chunk_of_tile) for x in (q, do, lse, delta)]
     key_tile = pl.BlockSpec((None, None, tile, h), lambda b_, k, t, i, *_: (b_, k, t, 0))
-    kernel = functools.partial(
-        _dkv_context_kernel, scale=h**-0.5, rows_per_block=rows // CHUNK, tile=tile, chunks=chunks
-    )
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(b, kv, tiles, chunks),
-            in_specs=[key_tile, key_tile, *per_chunk],
-            out_specs=[key_tile, key_tile],
-            scratch_shapes=[pltpu.VMEM((tile, h), jnp.float32), pltpu.VMEM((tile, h), jnp.float32)],
-        ),
+    return _walk_call(
+        _dkv_context_kernel,
+        (kc, vc, q, do, lse, delta),
+        q=q,
+        walk=(first, count),
+        spans=(start, end),
+        grid=(b, kv, tiles, chunks),
+        in_specs=[key_tile, key_tile, *per_chunk],
+        out_specs=[key_tile, key_tile],
+        scratch_shapes=[pltpu.VMEM((tile, h), jnp.float32), pltpu.VMEM((tile, h), jnp.float32)],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (kc, vc)],
-        compiler_params=_params(),
         cost_estimate=_cost(q, kc, 0, context_matmuls=4, own_matmuls=0, reread=2 * rows * (h * q.dtype.itemsize + 4)),
-        interpret=_interpret(),
         name="dflash_block_attention_dkv_tpu",
-    )(first, count, start.reshape(-1), end.reshape(-1), kc, vc, q, do, lse, delta)
+        tile=tile,
+        chunks=chunks,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
