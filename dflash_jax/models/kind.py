@@ -60,6 +60,17 @@ class LlamaCpp:
 
 
 @dataclasses.dataclass(frozen=True)
+class Vllm:
+    """How vLLM serves a kind: the `method` its `--speculative-config` names, why no vLLM release
+    serves it (`refused`), and why its CPU build cannot (`cpu_refused`: that build runs the V1
+    model runner, without what the kind needs)."""
+
+    method: str = ""
+    refused: str = ""
+    cpu_refused: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Kind:
     """A drafter kind. `cfg` below is a `DrafterConfig` (models/drafter_config.py)."""
 
@@ -118,6 +129,8 @@ class Kind:
     confidence_head: bool = False
     # How llama.cpp serves it; None: llama.cpp does not.
     llama_cpp: LlamaCpp | None = None
+    # How vLLM serves it, or why it does not.
+    vllm: Vllm = Vllm(refused="vLLM has no method for it")
 
     @property
     def architecture(self) -> str:

@@ -15,7 +15,8 @@ from absl import flags
 
 from dflash_jax.bundled import ASSETS
 from dflash_jax.decoding.engines.llama_cpp import build_server, find_server
-from dflash_jax.decoding.engines.llama_server import Drafting, LlamaServer, engine_figures, forward_cost, run_prompts
+from dflash_jax.decoding.engines.llama_server import Drafting, LlamaServer
+from dflash_jax.decoding.engines.server import engine_figures, forward_cost, run_prompts
 from dflash_jax.decoding.generate import TargetDecoder
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.speculative import SpeculativeDecoder
@@ -94,7 +95,8 @@ def test_llama_cpp_serves_the_export_as_our_decoder_decodes_it(
     same_target = [i for i, (o, a) in enumerate(zip(ours, alone)) if list(o.tokens) == a.tokens]
     assert len(same_target) >= len(prompts) // 2, "the engine's target and ours disagree on most prompts"
     accepted_ours = [int((ours[i].step_lengths - 1).sum()) for i in same_target]
-    assert accepted_ours == [served[i].draft_accepted for i in same_target]
+    assert accepted_ours == [served[i].accepted for i in same_target]
+    assert [len(ours[i].step_lengths) for i in same_target] == [served[i].steps for i in same_target]
     if kind == "dspark":  # random Markov heads still accept some drafts: the counts compared are not all 0
         assert sum(accepted_ours) > 0
 
@@ -152,8 +154,9 @@ def test_evaluate_serves_the_prompts_in_the_engine_beside_ours(target, target_gg
 
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     (ours,) = result["sets"].values()
-    assert set(result["engine"]) == {"file", "float32"}
-    for weights, sets in result["engine"].items():
+    assert result["engine"]["name"] == "llama.cpp"
+    assert set(result["engine"]["served"]) == {"file", "float32"}
+    for weights, sets in result["engine"]["served"].items():
         (engine,) = sets.values()
         assert engine["identical_outputs"] == 1.0, weights
         assert engine["drafted"] > 0 and engine["step_costs"]["verify_tokens"] == 4, weights
@@ -173,7 +176,7 @@ def test_the_verify_forward_is_timed_on_as_many_tokens_as_asked(server_binary, t
     assert forward["prompts"] == 3 and forward["tokens"] == 5 and forward["ms"] > 0
     figures = engine_figures(alone, alone, forward)  # the target alone as its own "drafted" run: 1 token a step
     costs = figures["step_costs"]
-    assert costs["step_ms"] == pytest.approx(sum(c.predicted_ms for c in alone) / sum(c.predicted_n - 1 for c in alone))
+    assert costs["step_ms"] == pytest.approx(sum(c.decode_ms for c in alone) / sum(len(c.tokens) - 1 for c in alone))
     assert costs["verify_ms"] + costs["drafter_ms"] == pytest.approx(costs["step_ms"])
 
 

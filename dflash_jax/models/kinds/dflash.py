@@ -4,6 +4,6 @@ as z-lab's `DFlashDraftModel`."""
 
 from __future__ import annotations
 
-from dflash_jax.models.kind import Kind, LlamaCpp
+from dflash_jax.models.kind import Kind, LlamaCpp, Vllm
 
-KIND = Kind("dflash", ("DFlashDraftModel",), llama_cpp=LlamaCpp("draft-dflash"))
+KIND = Kind("dflash", ("DFlashDraftModel",), llama_cpp=LlamaCpp("draft-dflash"), vllm=Vllm("dflash"))

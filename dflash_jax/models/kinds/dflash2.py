@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.kind import RELEASED, Kind, LlamaCpp
+from dflash_jax.models.kind import RELEASED, Kind, LlamaCpp, Vllm
 from dflash_jax.models.layers.basic import DecoderBlock, linear, soft_capped
 from dflash_jax.models.sharding import EMBED, VOCAB
 
@@ -252,5 +252,10 @@ KIND = Kind(
             "mlp_conv.base_kernel": "ffn_conv_base",
             "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
         },
+    ),
+    vllm=Vllm(
+        "dflash",
+        cpu_refused="its candidate head is in vLLM's V2 model runner only, which needs Triton "
+        "('Model Runner V1 does not support: DFlash candidate-head drafts')",
     ),
 )

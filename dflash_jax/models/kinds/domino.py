@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.kind import FieldReader, Kind
+from dflash_jax.models.kind import FieldReader, Kind, Vllm
 from dflash_jax.models.layers.basic import linear
 from dflash_jax.models.sharding import EMBED, VOCAB
 
@@ -192,4 +192,5 @@ KIND = Kind(
     # SpecForge's slot weights exp(-k/4), whatever the block size.
     loss_decay_gamma=4.0,
     embeds_realised_tokens=True,
+    vllm=Vllm(refused="vLLM has no Domino drafter"),
 )

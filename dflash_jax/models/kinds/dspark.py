@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.kind import FieldReader, Kind, LlamaCpp
+from dflash_jax.models.kind import FieldReader, Kind, LlamaCpp, Vllm
 from dflash_jax.models.layers.basic import linear
 from dflash_jax.models.sharding import EMBED, NORM, VOCAB
 
@@ -162,5 +162,10 @@ KIND = Kind(
             "confidence_head.proj.bias": "conf_proj.bias",
         },
         vocab_rows=("markov_head.markov_w2.weight",),
+    ),
+    vllm=Vllm(
+        "dspark",
+        cpu_refused="vLLM serves DSpark in its V2 model runner only, which needs Triton "
+        "('Model Runner V1 does not support: dspark speculative decoding')",
     ),
 )

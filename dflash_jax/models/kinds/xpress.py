@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.models.kind import FieldReader, Kind
+from dflash_jax.models.kind import FieldReader, Kind, Vllm
 from dflash_jax.models.layers.basic import SwiGLU, linear
 from dflash_jax.models.sharding import EMBED, VOCAB
 
@@ -168,4 +168,5 @@ KIND = Kind(
     adam_params=("w1", "w2"),
     # The authors' slot weights exp(-(k-1)/4) from the first draft, whatever the block size.
     loss_decay_gamma=4.0,
+    vllm=Vllm(refused="vLLM serves XPress only in its open PR #54448, in no release yet"),
 )
