@@ -282,7 +282,9 @@ def _vllm(f: flags.FlagValues, target: str, export: Path, prompts: dict[str, lis
             drafting if drafted else None,
             dtype=dtype,
             stop_tokens=chat.stop_tokens,
-            max_model_len=min(positions, longest + f.max_new_tokens + drafting.num_drafts + 1),
+            # Room for a last step's whole block past max_new_tokens: vLLM cuts the drafts that
+            # would pass its max_model_len, and a cut step is one our decoder does not take.
+            max_model_len=min(positions, longest + f.max_new_tokens + 2 * (drafting.num_drafts + 1)),
             threads=f.engine_threads,
             request_timeout=f.engine_timeout,
         )
