@@ -33,41 +33,39 @@ BOUND = 60  # seconds from the failure to the command's exit: a request's timeou
 @pytest.fixture(scope="module")
 def evaluation(tmp_path_factory, llama_server_binary):
     """The arguments of an evaluation on a tiny GGUF target whose engine runs for a while: a
-    drafter export of it, a dozen prompts of 256 new tokens each."""
+    drafter export of it, 8 prompts of 512 new tokens each."""
     root = tmp_path_factory.mktemp("engine_failures")
     target_gguf = write_tiny_gguf(root / "target.gguf", layers=4, weight_type="F32", embedding_type="F32")
     target = load_target(resolve_model(str(target_gguf)))
     export = export_drafter(perturbed(make_drafter(target, kind="dflash", block_size=4, mask_id=3)), root / "export")
-    prompts = write_jsonl(root / "prompts.jsonl", [chat(text) for text in (CORPUS * 3)[:12]])
+    prompts = write_jsonl(root / "prompts.jsonl", [chat(text) for text in (CORPUS * 2)[:8]])
     return [
         f"--drafter={export}",
         f"--target={target_gguf}",
         f"--prompts={prompts}",
-        "--max_new_tokens=256",
+        "--max_new_tokens=512",
         "--engine=llama.cpp",
         "--engine_threads=1",
         "--dtype=float32",
-    ], root
+    ]
 
 
-def _servers_of(root: Path) -> list[int]:
-    """The processes whose command line names a file under `root`: the engine's servers."""
+def _llama_servers(parent: int | None = None, serving: str | None = None) -> list[tuple[int, list[str]]]:
+    """The live llama-server processes (pid, command line): children of `parent`, or serving the
+    model file `serving`."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                args = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                state, ppid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:2]
             except OSError:
                 continue
-            if str(root) in cmdline and "llama-server" in cmdline and state != "Z":
-                found.append(int(entry))
+            if not args[0].endswith("llama-server") or state == "Z":
+                continue
+            if (parent is not None and int(ppid) == parent) or (serving is not None and serving in args):
+                found.append((int(entry), args))
     return found
-
-
-def _port(pid: int) -> int:
-    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return int(args[args.index(b"--port") + 1])
 
 
 def _serving(port: int) -> bool:
@@ -81,9 +79,10 @@ def _serving(port: int) -> bool:
     return False
 
 
-def _fail_mid_request(args: list[str], root: Path, sig: int, out: Path) -> tuple[subprocess.CompletedProcess, float]:
+def _fail_mid_request(args: list[str], sig: int, out: Path) -> tuple[subprocess.CompletedProcess, float, str]:
     """Runs the evaluation, sends `sig` to its first llama-server once a request is in flight
-    there, and returns the finished command and the seconds from the signal to its exit."""
+    there, and returns the finished command, the seconds from the signal to its exit and the
+    model file that server served."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "dflash_jax.evaluate", *args, f"--output={out}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -91,15 +90,16 @@ def _fail_mid_request(args: list[str], root: Path, sig: int, out: Path) -> tuple
         deadline = time.monotonic() + 900  # our decoder compiles and decodes first, then the engine starts
         signalled = None
         while signalled is None and time.monotonic() < deadline and proc.poll() is None:
-            servers = _servers_of(root)
-            # Twice in a row: a request in flight, not the last moment of one.
-            if servers and _serving(_port(servers[0])) and (time.sleep(0.05) or _serving(_port(servers[0]))):
-                os.kill(servers[0], sig)
-                signalled = time.monotonic()
-            time.sleep(0.02)
+            for pid, server_args in _llama_servers(parent=proc.pid)[:1]:
+                port = int(server_args[server_args.index("--port") + 1])
+                # Twice in a row: a request in flight, not the last moment of one.
+                if _serving(port) and (time.sleep(0.01) or _serving(port)):
+                    os.kill(pid, sig)
+                    signalled, model = time.monotonic(), server_args[server_args.index("-m") + 1]
+            time.sleep(0.005)
         assert signalled is not None, f"no request in flight was seen (exit {proc.poll()})"
         stdout, stderr = proc.communicate(timeout=BOUND + 60)
-        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), time.monotonic() - signalled
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), time.monotonic() - signalled, model
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -125,25 +125,23 @@ def llama_server_binary():
 
 @pytest.mark.slow
 def test_a_server_killed_mid_request_ends_the_evaluation_in_one_line(evaluation, tmp_path):
-    args, root = evaluation
-    done, seconds = _fail_mid_request(args, root, signal.SIGKILL, tmp_path / "out")
+    done, seconds, model = _fail_mid_request(evaluation, signal.SIGKILL, tmp_path / "out")
     line = _one_error_line(done.stderr)
     assert done.returncode == 1 and seconds < BOUND, (done.returncode, seconds)
     assert line.startswith("error: llama.cpp's llama-server on port "), line
     assert "exited with code -9" in line, line
-    assert _servers_of(root) == []  # the server is gone, and nothing it started
+    assert _llama_servers(serving=model) == []  # the server is gone, and nothing it started
 
 
 @pytest.mark.slow
 def test_a_hung_server_ends_the_evaluation_at_the_request_timeout(evaluation, tmp_path):
-    args, root = evaluation
-    done, seconds = _fail_mid_request(
-        [*args, f"--engine_timeout={ENGINE_TIMEOUT}"], root, signal.SIGSTOP, tmp_path / "out"
+    done, seconds, model = _fail_mid_request(
+        [*evaluation, f"--engine_timeout={ENGINE_TIMEOUT}"], signal.SIGSTOP, tmp_path / "out"
     )
     line = _one_error_line(done.stderr)
     assert done.returncode == 1 and ENGINE_TIMEOUT <= seconds < BOUND, (done.returncode, seconds)
     assert f"no answer within {ENGINE_TIMEOUT} s; the server is still running" in line, line
-    assert _servers_of(root) == []  # stopped: SIGTERM reaches a stopped server with SIGCONT
+    assert _llama_servers(serving=model) == []  # stopped: SIGTERM reaches a stopped server with SIGCONT
 
 
 class _Forking(EngineServer):

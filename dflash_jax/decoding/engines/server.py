@@ -237,7 +237,13 @@ def run_prompts(
     (warm-up, as our decoder compiles first). With `desc`, a progress bar on stderr."""
     if prompts:
         server.complete(prompts[0], max_new_tokens)
-    return [server.complete(p, max_new_tokens) for p in tqdm(prompts, desc=desc, unit="prompt", disable=not desc)]
+    completions = []
+    # Closed before a failure propagates: the failure's line then starts a line of its own.
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not desc) as bar:
+        for prompt in prompts:
+            completions.append(server.complete(prompt, max_new_tokens))
+            bar.update()
+    return completions
 
 
 def forward_cost(
