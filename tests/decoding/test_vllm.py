@@ -25,7 +25,7 @@ from flax import nnx
 from dflash_jax import evaluate
 from dflash_jax.bundled import ASSETS
 from dflash_jax.decoding.engines import vllm
-from dflash_jax.decoding.engines.vllm_server import hf_target, vllm_drafting
+from dflash_jax.decoding.engines.vllm_server import VllmServer, hf_target, vllm_drafting
 from dflash_jax.decoding.prompt_sets import ChatTokenizer, load_prompt_set
 from dflash_jax.decoding.speculative import SpeculativeDecoder
 from dflash_jax.errors import UserError
@@ -121,6 +121,43 @@ def test_vllm_serves_the_export_as_our_decoder_decodes_it(vllm_env, dflash_expor
     assert engine["step_costs"]["step_in_decode_steps"] > 0
     table = capsys.readouterr().out
     assert "vllm, greedy, the first turn of every prompt:" in table and "break-even tau" in table
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_start_is_one_line_and_leaves_nothing(vllm_env, tmp_path):
+    with pytest.raises(UserError) as raised:
+        VllmServer(vllm_env, tmp_path / "no_such_model", dtype="float32")
+    assert str(raised.value).startswith("vLLM exited with code 1: OSError: Repo id must be in the form"), raised.value
+    assert "\n" not in str(raised.value)
+    assert not any(str(tmp_path) in " ".join(args) for args in _commands())  # nothing it started is left
+
+
+def _commands() -> list[list[str]]:
+    """The command lines of the machine's live processes."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            found.append(Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0"))
+        except OSError:
+            pass
+    return found
+
+
+def test_what_the_engine_runs_against_what_it_was_asked(tmp_path):
+    """VllmServer.ignored reads the engine's stated config from its log: a dtype or a number of
+    speculative tokens other than those asked for is one line each."""
+    server = VllmServer.__new__(VllmServer)  # its log alone, no process
+    server.log = open(tmp_path / "log", "w+")
+    server.log.write("(EngineCore pid=1) INFO core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: "
+                     "speculative_config=SpeculativeConfig(method='dflash', model='e', num_spec_tokens=7), "
+                     "kv_cache_dtype=auto, dtype=torch.bfloat16, max_seq_len=512\n")  # fmt: skip
+    server.log.flush()
+    asked = {"dtype": "float32", "num_speculative_tokens": "7"}
+    assert server.ignored(asked) == ["vLLM runs dtype bfloat16, not the float32 it was asked for"]
+    assert server.ignored({"dtype": "bfloat16", "num_speculative_tokens": "15"}) == [
+        "vLLM runs num_speculative_tokens 7, not the 15 it was asked for"
+    ]
+    server.log.close()
 
 
 def _export_config(root: Path, kind: str) -> Path:
