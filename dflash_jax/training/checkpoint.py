@@ -14,8 +14,9 @@ after every step, so a failure is noticed as soon as it happens.
 A checkpoint damaged after its save (a truncated or garbled file, a missing item, an emptied step
 directory, metadata that is not JSON) is passed over: `newest_readable` reads the newest one that
 reads, saying in one warning line which it passed over and why; none readable is one line naming
-the directory. Damage is found cheaply where Orbax leaves a mark (its `commit_success.txt` of a
-finished save, its items, the JSON it writes), otherwise by the restore failing. Nothing is
+the directory. Damage is found cheaply before any restore: Orbax's marks (its `commit_success.txt`
+of a finished save, its items, the JSON it writes) and the arrays' database (its index, and every
+stored value's last byte); otherwise by the restore failing. Nothing is
 deleted: export and evaluate leave a damaged checkpoint where it is; a resumed run, which saves
 those steps again, keeps it beside them as `<step>.damaged`. A byte changed inside the arrays'
 data goes unnoticed (Orbax keeps no checksum of it).
@@ -39,6 +40,7 @@ from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+import tensorstore
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as save_policies
 
@@ -119,8 +121,8 @@ class RunCheckpoints:
         return self.manager.latest_step()
 
     def damage(self, step: int) -> str | None:
-        """Why the checkpoint of `step` cannot be read, as far as it shows without reading its
-        arrays; None if it looks sound."""
+        """Why the checkpoint of `step` cannot be read, as far as it shows without restoring it;
+        None if it looks sound."""
         path = os.path.join(self.directory, str(step))  # Orbax's step name
         names = os.listdir(path)
         if not names:
@@ -140,7 +142,7 @@ class RunCheckpoints:
                 return f"{name} is missing"
             except ValueError:  # not UTF-8, not JSON
                 return f"{name} is not JSON"
-        return None
+        return _unreadable_arrays(os.path.join(path, "state"))
 
     def newest_readable(
         self, read: Callable[[int], T], *, step: int | None = None, resuming: bool = False
@@ -294,13 +296,34 @@ class RunCheckpoints:
         self.manager.close()
 
 
+def _unreadable_arrays(state_dir: str) -> str | None:
+    """Why the arrays' database in `state_dir` cannot be read, from its index and the last byte of
+    each stored value (milliseconds: a cut or missing data file shows); None if all are there.
+    Found here rather than by Orbax's restore, whose failed read leaves the rest of its reads
+    running into a closed event loop, each printing tracebacks."""
+    try:
+        store = tensorstore.KvStore.open({"driver": "ocdbt", "base": f"file://{state_dir}/"}).result()
+        for key in store.list().result():
+            try:
+                store.read(key, byte_range=slice(-1, None)).result()
+            except ValueError as e:  # "OUT_OF_RANGE: Requested byte range ...": say which value
+                code, _, detail = _first_line(e).partition(": ")
+                raise ValueError(f'{code}: Error reading "{key.decode()}" in state/: {detail}') from e
+    except ValueError as e:  # TensorStore's error for a cut, missing or garbled file
+        return f"reading it failed (ValueError: {_first_line(e)[:300]})"
+    return None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or ["no detail"])[0].split(" [tensorstore_spec")[0]
+
+
 def _read_failure(error: Exception, step_dir: str) -> str:
     """A restore's failure in a few words: its root cause's first line (TensorStore's says which
     file and bytes), without the step's path or TensorStore's spec, cut short."""
     while cause := error.__cause__ or error.__context__:
         error = cause
-    text = (str(error).strip().splitlines() or ["no detail"])[0].split(" [tensorstore_spec")[0]
-    text = f"{type(error).__name__}: {text.replace(step_dir + os.sep, '')}"
+    text = f"{type(error).__name__}: {_first_line(error).replace(step_dir + os.sep, '')}"
     return f"reading it failed ({text[:300]}{'...' if len(text) > 300 else ''})"
 
 

@@ -269,7 +269,9 @@ def test_a_run_resumes_exactly_from_before_its_damaged_checkpoint(tiny_run, comp
     damage(workdir, 12, "array_data_cut")
     exported = command(["dflash_jax.export", f"--workdir={workdir}", f"--output={tmp_path / 'exported'}"], env)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    [line] = user_lines(exported.stderr)
+    lines = user_lines(exported.stderr)
+    assert len(lines) == 1, "\n".join(lines)
+    [line] = lines
     assert f"the checkpoint of step 12 in {checkpoints} is damaged (reading it failed (" in line
     assert line.endswith("using step 8, the newest readable one")
     assert sorted(os.listdir(checkpoints)) == ["12", "4", "8"]
