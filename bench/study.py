@@ -22,10 +22,10 @@ decoding seconds per speculative step, after compiling). Runs live in `--root/<v
 a finished run is evaluated again without retraining, so an interrupted study resumes.
 
 The kinds study (docs/design.md §12): every kind drafts 7 tokens a step, so the target verifies 8
-tokens for each: DFlash and DFlash2 on the default's blocks of 8, DSpark and Domino on blocks of 7
-(every slot of their blocks drafts). DSpark trains with its own loss (DeepSpec's; `loss=dflash`
-selects its slot weights), Domino with its own (the 'dflash' weights, SpecForge's λ curriculum),
-the others with the default's.
+tokens for each: DFlash, DFlash2, XPress and Domino on the default's blocks of 8 (Domino drafts all
+but the last slot, as SpecForge's decoder does), DSpark on blocks of 7 (every slot drafts). Each
+kind trains with its own defaults on the default config (its slot weights under the default's
+D-PACE; `loss=dflash` selects the kind's exponential weights).
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ from dflash_jax.training.loop import train
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.py")
 
-# The variant of each drafter kind, on the default config as it is.
+# The variant of each drafter kind, on the default config as it is: each kind brings its own
+# defaults, and every kind drafts 7 tokens a step (DSpark drafts every slot of its block of 7,
+# Domino all but the last of its block of 8, as SpecForge's decoder does).
 KINDS = {
     "dflash": "drafter.kind=dflash",
     "dflash2": "drafter.kind=dflash2",
-    "dspark": "drafter.kind=dspark+drafter.block_size=7+loss=dflash",
-    # SpecForge's Qwen3-8B sizes in proportion to the hidden size (1024 and 256 of 4096); γ 4 as
-    # for the 7 drafts of DFlash's blocks of 8.
-    "domino": "drafter.kind=domino+drafter.block_size=7+loss=dflash+drafter.gru_hidden_dim=64+drafter.emb_dim=16+loss_decay_gamma=4.0",
+    "dspark": "drafter.kind=dspark+drafter.block_size=7",
+    "domino": "drafter.kind=domino",
     "xpress": "drafter.kind=xpress",
 }
 
