@@ -92,8 +92,8 @@ class Tiles:
 
 # Shared memory one block may opt in to, by CUDA compute capability (NVIDIA's CUDA C++ Programming
 # Guide, technical specifications): 227 KiB on the data-center Hopper and Blackwell parts, what the
-# target configs of the planner's H100, H200 and B200 say (training/planning/gpu_targets/, a test
-# checks); 163 KiB on an A100; 99 KiB on the other Ampere, Ada and Blackwell parts.
+# target configs of the planner's Hopper and Blackwell GPUs say (training/planning/gpu_targets/, a
+# test checks); 163 KiB on an A100; 99 KiB on the other Ampere, Ada and Blackwell parts.
 SHARED_MEMORY_PER_BLOCK = {
     "8.0": 166_912,
     "8.6": 101_376,
@@ -102,15 +102,15 @@ SHARED_MEMORY_PER_BLOCK = {
     "10.0": 232_448,
     "12.0": 101_376,
 }
-# Besides the tiles Triton places barriers (an H100's figures are the estimates' exactly, a B200
-# asks 32 bytes more): a candidate must leave this much free.
+# Besides the tiles Triton places barriers (a Hopper's figures are the estimates' exactly, a
+# Blackwell asks 32 bytes more): a candidate must leave this much free.
 SHARED_MEMORY_RESERVE = 1024
 
 
 def shared_memory_per_block() -> int:
     """Of the GPU the program is traced for: the active mesh's devices (a GPU topology's when the
-    planner compiles without one), else JAX's first device; an H100's where neither is a GPU (on
-    a CPU the kernels run in interpret mode what an H100 would run)."""
+    planner compiles without one), else JAX's first device; a Hopper's (compute capability 9.0)
+    where neither is a GPU (on a CPU the kernels run in interpret mode what a Hopper would run)."""
     from dflash_jax.models import sharding
 
     mesh = sharding.active_mesh()
@@ -156,7 +156,7 @@ def walk_shared_memory(tiles: Tiles, head_dim: int, itemsize: int, key_bytes: in
     online softmax): the query tile; `loop_buffers` copies of the key and value tiles (unpipelined
     they take turns in one) and of `key_bytes` a key also read a step (segment ids), but for the
     step in flight; under mma.sync the probabilities' [rows, keys] tile on its way to the values'
-    matmul. XLA:GPU's figures for an H100, e.g. 327,936 bytes for rows = keys = 64 in 2 stages at
+    matmul. XLA:GPU's figures for a Hopper GPU, e.g. 327,936 bytes for rows = keys = 64 in 2 stages at
     H = 512 (Gemma 4's global heads), tests/training/test_kernel_fit.py."""
     query = tiles.rows * head_dim * itemsize
     key_tile = tiles.keys * head_dim * itemsize

@@ -149,7 +149,7 @@ def _dkv_context_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# What each kernel asks of shared memory, as Triton (num_warps=4) allocates it on an H100 (its
+# What each kernel asks of shared memory, as Triton (num_warps=4) allocates it on a Hopper GPU (its
 # figures for the tiles below at head widths 64 to 512: tests/training/test_kernel_fit.py). A
 # matmul's rows pick its instructions (`kernels.uses_warpgroup_matmuls`); an operand two kinds
 # of matmul read is kept in shared memory in each one's layout.

@@ -65,7 +65,7 @@ class Plan:
     kernels: tuple[Kernel, ...] = ()  # of one device's program, for the roofline (training/planning/roofline.py)
     lower_seconds: float = 0.0  # tracing and lowering the step, before compiling it
     compile_cpu_seconds: float = 0.0  # CPU time of the compile, every thread of it (wall time: compile_seconds)
-    device_kind: str = ""  # "NVIDIA H200", "TPU v5": the devices compiled for
+    device_kind: str = ""  # the compiled-for devices' `device_kind` ("TPU v5", say)
     generated_code: int = 0  # per device, bytes of the compiled program
     compiler_costs: dict[str, float] = dataclasses.field(default_factory=dict)  # `compiler_costs`
     out_of_memory: str = ""  # the compiler's refusal (TPU); then the memory figures come from its message
@@ -356,7 +356,7 @@ def verdict(plan: Plan, hbm_bytes: float, *, fsdp: int, tensor: int, remat: bool
 
 
 def _devices(plan: Plan) -> str:
-    """'2 cpu devices' or 'NVIDIA H200 devices, compiled by XLA:GPU'."""
+    """'2 cpu devices', or the device kind and its compiler: '<device_kind> devices, compiled by XLA:GPU'."""
     if plan.platform == "cpu":
         return "cpu devices"
     return f"{plan.device_kind} devices, compiled by {'XLA:GPU' if plan.platform == 'gpu' else 'XLA:TPU'}"
