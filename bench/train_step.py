@@ -5,6 +5,7 @@
     python bench/train_step.py --attention=xla      # force an attention implementation
     python bench/train_step.py --optimizers=adamw,muon   # each config once per optimizer
     python bench/train_step.py --configs=default:dflash,default:dflash2,default:dspark --interleave --steps=8
+    python bench/train_step.py --configs=default:dflash,default:dflash+num_anchors=192 --interleave --steps=8
     python bench/train_step.py --configs=default --base=HEAD~3 --steps=30   # this checkout against a revision
     python bench/train_step.py --roofline             # the roofline estimate against the measured step
 
@@ -95,15 +96,18 @@ def small_config():
 def setups(names: list[str]) -> dict[str, TrainSetup]:
     out = {}
     for name in names:
-        if name.partition(":")[0] == "default":  # `default:KIND`: the default with that drafter kind
+        if name.partition(":")[0] == "default":  # `default:KIND[+field=value...]`: the default with that kind
             config = load_config_file(DEFAULT_CONFIG)
-            if kind := name.partition(":")[2]:  # the kind as the kinds study trains it
+            kind, _, fields = name.partition(":")[2].partition("+")
+            if kind:  # the kind as the kinds study trains it, then the fields a study varies
                 apply_variant(config, KINDS[kind])
+            if fields:
+                apply_variant(config, fields)
             out[name] = resolve(config, num_devices=jax.device_count())
         elif name == "small":
             out[name] = resolve(small_config(), num_devices=jax.device_count(), target=SMALL_TARGET, check_files=False)
         else:
-            raise SystemExit(f"unknown config {name!r} (default, default:KIND, small)")
+            raise SystemExit(f"unknown config {name!r} (default, default:KIND[+field=value...], small)")
     return out
 
 
