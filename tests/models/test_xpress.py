@@ -1,5 +1,6 @@
-"""XPress against what vLLM PR #54448 loads and computes (/work/notes/xpress_contract.md): the
-export's config keys, tensor names and shapes as `qwen3_xpress.py` reads them, the refined logits
+"""XPress against what vLLM PR #54448 loads and computes (its `qwen3_xpress.py` and
+`spec_decode/xpress/speculator.py`; docs/design.md §12): the export's config keys, tensor names
+and shapes as `qwen3_xpress.py` reads them, the refined logits
 of a block against a float64 reference of the refiner's math fed the exported tensors
 (tests/support/xpress_reference.py), the mixer's causality, and the Jacobi walk: vLLM's passes,
 which reach the sequential walk's drafts in B - 1 passes and then stay there. Lossless decoding

@@ -1,5 +1,5 @@
 """A float64 torch reference of XPress, written from the refiner's math as vLLM PR #54448 and
-speculators PR #1061 state it (/work/notes/xpress_contract.md §3-5), not from their code.
+speculators PR #1061 state it (`qwen3_xpress.py`, `models/xpress/core.py`), not from their code.
 
 It reads the head from checkpoint tensors by their vLLM names (torch's [out, in] layout) and
 applies the mixer as vLLM's loader folds it, M = L ⊙ tril + I, u_k = Σ_j M[:, k, j] x_j: the
