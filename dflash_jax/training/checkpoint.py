@@ -310,7 +310,7 @@ def _unreadable_arrays(state_dir: str) -> str | None:
                 code, _, detail = _first_line(e).partition(": ")
                 raise ValueError(f'{code}: Error reading "{key.decode()}" in state/: {detail}') from e
     except ValueError as e:  # TensorStore's error for a cut, missing or garbled file
-        return f"reading it failed (ValueError: {_first_line(e)[:300]})"
+        return _reading_failed(f"ValueError: {_first_line(e)}")
     return None
 
 
@@ -323,7 +323,10 @@ def _read_failure(error: Exception, step_dir: str) -> str:
     file and bytes), without the step's path or TensorStore's spec, cut short."""
     while cause := error.__cause__ or error.__context__:
         error = cause
-    text = f"{type(error).__name__}: {_first_line(error).replace(step_dir + os.sep, '')}"
+    return _reading_failed(f"{type(error).__name__}: {_first_line(error).replace(step_dir + os.sep, '')}")
+
+
+def _reading_failed(text: str) -> str:
     return f"reading it failed ({text[:300]}{'...' if len(text) > 300 else ''})"
 
 
