@@ -17,6 +17,10 @@ devices, 512 blocks of 16, 32 query heads over 4 kv heads of 128).
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import os
 import time

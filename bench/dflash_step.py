@@ -48,6 +48,10 @@ the --context prompt and each N new tokens, the first donated step after the pro
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import dataclasses
 import itertools

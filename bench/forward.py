@@ -20,6 +20,10 @@ runs are interleaved and the median of each is printed.
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import sys
 import time

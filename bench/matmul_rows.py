@@ -12,6 +12,10 @@ interleaved call by call: the median wall ms and the ratio to k = 1 (docs/design
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import time
 

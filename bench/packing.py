@@ -14,6 +14,10 @@ Both spend the same token budget per batch: rows x seq_len.
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import itertools
 import tempfile

@@ -14,6 +14,10 @@ and how many greedy tokens of the chat answer agree (our TargetDecoder against t
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import tempfile
 import time

@@ -14,6 +14,10 @@ steps says the drafter is served on the features it was trained on.
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import time
 
 import jax

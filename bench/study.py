@@ -30,6 +30,10 @@ D-PACE; `loss=dflash` selects the kind's exponential weights).
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import ast
 import json

@@ -36,6 +36,10 @@ timed right after it: a second estimate, less sensitive to one lucky matmul.
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import dataclasses
 import functools

@@ -9,6 +9,10 @@ the sequential walk's drafts exactly); the rest is bench/study.py's decode.
 
 from __future__ import annotations
 
+# First, so that the package's start-up (dflash_jax/startup.py) runs before jax loads.
+import dflash_jax  # noqa: F401
+
+# isort: split
 import argparse
 import copy
 import os

@@ -5,6 +5,7 @@ in-process; the commands (subprocesses, without JAX_PLATFORMS) in the slow tier.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -89,3 +90,17 @@ def test_a_command_that_starts_jax_prints_no_start_up_noise(tmp_path):
     noise = [line for line in result.stderr.splitlines() if any(m in line for m in NOISE_MARKERS)]
     assert (result.returncode, noise) == (1, []), result.stderr[-3000:]
     assert result.stderr.splitlines()[-1].startswith(f"error: {data}: the file is UTF-16")
+
+
+@pytest.mark.parametrize("script", sorted((REPO / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_a_bench_script_imports_the_package_before_anything_that_loads_jax(script):
+    """bench/ scripts run as `python bench/NAME.py`: the package's start-up quiets JAX only if
+    `dflash_jax` is imported before any module that is not the standard library's."""
+    tree = ast.parse(script.read_text())
+    imported = [
+        (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).partition(".")[0]
+        for node in tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom) and getattr(node, "module", "") != "__future__"
+    ]
+    first = next((name for name in imported if name not in sys.stdlib_module_names), None)
+    assert first in (None, "dflash_jax"), f"{script.name} imports {first} before dflash_jax"
