@@ -77,6 +77,14 @@ def read(hf: dict[str, Any]) -> dict[str, Any]:
         raise ModelError(f"drafter config.json lacks the fields {missing} (in dflash_config or at the top level)")
     for problem in kind.unsupported(field):
         raise ModelError(problem)
+    # Every kind drafts over the target's whole vocabulary (an EAGLE-style draft vocabulary maps
+    # its own LM head's rows back to the target's, which no kind here has).
+    draft_vocab = field("draft_vocab_size")
+    if draft_vocab is not None and int(draft_vocab) != int(hf["vocab_size"]):
+        raise ModelError(
+            f"drafter config.json has draft_vocab_size={draft_vocab} and vocab_size={hf['vocab_size']}: "
+            "drafters with a reduced draft vocabulary are not supported"
+        )
     num_layers = int(hf["num_hidden_layers"])
     # Read as transformers' Qwen3Config reads them (what SpecForge and SGLang load).
     window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0

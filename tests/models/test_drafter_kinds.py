@@ -284,6 +284,15 @@ def _released(kind: str) -> dict:
     )
 
 
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_a_reduced_draft_vocabulary_is_refused_whatever_the_kind(kind):
+    with pytest.raises(
+        ValueError, match="^drafter config.json has draft_vocab_size=100 and vocab_size=300: .* not supp"
+    ):
+        DrafterConfig.from_hf({**_released(kind), "draft_vocab_size": 100})
+    assert DrafterConfig.from_hf({**_released(kind), "draft_vocab_size": 300}).kind == kind
+
+
 def test_released_configs_read_as_the_engines_read_them():
     dflash2 = DrafterConfig.from_hf(_released("dflash2"))
     assert (dflash2.kind, dflash2.block_size, dflash2.selector_rank, dflash2.selector_top_k) == ("dflash2", 16, 32, 16)
@@ -317,7 +326,6 @@ def test_kind_errors_are_one_line(target, fields, message):
     [
         (dict(markov_head_type="gated"), "only markov_head_type='vanilla' is supported"),
         (dict(confidence_head_with_markov=False), "only confidence_head_with_markov=True is supported"),
-        (dict(draft_vocab_size=100), "reduced draft vocabulary"),
     ],
 )
 def test_dspark_layouts_we_cannot_load_are_refused(change, message):

@@ -116,15 +116,13 @@ def _export(cfg) -> tuple[dict, dict]:
 
 
 def _unsupported(field: FieldReader) -> list[str]:
-    """vLLM's layout: fill-in blocks, the full vocabulary, the backbone's own seed; the variants
+    """vLLM's layout: fill-in blocks, the backbone's own seed; the variants
     that only its forks or speculators have are not ours to load."""
     problems = []
     if field("sample_from_anchor", False):
         problems.append("XPress drafters with sample_from_anchor=true are not supported (vLLM serves fill-in blocks)")
     if field("xpress_selector", False):
         problems.append("XPress drafters with a candidate selector seed (xpress_selector) are not supported")
-    if int(field("draft_vocab_size", None) or field("vocab_size", None)) != int(field("vocab_size", None)):
-        problems.append("XPress drafters with a reduced draft vocabulary (draft_vocab_size) are not supported")
     blocks, size = field("xpress_block_size", None), field("block_size", None)
     if blocks is not None and (size is None or int(size) != int(blocks)):
         problems.append(
