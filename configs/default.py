@@ -39,7 +39,8 @@ def get_config():
 
     c.train.num_epochs = 3  # 186 steps each; 2 epochs: -0.05 held-out tau (docs/experiments.md)
     c.train.num_anchors = 64
-    c.train.loss = "dpace"  # D-PACE weights: +0.075 held-out tau@64 over 'dflash', two seeds (docs/experiments.md)
+    # train.loss '': each drafter kind's own slot weights (D-PACE for DFlash, DFlash2 and XPress,
+    # the position decay for DSpark and Domino), chosen by held-out tau (docs/experiments.md).
     # Muon for the drafter's matrices: +0.11 held-out tau@64 over AdamW at 3e-3, three seeds; at
     # 6e-3 +0.02 more, ahead on each seed (docs/experiments.md).
     c.train.optimizer = "muon"

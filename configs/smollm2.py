@@ -74,7 +74,6 @@ def get_config():
 
     c.train.num_epochs = 3
     c.train.num_anchors = 64
-    c.train.loss = "dpace"
     c.train.optimizer = "muon"
     c.train.learning_rate = 6e-3
     c.train.attention_chunk_blocks = 16

@@ -6,4 +6,11 @@ from __future__ import annotations
 
 from dflash_jax.models.kind import Kind, LlamaCpp, Vllm
 
-KIND = Kind("dflash", ("DFlashDraftModel",), llama_cpp=LlamaCpp("draft-dflash"), vllm=Vllm("dflash"))
+KIND = Kind(
+    "dflash",
+    ("DFlashDraftModel",),
+    # D-PACE's weights: +5 % held-out τ over the position decay's on the default job, two seeds.
+    loss="dpace",
+    llama_cpp=LlamaCpp("draft-dflash"),
+    vllm=Vllm("dflash"),
+)

@@ -220,6 +220,7 @@ KIND = Kind(
     "dflash2",
     ("DFlash2DraftModel",),
     fields=DFlash2Fields,
+    loss="dpace",  # the default run's, as its DFlash backbone's
     problems=_problems,
     export=_export,
     layer=_layer,

@@ -189,7 +189,9 @@ KIND = Kind(
         (r"embed_proj\.2\.kernel", (None, VOCAB)),
     ),
     head_flops=_head_flops,
-    # SpecForge's slot weights exp(-k/4), whatever the block size.
+    # SpecForge's slot weights exp(-k/4), whatever the block size (D-PACE's are level with them
+    # on the default job, two seeds).
+    loss="dflash",
     loss_decay_gamma=4.0,
     embeds_realised_tokens=True,
     vllm=Vllm(refused="vLLM has no Domino drafter"),

