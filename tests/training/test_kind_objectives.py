@@ -53,6 +53,7 @@ def _cfg(kind, **overrides):
         block_size=4,
         mask_token_id=MASK,
         num_anchors=6,
+        loss="dflash",  # the position decay, which the references compute (not every kind's own)
         loss_decay_gamma=4.0,
         target_layer_ids=(0, 2),
         attention_chunk_blocks=4,
