@@ -140,10 +140,10 @@ class DrafterConfig(kinds.KindFields):
         if self.kind not in kinds.KINDS:
             return [f"kind={self.kind!r} is not one of {', '.join(kinds.KINDS)}"]
         kind = kinds.KINDS[self.kind]
-        problems = [
+        problems = [  # the kinds' counts and sizes
             f"{f.name}={getattr(self, f.name)} must be at least 1"
             for f in section_fields(kind.fields)
-            if getattr(self, f.name) < 1
+            if isinstance(getattr(self, f.name), int) and getattr(self, f.name) < 1
         ]
         return problems + kind.problems(self)
 

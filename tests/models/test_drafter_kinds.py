@@ -314,6 +314,7 @@ def test_released_configs_read_as_the_engines_read_them():
         (dict(kind="dflash2", conv_kernel_size=5), r"conv_kernel_size=5 must be in \[1, block_size=4\]"),
         (dict(kind="dspark", markov_rank=0), r"markov_rank=0 must be at least 1"),
         (dict(kind="xpress", xpress_num_passes=0), r"xpress_num_passes=0 must be at least 1"),
+        (dict(kind="xpress", xpress_backbone_weight=-0.5), r"xpress_backbone_weight=-0.5 must be at least 0"),
     ],
 )
 def test_kind_errors_are_one_line(target, fields, message):

@@ -67,8 +67,8 @@ def slot_weights(label_ce, mask, loss, gamma, alpha=0.5):
     return torch.where(mask, reach.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(label_ce))
 
 
-def loss(hidden, head, labels, mask, anchor, tensors, *, rounds, loss_name, gamma, target_logits=None):
-    """T(teacher-forced) + 0.3 · mean over `rounds` free-running Jacobi rounds + 0.6 · T(backbone),
+def loss(hidden, head, labels, mask, anchor, tensors, *, rounds, backbone_weight, loss_name, gamma, target_logits=None):
+    """T(teacher-forced) + 0.3 · mean over `rounds` free-running Jacobi rounds + β · T(backbone),
     T = Σ w·(label CE, or KL from softmax(target_logits [N, B-1, V])). hidden [N, B, H], head
     [H, V], labels and mask [N, B-1], anchor [N]."""
     base = hidden @ head
@@ -88,4 +88,4 @@ def loss(hidden, head, labels, mask, anchor, tensors, *, rounds, loss_name, gamm
         logits = refined_logits(hidden, base, anchor, drafts, tensors)
         consistency = consistency + term(logits)
         drafts = logits.detach().argmax(-1)
-    return total + 0.3 * consistency / rounds + 0.6 * term(base[:, 1:])
+    return total + 0.3 * consistency / rounds + backbone_weight * term(base[:, 1:])

@@ -41,7 +41,9 @@ TARGET = TransformerConfig(
     head_dim=8,
     rope=RopeConfig(10000.0),
 )
-HEAD_FIELDS = dict(selector_rank=8, selector_top_k=6, markov_rank=8, xpress_rank=8, xpress_mlp_hidden=16)
+HEAD_FIELDS = dict(
+    selector_rank=8, selector_top_k=6, markov_rank=8, xpress_rank=8, xpress_mlp_hidden=16, xpress_backbone_weight=0.7
+)
 
 
 def head_fields(kind):
@@ -239,6 +241,7 @@ def test_xpress_terms_match_the_reference_values_and_gradients(loss, distill):
         torch.tensor(anchors).flatten(),
         {name: t for name, (t, _, _) in tensors.items()},
         rounds=3,
+        backbone_weight=drafter.cfg.xpress_backbone_weight,
         loss_name=loss,
         gamma=4.0,
         target_logits=None if target_hidden is None else torch.tensor(target_hidden).flatten(0, 1) @ torch.tensor(head),
@@ -359,6 +362,7 @@ def test_loss_of_packed_rows_is_the_references_on_the_drafters_states(target, ki
             anchor_tokens,
             {name: t.detach() for name, (t, _, _) in _checkpoint_tensors(drafter.xpress_head, "xpress_head").items()},
             rounds=3,
+            backbone_weight=drafter.cfg.xpress_backbone_weight,
             loss_name="dflash",
             gamma=4.0,
         )

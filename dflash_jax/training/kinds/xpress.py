@@ -2,12 +2,13 @@
 kinds"): on the backbone's logits U of slots 1..K and the refiner's bias after the tokens before
 each slot (models/kinds/xpress.py),
 
-    loss = T(U + bias(labels)) + 0.3 · mean_j T(U + bias(d_j)) + 0.6 · T(U),
+    loss = T(U + bias(labels)) + 0.3 · mean_j T(U + bias(d_j)) + β · T(U),
 
 the first term teacher-forced (the tokens before the slots are the data's), the middle one over
 the free-running Jacobi rounds j = 1..`xpress_consistency_passes` as decoding runs them: d_1 the
 backbone's own argmax, d_{j+1} the argmax of round j's logits (no gradient through the argmax).
-Gradients reach the backbone through every term: it is trained jointly. T is the run's loss of
+Gradients reach the backbone through every term: it is trained jointly, its own term weighed
+by β (`xpress_backbone_weight`). T is the run's loss of
 each slot (the label's cross-entropy, or the KL from the target's distribution when distilling)
 under the run's slot weights ('dflash': exp(-(k-1)/γ); 'dpace': from that term's own label CE).
 
@@ -29,8 +30,8 @@ from dflash_jax.models.sharding import BATCH, VOCAB, constrain
 from dflash_jax.training.head_terms import Terms, Unembed, chunked_terms, vocab_parallel_logits
 from dflash_jax.training.objective import slot_weights
 
-# The authors' weights of the free-running rounds' mean and of the backbone's own loss.
-CONSISTENCY_WEIGHT, BACKBONE_WEIGHT = 0.3, 0.6
+# The authors' weight of the free-running rounds' mean (β, the backbone's: `xpress_backbone_weight`).
+CONSISTENCY_WEIGHT = 0.3
 
 
 def terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, cfg, step=0) -> Terms:
@@ -38,7 +39,7 @@ def terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, c
     weights [R, N, Bk-1], hits [R, N, Bk-1]); the weights the teacher-forced term's ('dflash':
     every term's)."""
     graphdef, params = nnx.split(drafter.xpress_head)
-    rounds = drafter.cfg.xpress_consistency_passes
+    rounds, backbone_weight = drafter.cfg.xpress_consistency_passes, drafter.cfg.xpress_backbone_weight
     constants = (blocks.labels, blocks.label_mask, blocks.tokens[..., :1])
     constants += () if blocks.target_hidden is None else (blocks.target_hidden,)
 
@@ -73,7 +74,7 @@ def terms(drafter: DFlashDrafter, unembed: Unembed, hidden: jax.Array, blocks, c
             logits = refined(drafts)
             consistency += scored(logits)[0]
             drafts = argmax(jax.lax.stop_gradient(logits))
-        total += CONSISTENCY_WEIGHT / rounds * consistency + BACKBONE_WEIGHT * scored(base)[0]
+        total += CONSISTENCY_WEIGHT / rounds * consistency + backbone_weight * scored(base)[0]
         return total, (weights, hits)
 
     total, (weights, hits) = chunked_terms(slot_terms, hidden, constants, params, chunk_blocks=cfg.lm_head_chunk_blocks)
