@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.field_checks import at_least
 from dflash_jax.models.kind import FieldReader, Kind, Vllm
 from dflash_jax.models.layers.basic import SwiGLU, linear
 from dflash_jax.models.sharding import EMBED, VOCAB
@@ -119,14 +120,12 @@ def _export(cfg) -> tuple[dict, dict]:
 
 
 def _problems(cfg) -> list[str]:
-    if cfg.xpress_backbone_weight < 0:
-        return [f"xpress_backbone_weight={cfg.xpress_backbone_weight} must be at least 0"]
-    return []
+    return at_least("", cfg, xpress_backbone_weight=0)
 
 
 def _unsupported(field: FieldReader) -> list[str]:
-    """vLLM's layout: fill-in blocks, the backbone's own seed; the variants
-    that only its forks or speculators have are not ours to load."""
+    """vLLM's layout: fill-in blocks, the backbone's own seed; the variants that only its forks or
+    speculators have are not ours to load."""
     problems = []
     if field("sample_from_anchor", False):
         problems.append("XPress drafters with sample_from_anchor=true are not supported (vLLM serves fill-in blocks)")

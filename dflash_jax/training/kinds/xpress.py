@@ -8,9 +8,9 @@ the first term teacher-forced (the tokens before the slots are the data's), the 
 the free-running Jacobi rounds j = 1..`xpress_consistency_passes` as decoding runs them: d_1 the
 backbone's own argmax, d_{j+1} the argmax of round j's logits (no gradient through the argmax).
 Gradients reach the backbone through every term: it is trained jointly, its own term weighed
-by β (`xpress_backbone_weight`). T is the run's loss of
-each slot (the label's cross-entropy, or the KL from the target's distribution when distilling)
-under the run's slot weights ('dflash': exp(-(k-1)/γ); 'dpace': from that term's own label CE).
+by β (`xpress_backbone_weight`). T is the run's loss of each slot (the label's cross-entropy, or
+the KL from the target's distribution when distilling) under the run's slot weights ('dflash':
+exp(-(k-1)/γ); 'dpace': from that term's own label CE).
 
 The hits (per-slot accuracy, tau_train) are the teacher-forced logits': greedy decoding drafts
 the label at slot k after a correct prefix exactly when slot k's teacher-forced logits pick it, so
