@@ -26,7 +26,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.formats.gguf_export import llama_cpp_problems
 from dflash_jax.models.formats.hf import load_target
 from dflash_jax.training.acceptance_eval import AcceptanceEval
-from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints, optimizer_of
+from dflash_jax.training.checkpoint import BestCheckpoint, RunCheckpoints, changed_settings, optimizer_of
 from dflash_jax.training.config.run_config import TrainSetup
 from dflash_jax.training.drafters import export_params
 from dflash_jax.training.mesh import batch_sharding, make_mesh
@@ -142,6 +142,9 @@ class TrainingRun:
             )
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
+            # Rerunning "the same command" after an edit or an upgrade trains on with other settings.
+            if changes := changed_settings(meta, setup.config_dict):
+                log.warning("resuming with settings other than the checkpoint's: %s", changes)
         self.evaluate = AcceptanceEval.for_setup(setup, draft_tokens) if setup.eval.during_training else None
         self.best = BestCheckpoint(workdir.best_checkpoint, resumed_step=self.last_saved) if self.evaluate else None
         self.monitor = Monitor(

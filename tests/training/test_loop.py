@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import logging
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ from dflash_jax.training.checkpoint import (
     BestCheckpoint,
     CheckpointSaveError,
     RunCheckpoints,
+    changed_settings,
     join_by,
     optimizer_of,
 )
@@ -64,11 +66,11 @@ def latest_checkpoint(workdir: Path) -> int | None:
         checkpoints.close()
 
 
-# The fields that train each drafter kind (docs/design.md §12); DSpark weights its own slots.
+# The fields that train each drafter kind (docs/design.md §12): its name alone.
 KINDS = {
     "dflash": {"drafter.kind": "dflash"},
     "dflash2": {},  # the default's
-    "dspark": {"drafter.kind": "dspark", "train.loss": "dflash"},
+    "dspark": {"drafter.kind": "dspark"},
     "xpress": {"drafter.kind": "xpress"},
 }
 
@@ -332,7 +334,7 @@ def test_warns_when_engines_cannot_serve_the_last_layer(layer_ids, warned, caplo
     assert ("llama.cpp, SGLang and vLLM" in caplog.text) == warned
 
 
-def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, tmp_path):
+def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, tmp_path, caplog):
     """The loop without a subprocess (the fast tier's run of it): every step logged once, the
     drafter exported, and a second call finds the run finished and trains nothing."""
     from dflash_jax.training.config.presets import load_config_file
@@ -364,3 +366,28 @@ def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, t
     np.testing.assert_array_equal(draft_token_ids(str(workdir / "export"), 5), frequencies["token_ids"][:5])
     again = train(resolve(config, num_devices=1))
     assert (again.finished, again.already_finished, again.step) == (True, True, 3)
+    # Rerun longer, with an edit: it resumes, and says what differs from the checkpoint's settings.
+    config.update_from_flattened_dict({"train.max_steps": 4, "train.grad_clip_norm": 0.5})
+    with caplog.at_level(logging.WARNING, logger="dflash_jax.training.loop"):
+        longer = train(resolve(config, num_devices=1))
+    assert (longer.finished, longer.already_finished, longer.step) == (True, False, 4)
+    assert (
+        "resuming with settings other than the checkpoint's: train.grad_clip_norm: 1.0 -> 0.5; train.max_steps: 3 -> 4"
+        in caplog.text
+    )
+
+
+def test_changed_settings_names_each_difference_and_the_fields_a_checkpoint_lacks():
+    saved = {"config": {"train": {"learning_rate": 0.001, "optimizer": "muon"}, "drafter": {"kind": "xpress"}}}
+    now = {
+        "train": {"learning_rate": 0.002, "optimizer": "muon"},
+        "drafter": {"kind": "xpress", "xpress_backbone_weight": 1.0},
+    }
+    assert changed_settings(saved, saved["config"]) == ""
+    assert changed_settings(saved, now) == (
+        "drafter.xpress_backbone_weight: not in the saved config -> 1.0; train.learning_rate: 0.001 -> 0.002"
+    )
+    assert (
+        changed_settings(saved, now, most=1)
+        == "drafter.xpress_backbone_weight: not in the saved config -> 1.0 (and 1 more)"
+    )
