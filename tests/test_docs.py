@@ -226,7 +226,9 @@ def test_the_ledger_rows_name_commits_of_this_history():
         for commit in COMMIT.findall(row.measured_on)
         # An ancestor of HEAD, not merely an object here: a local clone also carries study branches' commits,
         # which a clean clone of main lacks.
-        if subprocess.run([git, "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO, capture_output=True).returncode
+        if subprocess.run(
+            [git, "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO, capture_output=True
+        ).returncode
     ]
     assert not unknown, f"ledger rows name commits that are not in HEAD's history: {unknown}"
 
