@@ -198,7 +198,7 @@ class DrafterConfig(kinds.KindFields):
         if target.intermediate_size == 0 and not s.intermediate_size:
             raise ModelError("intermediate_size=0 copies the target's dense MLP width, and it has none: set it")
         kind = kinds.get(s.kind)
-        own = {f.name for f in dataclasses.fields(kind.fields)}
+        own = {f.name for f in dataclasses.fields(kind.fields)} | set(kind.borrowed_fields)
         others = {f.name: f.default for f in dataclasses.fields(kinds.KindFields) if f.name not in own}
         context_layers = s.num_context_layers or s.num_layers
         return dataclasses.replace(

@@ -80,6 +80,8 @@ class Kind:
     # Its trained sizes with their defaults and meanings: a frozen keyword-only dataclass, which
     # `DrafterConfig` (and so the training config's drafter section) extends.
     fields: type = NoFields
+    # Other kinds' fields it reads too (the sizes of another kind's layers it can be built on).
+    borrowed_fields: tuple[str, ...] = ()
     # SpecForge's name for it in dflash_config's `projector_type`, which makes a config that says
     # the backbone's architecture (`DFlashDraftModel`) this kind; None: it has none.
     projector_type: str | None = None
@@ -99,6 +101,9 @@ class Kind:
     # A released config.json's `FieldReader` -> a message for each layout of the kind's heads
     # that is not ours to load.
     unsupported: Callable[[FieldReader], list[str]] = _none
+    # A released config.json's `FieldReader` -> fields it implies without naming them (a variant
+    # that its architecture alone names).
+    implied_fields: Callable[[FieldReader], dict] = _nothing
     # (cfg, mixer, mlp, rngs, **block arguments) -> the drafter layer; None: layers.DecoderBlock.
     layer: Callable[..., Any] | None = None
     # (cfg, compute_dtype=, init_std=, param_dtype=, rngs=) -> {attribute: head module} of the drafter.
@@ -143,4 +148,4 @@ class Kind:
         for f in dataclasses.fields(self.fields):
             value = field(f.name, None)
             found[f.name] = f.default if value is None else type(f.default)(value)
-        return found
+        return {**found, **self.implied_fields(field)}

@@ -236,12 +236,59 @@ def test_released_configs_read_as_vllm_reads_them():
         (dict(xpress_selector=True), "candidate selector seed"),
         (dict(draft_vocab_size=100), "reduced draft vocabulary"),
         (dict(xpress_block_size=8), "xpress_block_size=8 and block_size=16: they must be equal"),
-        (dict(architectures=["Qwen3XPressDFlash2Model"]), "not a DFlash drafter config"),
+        (
+            dict(architectures=["Qwen3XPressDFlash2Model"]),
+            "on DFlash2's backbone lacks dflash_config's conv_kernel_size and conv_group_size",
+        ),
     ],
 )
 def test_xpress_layouts_we_cannot_load_are_refused(change, message):
     with pytest.raises(ModelError, match=message):
         DrafterConfig.from_hf(_released(**change))
+
+
+def test_on_dflash2s_backbone_it_is_the_forks_layout_and_a_fresh_one_is_dflashs(target, tmp_path):
+    """xpress_backbone='dflash2': DFlash2's convolutions in every layer, exported as the vLLM PR's
+    fork loads `Qwen3XPressDFlash2Model` (its DFlash2 layers read the convolutions' sizes from
+    dflash_config); a fresh one's convolutions are the identity, so it drafts as XPress on DFlash's."""
+    sizes = dict(block_size=BLOCK, kind="xpress", xpress_rank=RANK, xpress_mlp_hidden=MLP)
+    convolved = make_drafter(target, seed=4, xpress_backbone="dflash2", conv_kernel_size=3, conv_group_size=8, **sizes)
+    plain = make_drafter(target, seed=4, **sizes)
+    rng = np.random.default_rng(4)
+    block = jnp.asarray(rng.integers(0, VOCAB, (1, 2, BLOCK)), jnp.int32)
+    features = jnp.asarray(rng.normal(size=(1, 12, 2 * HIDDEN)), jnp.float32)
+    positions = jnp.arange(12)[None]
+    block_positions = jnp.asarray([[[3 + k for k in range(BLOCK)], [7 + k for k in range(BLOCK)]]])
+    ctx_mask = positions[:, None, :] < jnp.asarray([[3, 7]])[..., None]
+
+    def hidden(drafter):
+        return drafter(target.embed(block), block_positions, drafter.context(features), positions, ctx_mask)
+
+    np.testing.assert_allclose(hidden(convolved), hidden(plain), rtol=1e-5, atol=1e-6)
+    trained = perturbed(convolved, scale=0.5)
+    assert np.abs(np.asarray(hidden(trained)) - np.asarray(hidden(plain))).max() > 1e-2
+
+    out = export_drafter(trained, tmp_path / "export", dtype=jnp.float32)
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert config["architectures"] == ["Qwen3XPressDFlash2Model"] and "xpress_backbone" not in config
+    assert config["dflash_config"] == dict(
+        mask_token_id=MASK_ID, target_layer_ids=[0, 1], conv_kernel_size=3, conv_group_size=8
+    )
+    convs = {
+        f"layers.0.{conv}.{name}": shape
+        for conv in ("attention_conv", "mlp_conv")
+        for name, shape in (
+            ("base_kernel", (2, 3, HIDDEN)),
+            ("kernel_projection.weight", (2 * 3 * HIDDEN // 8, HIDDEN)),
+        )
+    }
+    assert set(tensors) == BACKBONE | set(HEAD_SHAPES) | set(convs)
+    assert {name: tuple(tensors[name].shape) for name in convs} == convs
+    loaded = load_drafter(out)
+    assert loaded.cfg == trained.cfg and loaded.cfg.xpress_backbone == "dflash2"
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(trained), nnx.state(loaded))
+    with pytest.raises(ModelError, match=r"^xpress_backbone='dflash3' is not one of dflash, dflash2$"):
+        make_drafter(target, xpress_backbone="dflash3", **sizes)
 
 
 def test_a_fresh_head_starts_with_an_identity_mixer(target):

@@ -275,6 +275,18 @@ def test_the_kind_alone_makes_a_run_of_that_kind(tiny_run, tmp_path, kind, loss)
         assert (setup.drafter.gru_hidden_dim, setup.drafter.emb_dim) == (hidden // 4, hidden // 16)
 
 
+def test_xpress_on_dflash2s_backbone_keeps_the_convolutions_sizes(tiny_run, tmp_path):
+    """Sizes XPress borrows from DFlash2 (its convolutions) stay as set; DFlash2's others do not."""
+    fields = {
+        "drafter.kind": "xpress",
+        "drafter.xpress_backbone": "dflash2",
+        "drafter.conv_kernel_size": 3,
+        "drafter.selector_top_k": 15,
+    }
+    drafter = resolve(tiny_config(tiny_run, tmp_path, **fields), num_devices=1).drafter
+    assert (drafter.xpress_backbone, drafter.conv_kernel_size, drafter.selector_top_k) == ("dflash2", 3, 16)
+
+
 @pytest.mark.slow
 def test_train_py_names_a_mistyped_field_in_one_line():
     """Found when the flags are parsed: before the config file's target is read or JAX starts."""

@@ -151,15 +151,33 @@ class DFlash2Fields:
     final_logit_softcapping: float = dataclasses.field(default=0.0, metadata=RELEASED)
 
 
-def _problems(cfg) -> list[str]:
+def conv_problems(cfg) -> list[str]:
+    """What cannot work in the convolutions' sizes (a kind built on these layers checks them too)."""
     problems = []
     if cfg.hidden_size % cfg.conv_group_size:
         problems.append(f"conv_group_size={cfg.conv_group_size} must divide hidden_size={cfg.hidden_size}")
     if cfg.conv_kernel_size > cfg.block_size:
         problems.append(f"conv_kernel_size={cfg.conv_kernel_size} must be in [1, block_size={cfg.block_size}]")
+    return problems
+
+
+def _problems(cfg) -> list[str]:
+    problems = conv_problems(cfg)
     if cfg.selector_top_k > cfg.vocab_size:
         problems.append(f"selector_top_k={cfg.selector_top_k} must be in [1, vocab_size={cfg.vocab_size}]")
     return problems
+
+
+# The convolutions' parameters (their paths' ends, logical axes), and their multiply-adds per
+# block token of a layer: the kernel projections (H -> 2·K·G each).
+CONV_PARTITION_RULES = (
+    (r"\w+_conv\.base_kernel", (None, None, EMBED)),
+    (r"\w+_conv\.kernel_projection\.kernel", (EMBED, None)),
+)
+
+
+def conv_macs(cfg) -> int:
+    return 2 * cfg.hidden_size * 2 * cfg.conv_kernel_size * (cfg.hidden_size // cfg.conv_group_size)
 
 
 def _export(cfg) -> tuple[dict, dict]:
@@ -178,7 +196,7 @@ def _export(cfg) -> tuple[dict, dict]:
     return dflash_config, {}
 
 
-def _layer(cfg, mixer, mlp, *, rngs, **block_kw) -> ConvolvedDecoderBlock:
+def conv_layer(cfg, mixer, mlp, *, rngs, **block_kw) -> ConvolvedDecoderBlock:
     return ConvolvedDecoderBlock(
         "self_attn", mixer, mlp, kernel_size=cfg.conv_kernel_size, group_size=cfg.conv_group_size, rngs=rngs, **block_kw
     )
@@ -223,16 +241,14 @@ KIND = Kind(
     loss="dpace",  # the default run's, as its DFlash backbone's
     problems=_problems,
     export=_export,
-    layer=_layer,
+    layer=conv_layer,
     heads=_heads,
     partition_rules=(
-        (r"\w+_conv\.base_kernel", (None, None, EMBED)),
-        (r"\w+_conv\.kernel_projection\.kernel", (EMBED, None)),
+        *CONV_PARTITION_RULES,
         (r"(predecessor|successor)_codebook", (VOCAB, None)),
         (r"hidden_projection\.kernel", (EMBED, None)),
     ),
-    # The kernel projections of the two convolutions (H -> 2·K·G each).
-    layer_macs=lambda cfg: 2 * cfg.hidden_size * 2 * cfg.conv_kernel_size * (cfg.hidden_size // cfg.conv_group_size),
+    layer_macs=conv_macs,
     # The selector: projection H -> r and every token's successor score, r -> V (training takes
     # the k candidates').
     head_flops=lambda cfg, vocab: 2 * cfg.selector_rank * (cfg.hidden_size + vocab),

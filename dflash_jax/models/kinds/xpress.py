@@ -21,6 +21,10 @@ the anchor id there (the token before it lives only in the target's KV cache), s
 real predecessor, as speculators does, would train what is never served. `mix.L` starts at zero
 (the mixer is then the identity) and is exported raw: vLLM folds it into L ⊙ tril + I on load.
 Parameter names are the export's (`xpress_head.{w1, down_h, down_g, in_proj, mix.L, mlp.*, w2}`).
+
+The backbone is DFlash's, or DFlash2's layers (`xpress_backbone='dflash2'`: a grouped dynamic
+convolution around every sublayer, models/kinds/dflash2.py, without its candidate selector),
+exported as `Qwen3XPressDFlash2Model`, the PR's fork's name for it.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.field_checks import at_least
+from dflash_jax.field_checks import at_least, one_of
 from dflash_jax.models.kind import FieldReader, Kind, Vllm
-from dflash_jax.models.layers.basic import SwiGLU, linear
+from dflash_jax.models.kinds.dflash2 import CONV_PARTITION_RULES, conv_layer, conv_macs, conv_problems
+from dflash_jax.models.layers.basic import DecoderBlock, SwiGLU, linear
 from dflash_jax.models.sharding import EMBED, VOCAB
 
 
@@ -50,6 +55,12 @@ class XPressFields:
     # held-out τ on the default job, two seeds).
     xpress_consistency_passes: int = 3
     xpress_backbone_weight: float = 1.0
+    # The backbone's layers: 'dflash', or 'dflash2' (DFlash2's convolutions around every sublayer,
+    # sized by conv_kernel_size and conv_group_size; no candidate selector).
+    xpress_backbone: str = "dflash"
+
+
+BACKBONES = {"dflash": "Qwen3XPressModel", "dflash2": "Qwen3XPressDFlash2Model"}  # -> architecture
 
 
 class Mixer(nnx.Module):
@@ -106,11 +117,19 @@ class XPressHead(nnx.Module):
         return jnp.einsum("...r,rv->...v", latent, kernel, preferred_element_type=jnp.float32)
 
 
+def _convolved(cfg) -> bool:
+    return cfg.xpress_backbone == "dflash2"
+
+
 def _export(cfg) -> tuple[dict, dict]:
     """What the authors' converter writes and vLLM reads, at the top level: dflash_config keeps
-    the backbone's mask token and target layers alone. vLLM runs blocks of xpress_block_size (it
-    ignores block_size), which must equal the block its speculative config verifies."""
-    return {}, {
+    the backbone's mask token and target layers alone (DFlash2's layers add their convolutions'
+    sizes, which they read there). vLLM runs blocks of xpress_block_size (it ignores block_size),
+    which must equal the block its speculative config verifies."""
+    convs = dict(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size)
+    return convs if _convolved(cfg) else {}, {
+        # After the architecture the export writes for every kind, so this one stands.
+        "architectures": [BACKBONES[cfg.xpress_backbone]],
         "xpress_block_size": cfg.block_size,
         "xpress_rank": cfg.xpress_rank,
         "xpress_mlp_hidden": cfg.xpress_mlp_hidden,
@@ -120,7 +139,24 @@ def _export(cfg) -> tuple[dict, dict]:
 
 
 def _problems(cfg) -> list[str]:
-    return at_least("", cfg, xpress_backbone_weight=0)
+    problems = at_least("", cfg, xpress_backbone_weight=0) + one_of("", cfg, xpress_backbone=tuple(BACKBONES))
+    return problems + (conv_problems(cfg) if _convolved(cfg) else [])
+
+
+def _implied_fields(field: FieldReader) -> dict:
+    """The backbone, which the fork's config.json says by its architecture alone."""
+    archs = field("architectures", None) or []
+    return {"xpress_backbone": next((b for b, arch in BACKBONES.items() if arch in archs), "dflash")} | (
+        {"conv_kernel_size": int(field("conv_kernel_size", 0)), "conv_group_size": int(field("conv_group_size", 0))}
+        if BACKBONES["dflash2"] in archs
+        else {}
+    )
+
+
+def _layer(cfg, mixer, mlp, *, rngs, **block_kw):
+    if _convolved(cfg):
+        return conv_layer(cfg, mixer, mlp, rngs=rngs, **block_kw)
+    return DecoderBlock("self_attn", mixer, mlp, **block_kw)
 
 
 def _unsupported(field: FieldReader) -> list[str]:
@@ -131,6 +167,9 @@ def _unsupported(field: FieldReader) -> list[str]:
         problems.append("XPress drafters with sample_from_anchor=true are not supported (vLLM serves fill-in blocks)")
     if field("xpress_selector", False):
         problems.append("XPress drafters with a candidate selector seed (xpress_selector) are not supported")
+    missing = [k for k in ("conv_kernel_size", "conv_group_size") if field(k, None) is None]
+    if BACKBONES["dflash2"] in (field("architectures", None) or []) and missing:
+        problems.append(f"XPress config.json on DFlash2's backbone lacks dflash_config's {' and '.join(missing)}")
     blocks, size = field("xpress_block_size", None), field("block_size", None)
     if blocks is not None and (size is None or int(size) != int(blocks)):
         problems.append(
@@ -157,20 +196,25 @@ def _head_flops(cfg, vocab: int) -> int:
 
 KIND = Kind(
     "xpress",
-    ("Qwen3XPressModel",),
+    tuple(BACKBONES.values()),
     fields=XPressFields,
+    borrowed_fields=("conv_kernel_size", "conv_group_size"),
     loss="dpace",  # each term's, as its DFlash backbone's
     problems=_problems,
     export=_export,
     unsupported=_unsupported,
+    implied_fields=_implied_fields,
+    layer=_layer,
     heads=_heads,
     partition_rules=(
+        *CONV_PARTITION_RULES,
         (r"xpress_head\.w1\.embedding", (VOCAB, None)),
         (r"xpress_head\.w2\.kernel", (None, VOCAB)),
         (r"xpress_head\.down_[hg]\.kernel", (EMBED, None)),
         (r"xpress_head\.in_proj\.kernel", (EMBED, None)),
         (r"xpress_head\.mix\.L", (EMBED, None, None)),
     ),
+    layer_macs=lambda cfg: conv_macs(cfg) if _convolved(cfg) else 0,
     head_flops=_head_flops,
     # The previous token's table and the readout onto the vocabulary (the head's only "w1"/"w2").
     adam_params=("w1", "w2"),
