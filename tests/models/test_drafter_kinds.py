@@ -176,8 +176,10 @@ KIND_TENSORS = {
         "confidence_head.proj.weight": (1, c.hidden_size + c.markov_rank),
         "confidence_head.proj.bias": (1,),
     },
-    # vLLM's qwen3_xpress.py (tests/models/test_xpress.py checks them against its loader).
+    # vLLM's qwen3_xpress.py (tests/models/test_xpress.py checks them against its loader), and
+    # the convolutions of DFlash2's layers, its default backbone.
     "xpress": lambda c: {
+        **{k: v for k, v in KIND_TENSORS["dflash2"](c).items() if "_conv." in k},
         "xpress_head.w1.weight": (c.vocab_size, c.xpress_rank),
         **{f"xpress_head.down_{x}.weight": (c.xpress_rank, c.hidden_size) for x in "hg"},
         "xpress_head.in_proj.weight": (c.xpress_rank, 3 * c.xpress_rank),
@@ -212,9 +214,10 @@ def test_export_in_the_engines_layout_loads_back_and_decodes_the_same(target, ki
             "mask_token_id": MASK_ID,
             "target_layer_ids": [0, 1],
         }
-    elif kind == "xpress":  # what vLLM's qwen3_xpress.py reads
-        assert config["architectures"] == ["Qwen3XPressModel"] and config["xpress_block_size"] == 4
-        assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 1]}
+    elif kind == "xpress":  # on DFlash2's layers, as the vLLM PR author's fork reads it
+        assert config["architectures"] == ["Qwen3XPressDFlash2Model"] and config["xpress_block_size"] == 4
+        convs = {"conv_kernel_size": 2, "conv_group_size": 16}
+        assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 1], **convs}
     else:  # what vLLM's qwen3_dspark.py and DeepSpec read
         assert config["architectures"] == ["Qwen3DSparkModel"]
         wanted = dict(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=True)

@@ -29,6 +29,8 @@ from support import xpress_reference as ref
 from support.decoding_models import MASK_ID, VOCAB, make_drafter, make_target, perturbed
 
 BLOCK, RANK, MLP, HIDDEN = 8, 8, 16, 32
+# An XPress drafter on DFlash's backbone: the layout the vLLM PR itself loads.
+PR_LAYOUT = dict(block_size=BLOCK, kind="xpress", xpress_rank=RANK, xpress_mlp_hidden=MLP, xpress_backbone="dflash")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def target():
 def drafter(target):
     """Every parameter moved off its initial value (mix.L off zero), strongly enough that the
     refiner's bias changes drafts."""
-    fresh = make_drafter(target, seed=2, block_size=BLOCK, kind="xpress", xpress_rank=RANK, xpress_mlp_hidden=MLP)
+    fresh = make_drafter(target, seed=2, **PR_LAYOUT)
     return perturbed(fresh, scale=0.5)
 
 
@@ -248,12 +250,12 @@ def test_xpress_layouts_we_cannot_load_are_refused(change, message):
 
 
 def test_on_dflash2s_backbone_it_is_the_forks_layout_and_a_fresh_one_is_dflashs(target, tmp_path):
-    """xpress_backbone='dflash2': DFlash2's convolutions in every layer, exported as the vLLM PR's
+    """xpress_backbone='dflash2' (the default): DFlash2's convolutions in every layer, exported as the vLLM PR's
     fork loads `Qwen3XPressDFlash2Model` (its DFlash2 layers read the convolutions' sizes from
     dflash_config); a fresh one's convolutions are the identity, so it drafts as XPress on DFlash's."""
     sizes = dict(block_size=BLOCK, kind="xpress", xpress_rank=RANK, xpress_mlp_hidden=MLP)
-    convolved = make_drafter(target, seed=4, xpress_backbone="dflash2", conv_kernel_size=3, conv_group_size=8, **sizes)
-    plain = make_drafter(target, seed=4, **sizes)
+    convolved = make_drafter(target, seed=4, conv_kernel_size=3, conv_group_size=8, **sizes)  # the default backbone
+    plain = make_drafter(target, seed=4, **PR_LAYOUT)
     rng = np.random.default_rng(4)
     block = jnp.asarray(rng.integers(0, VOCAB, (1, 2, BLOCK)), jnp.int32)
     features = jnp.asarray(rng.normal(size=(1, 12, 2 * HIDDEN)), jnp.float32)
@@ -292,7 +294,7 @@ def test_on_dflash2s_backbone_it_is_the_forks_layout_and_a_fresh_one_is_dflashs(
 
 
 def test_a_fresh_head_starts_with_an_identity_mixer(target):
-    drafter = make_drafter(target, seed=3, block_size=BLOCK, kind="xpress", xpress_rank=RANK, xpress_mlp_hidden=MLP)
+    drafter = make_drafter(target, seed=3, **PR_LAYOUT)
     head = drafter.xpress_head
     assert not np.any(head.mix.L[...])
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, BLOCK, RANK)), jnp.float32)
