@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.decoding.draft_vocab import by_frequency, most_frequent, write_frequencies
 from dflash_jax.errors import UserError
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.formats.gguf_export import llama_cpp_problems
 from dflash_jax.models.formats.hf import load_target
 from dflash_jax.training.acceptance_eval import AcceptanceEval
@@ -138,7 +139,7 @@ class TrainingRun:
         else:
             # The newest readable checkpoint: a damaged newer one is kept aside, its steps redone.
             self.last_saved, self.state, meta = self.checkpoints.resume(
-                program.abstract_state, self.iterator, lambda meta: _check_same_optimizer(optimizer_of(meta), setup)
+                program.abstract_state, self.iterator, lambda meta: _check_resumable(meta, setup)
             )
             self.best_tau = meta["best_tau"]
             log.info("resumed from %s at step %d", self.checkpoints.directory, self.last_saved)
@@ -295,6 +296,26 @@ def _warn_if_engines_cannot_serve(setup: TrainSetup) -> None:
     does not have (docs/design.md §2); llama.cpp has limits of its own (models/formats/gguf_export.py)."""
     for problem in llama_cpp_problems(setup.drafter.to_hf(), setup.target.num_layers):
         log.warning("the exported drafter will not be servable: %s", problem)
+
+
+def _check_resumable(meta: dict, setup: TrainSetup) -> None:
+    """A checkpoint's weights only restore into the drafter that wrote them, and its optimizer
+    state into the optimizer that did: a one-line UserError otherwise (restoring would fail
+    deep in Orbax, as if the checkpoint were damaged)."""
+    if "drafter_config" in meta:
+        # Both as their config.json reads back: the drafter's shape, not its training-only fields.
+        saved, now = DrafterConfig.from_hf(meta["drafter_config"]), DrafterConfig.from_hf(setup.drafter.to_hf())
+        changed = [
+            f"drafter.{f.name}: {getattr(saved, f.name)!r} -> {getattr(now, f.name)!r}"
+            for f in dataclasses.fields(saved)
+            if getattr(saved, f.name) != getattr(now, f.name)
+        ]
+        if changed:
+            raise UserError(
+                f"{setup.workdir.checkpoints} holds another drafter ({'; '.join(changed)}); resuming needs "
+                "the drafter it was trained with (set those fields back), or a new workdir"
+            )
+    _check_same_optimizer(optimizer_of(meta), setup)
 
 
 def _check_same_optimizer(saved: str, setup: TrainSetup) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -24,6 +25,8 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.decoding.draft_vocab import draft_token_ids
+from dflash_jax.errors import UserError
+from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.formats.hf import load_drafter
 from dflash_jax.training.checkpoint import (
     BestCheckpoint,
@@ -36,6 +39,7 @@ from dflash_jax.training.checkpoint import (
 from dflash_jax.training.drafters import restore_params
 from dflash_jax.training.workdir import Workdir
 from support import training_runs as testing
+from support.decoding_models import MASK_ID, make_target
 
 EPOCHS = 4  # 12 steps each: long enough to interrupt a run reliably
 TOTAL_STEPS = 4 * 12
@@ -375,6 +379,34 @@ def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, t
         "resuming with settings other than the checkpoint's: train.grad_clip_norm: 1.0 -> 0.5; train.max_steps: 3 -> 4"
         in caplog.text
     )
+    # Another drafter cannot take its weights: one line naming what differs, the checkpoints kept.
+    config.update_from_flattened_dict({"train.max_steps": 5, "drafter.conv_kernel_size": 3})
+    with pytest.raises(UserError, match=r"holds another drafter \(drafter.conv_kernel_size: 2 -> 3\); resuming needs"):
+        train(resolve(config, num_devices=1))
+    assert latest_checkpoint(workdir) == 4
+
+
+def test_resuming_needs_the_drafters_shape_not_its_training_only_fields():
+    """An XPress checkpoint from before XPress's backbone became DFlash2's layers is refused in one
+    line that names the field to set back; its loss weights, which no export carries, may change."""
+    from dflash_jax.training.loop import _check_resumable
+
+    target = make_target(seed=0).cfg
+    sizes = dict(num_layers=1, mask_token_id=MASK_ID, block_size=4, target_layer_ids=(0, 1), kind="xpress")
+    saved = DrafterConfig.for_target(target, **sizes, xpress_backbone="dflash")
+    meta = {"drafter_config": saved.to_hf(), "config": {"train": {"optimizer": "muon"}}}
+
+    def setup(**fields):
+        drafter = DrafterConfig.for_target(target, **sizes, **fields)
+        return types.SimpleNamespace(
+            drafter=drafter, workdir=Workdir.at("/run"), optimizer=types.SimpleNamespace(optimizer="muon")
+        )
+
+    _check_resumable(meta, setup(xpress_backbone="dflash", xpress_backbone_weight=0.5, xpress_consistency_passes=1))
+    with pytest.raises(
+        UserError, match=r"^/run/checkpoints holds another drafter \(drafter.xpress_backbone: 'dflash' -> 'dflash2'\)"
+    ):
+        _check_resumable(meta, setup())
 
 
 def test_changed_settings_names_each_difference_and_the_fields_a_checkpoint_lacks():
