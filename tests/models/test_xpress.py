@@ -289,7 +289,7 @@ def test_on_dflash2s_backbone_it_is_the_forks_layout_and_a_fresh_one_is_dflashs(
     loaded = load_drafter(out)
     assert loaded.cfg == trained.cfg and loaded.cfg.xpress_backbone == "dflash2"
     jax.tree.map(np.testing.assert_array_equal, nnx.state(trained), nnx.state(loaded))
-    with pytest.raises(ModelError, match=r"^xpress_backbone='dflash3' is not one of dflash, dflash2$"):
+    with pytest.raises(ModelError, match=r"^xpress_backbone='dflash3' is not one of dflash2, dflash$"):
         make_drafter(target, xpress_backbone="dflash3", **sizes)
 
 

@@ -62,7 +62,8 @@ class XPressFields:
     xpress_backbone: str = "dflash2"
 
 
-BACKBONES = {"dflash": "Qwen3XPressModel", "dflash2": "Qwen3XPressDFlash2Model"}  # -> architecture
+# -> the architecture its export writes; the default's first (`Kind.architecture`).
+BACKBONES = {"dflash2": "Qwen3XPressDFlash2Model", "dflash": "Qwen3XPressModel"}
 
 
 class Mixer(nnx.Module):
