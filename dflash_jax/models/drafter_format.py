@@ -43,6 +43,7 @@ def write(cfg) -> dict[str, Any]:
         **({} if cfg.is_causal is None else {"is_causal": cfg.is_causal}),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
+        # After the fields every kind writes: a kind with variants names its own architecture here.
         **kind_fields,
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,

@@ -148,4 +148,5 @@ class Kind:
         for f in dataclasses.fields(self.fields):
             value = field(f.name, None)
             found[f.name] = f.default if value is None else type(f.default)(value)
-        return {**found, **self.implied_fields(field)}
+        borrowed = {name: field(name, None) for name in self.borrowed_fields}
+        return {**found, **{k: v for k, v in borrowed.items() if v is not None}, **self.implied_fields(field)}

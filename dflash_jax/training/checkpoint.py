@@ -97,9 +97,6 @@ def ema_decay_of(meta: dict[str, Any]) -> float:
     return float(meta.get("config", {}).get("train", {}).get("ema_decay", 0.0))
 
 
-_ABSENT = object()
-
-
 def changed_settings(meta: dict[str, Any], config: dict[str, Any], *, most: int = 8) -> str:
     """The settings `config` (a run's config as written, by section) gives other than the one a
     checkpoint was saved under, as `section.field: saved -> now`; a field the saved config lacks
@@ -116,11 +113,9 @@ def changed_settings(meta: dict[str, Any], config: dict[str, Any], *, most: int 
 
     saved, now = flat(meta.get("config", {})), flat(config)
     changes = [
-        f"{key}: {saved[key]!r} -> {now.get(key)!r}"
-        if key in saved
-        else f"{key}: not in the saved config -> {now[key]!r}"
-        for key in sorted(saved.keys() | now.keys())
-        if key in now and saved.get(key, _ABSENT) != now[key]
+        f"{key}: {saved[key]!r} -> {value!r}" if key in saved else f"{key}: not in the saved config -> {value!r}"
+        for key, value in sorted(now.items())
+        if key not in saved or saved[key] != value
     ]
     more = f" (and {len(changes) - most} more)" if len(changes) > most else ""
     return "; ".join(changes[:most]) + more

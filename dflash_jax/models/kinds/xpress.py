@@ -131,7 +131,6 @@ def _export(cfg) -> tuple[dict, dict]:
     which must equal the block its speculative config verifies."""
     convs = dict(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size)
     return convs if _convolved(cfg) else {}, {
-        # After the architecture the export writes for every kind, so this one stands.
         "architectures": [BACKBONES[cfg.xpress_backbone]],
         "xpress_block_size": cfg.block_size,
         "xpress_rank": cfg.xpress_rank,
@@ -149,11 +148,7 @@ def _problems(cfg) -> list[str]:
 def _implied_fields(field: FieldReader) -> dict:
     """The backbone, which the fork's config.json says by its architecture alone."""
     archs = field("architectures", None) or []
-    return {"xpress_backbone": next((b for b, arch in BACKBONES.items() if arch in archs), "dflash")} | (
-        {"conv_kernel_size": int(field("conv_kernel_size", 0)), "conv_group_size": int(field("conv_group_size", 0))}
-        if BACKBONES["dflash2"] in archs
-        else {}
-    )
+    return {"xpress_backbone": next((b for b, arch in BACKBONES.items() if arch in archs), "dflash")}
 
 
 def _layer(cfg, mixer, mlp, *, rngs, **block_kw):
