@@ -38,6 +38,12 @@ def _zero(*_) -> int:
     return 0  # an int: FLOP counts stay exact integers
 
 
+# Anchors as SpecForge draws them (up to 64 a conversation, about half of a response's
+# positions): at most 64 a document, and 3 a row for every 8 of its tokens so that the cap, not the
+# row, binds. `Kind(..., **PER_CONVERSATION_ANCHORS)` for a kind whose held-out τ gains from them.
+PER_CONVERSATION_ANCHORS = dict(anchors_per_token=3 / 8, anchors_per_document=64)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NoFields:
     """The sizes of a kind that has none of its own (the backbone alone)."""
@@ -123,6 +129,10 @@ class Kind:
     # whatever the block size (0: the paper's for the block size).
     loss: str = "dflash"
     loss_decay_gamma: float = 0.0
+    # The anchors a row that `train.num_anchors` 0 stands for, per token of the row
+    # (data.seq_len), and at most this many of them from one document (0: no cap).
+    anchors_per_token: float = 1 / 8
+    anchors_per_document: int = 0
     # Whether its loss always reads the target's next-token distribution (train.distill then
     # does not apply); whether only the prefix of scored slots before the first unscored one is
     # scored; whether its loss reads the target's embeddings of the tokens realised from the

@@ -53,7 +53,8 @@ LOSSES = ("dflash", "dpace")
 class ObjectiveSettings:
     """The objective's fields of the `train` section (training/config/sections.py's TrainSettings)."""
 
-    # Blocks per row.
+    # Blocks per row; 0 = the drafter kind's for data.seq_len (`Kind.anchors_per_token`, with its
+    # `anchors_per_document` cap unless one is set).
     num_anchors: int = 512
     # docs/design.md §3.1: 'document' (response-token anchors, every document its share),
     # 'response' (response-token anchors, uniform over the row) or 'row' (the original scheme).

@@ -275,6 +275,29 @@ def test_the_kind_alone_makes_a_run_of_that_kind(tiny_run, tmp_path, kind, loss)
         assert (setup.drafter.gru_hidden_dim, setup.drafter.emb_dim) == (hidden // 4, hidden // 16)
 
 
+@pytest.mark.parametrize("kind", sorted(kinds.KINDS))
+def test_the_kind_sets_the_anchors_that_train_num_anchors_0_leaves_to_it(kind):
+    """The default run leaves its anchors to the kind: 64 a 512-token row for DFlash2 and XPress,
+    192 at most 64 a document for the kinds that gain from SpecForge's density; a set count or cap
+    is kept."""
+    config = load_config_file(config_file("default"))
+    config.drafter.kind = kind
+    spec = kinds.get(kind)
+    objective = resolve(config, num_devices=1).objective
+    assert (objective.num_anchors, objective.anchors_per_document) == (
+        round(512 * spec.anchors_per_token),
+        spec.anchors_per_document,
+    )
+    assert objective.num_anchors == (64 if kind in ("dflash2", "xpress") else 192)
+    config.train.anchors_per_document = 32
+    assert resolve(config, num_devices=1).objective.anchors_per_document == 32
+    config.train.num_anchors = 100
+    objective = resolve(config, num_devices=1).objective
+    assert (objective.num_anchors, objective.anchors_per_document) == (100, 32)
+    config.train.anchors_per_document = 0
+    assert resolve(config, num_devices=1).objective.anchors_per_document == 0  # no cap, as set
+
+
 def test_xpress_on_dflash2s_backbone_keeps_the_convolutions_sizes(tiny_run, tmp_path):
     """Sizes XPress borrows from DFlash2 (its convolutions) stay as set; DFlash2's others do not."""
     fields = {

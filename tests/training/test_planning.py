@@ -250,6 +250,7 @@ def test_plan_counts_each_kinds_heads():
     the target's distribution there (one more LM-head pass) and adds its Markov projection
     (r -> V) and confidence head (D + r -> 1). Forward once, and twice more backward."""
     config = load_config_file(str(testing.REPO / "configs" / "default.py"))
+    config.train.num_anchors = 64  # every kind the same blocks (0: each kind's own)
     flops = {}
     for kind in ("dflash", "dflash2", "dspark"):
         config.drafter.kind, config.train.loss = kind, "dflash"

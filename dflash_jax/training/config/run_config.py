@@ -138,7 +138,7 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         target_dtype=DTYPES[target_section.dtype],
         compute_dtype=DTYPES[train.compute_dtype],
         drafter=drafter,
-        objective=_objective(train, drafter),
+        objective=_objective(train, drafter, data.seq_len),
         optimizer=OptimizerConfig(**_fields_of(train, OptimizerConfig)),
         data=data,
         mesh_shape=shape,
@@ -258,13 +258,24 @@ def _drafter(settings: DrafterConfig, target: TransformerConfig) -> DrafterConfi
         raise ConfigError(f"drafter.{e}") from None
 
 
-def _objective(train: TrainSettings, drafter: DrafterConfig) -> ObjectiveConfig:
-    """The train section's objective fields, with the slot weighting and γ resolved for the
-    drafter's kind and block size."""
+def _objective(train: TrainSettings, drafter: DrafterConfig, seq_len: int) -> ObjectiveConfig:
+    """The train section's objective fields, with the slot weighting, γ and anchors resolved for
+    the drafter's kind, block size and row length."""
     kind = drafter.kind_spec
     gamma = train.loss_decay_gamma or kind.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA.get(drafter.block_size)
+    anchors = {}
+    if not train.num_anchors:
+        anchors = {
+            "num_anchors": max(1, round(kind.anchors_per_token * seq_len)),
+            "anchors_per_document": train.anchors_per_document or kind.anchors_per_document,
+        }
     return ObjectiveConfig(
-        **{**_fields_of(train, ObjectiveSettings), "loss": train.loss or kind.loss, "loss_decay_gamma": float(gamma)},
+        **{
+            **_fields_of(train, ObjectiveSettings),
+            "loss": train.loss or kind.loss,
+            "loss_decay_gamma": float(gamma),
+            **anchors,
+        },
         drafter=drafter,
     )
 

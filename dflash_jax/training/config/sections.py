@@ -97,7 +97,7 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
             num_epochs=1,
             max_steps=0,
             grad_accum_steps=1,
-            num_anchors=1,
+            num_anchors=0,
             anchors_per_document=0,
             loss_decay_gamma=0,
             weight_decay=0,
