@@ -59,7 +59,7 @@ class ObjectiveSettings:
     # docs/design.md §3.1: 'document' (response-token anchors, every document its share),
     # 'response' (response-token anchors, uniform over the row) or 'row' (the original scheme).
     anchor_scheme: str = "document"
-    # 'document': cap on one document's anchors; 0 = no cap.
+    # 'document': cap on one document's anchors; 0 = no cap (with num_anchors 0: the kind's).
     anchors_per_document: int = 0
     # docs/design.md §3.3: how each slot's loss is weighted: 'dflash' (the paper's position decay)
     # or 'dpace' (D-PACE confidence weights); '' = the drafter kind's own (`Kind.loss`).

@@ -145,7 +145,7 @@ KIND = Kind(
     # distribution always (D-PACE's: 2.4 % lower held-out τ on the default job, two seeds).
     loss="dflash",
     loss_decay_gamma=4.0,
-    # +4.8 % held-out τ over 1 anchor per 8 row tokens, at twice the step (two seeds).
+    # +4.6 % held-out τ over 1 anchor per 8 row tokens, at twice the step (two seeds).
     **PER_CONVERSATION_ANCHORS,
     reads_target_distribution=True,
     scores_prefix=True,
