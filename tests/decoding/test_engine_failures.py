@@ -17,6 +17,7 @@ import pytest
 
 from dflash_jax.decoding.engines.llama_cpp import build_server, find_server
 from dflash_jax.decoding.engines.server import EngineServer, free_port, group_members
+from dflash_jax.decoding.engines.vllm_server import VllmServer
 from dflash_jax.errors import UserError
 from dflash_jax.models.formats.hf import export_drafter, load_target
 from dflash_jax.models.formats.hub import resolve_model
@@ -175,3 +176,25 @@ def test_a_dead_server_leaves_no_worker_and_says_so_in_one_line():
     assert len(group_members(server.process.pid)) == 1  # the worker outlives its server...
     server.close()
     assert group_members(server.process.pid) == []  # ...until the group is stopped
+
+
+def test_a_start_up_that_points_at_its_cause_is_reported_by_that_cause():
+    """vLLM's API server ends a failed start with `RuntimeError: Engine core initialization
+    failed. See root cause above.`: the line to show is the engine core's own exception."""
+    log = [
+        "(EngineCore_DP0 pid=7) ERROR [core.py:708] EngineCore failed to start.",
+        "(EngineCore_DP0 pid=7) Traceback (most recent call last):",
+        "(EngineCore_DP0 pid=7) ValueError: No available memory for the cache blocks. Try increasing "
+        "`VLLM_CPU_KVCACHE_SPACE`.",
+        "Traceback (most recent call last):",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ]
+
+    class _FailingVllm(EngineServer):
+        engine = "vLLM"
+        FAILURE = VllmServer.FAILURE
+
+    script = f"import sys; print({chr(10).join(log)!r}); sys.exit(1)"
+    with pytest.raises(UserError) as raised:
+        _FailingVllm([sys.executable, "-c", script], free_port(), start_timeout=60, request_timeout=10)
+    assert str(raised.value) == f"vLLM exited with code 1: {log[2]}"

@@ -64,6 +64,9 @@ class EngineServer:
 
     engine = "the engine"  # what every message names
     FAILURE = re.compile(r"error|failed", re.IGNORECASE)  # a log line that explains a failure
+    # A failure line that points at another for its cause (vLLM's engine core start-up): the
+    # line it points at is the one to show.
+    POINTER = re.compile(r"see root cause above", re.IGNORECASE)
     # Whether `complete(..., cache_prompt=True)` reuses the cached prompt, so that a request's
     # prompt_ms times the forward of its new tokens alone (`forward_cost`).
     times_a_forward = False
@@ -117,6 +120,7 @@ class EngineServer:
             lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines()]
         lines = [line for line in lines if line]
         explaining = [line for line in lines if self.FAILURE.search(line)]
+        explaining = [line for line in explaining if not self.POINTER.search(line)] or explaining
         if not explaining and self._served_from:
             return "its log says no more since it started serving"
         last = (explaining or lines or ["(no output)"])[-1]
