@@ -304,15 +304,12 @@ def _check_resumable(meta: dict, setup: TrainSetup) -> None:
     deep in Orbax, as if the checkpoint were damaged)."""
     if "drafter_config" in meta:
         # Both as their config.json reads back: the drafter's shape, not its training-only fields.
-        saved, now = DrafterConfig.from_hf(meta["drafter_config"]), DrafterConfig.from_hf(setup.drafter.to_hf())
-        changed = [
-            f"drafter.{f.name}: {getattr(saved, f.name)!r} -> {getattr(now, f.name)!r}"
-            for f in dataclasses.fields(saved)
-            if getattr(saved, f.name) != getattr(now, f.name)
-        ]
-        if changed:
+        saved, now = (
+            dataclasses.asdict(DrafterConfig.from_hf(c)) for c in (meta["drafter_config"], setup.drafter.to_hf())
+        )
+        if changed := changed_settings({"config": {"drafter": saved}}, {"drafter": now}, most=len(now)):
             raise UserError(
-                f"{setup.workdir.checkpoints} holds another drafter ({'; '.join(changed)}); resuming needs "
+                f"{setup.workdir.checkpoints} holds another drafter ({changed}); resuming needs "
                 "the drafter it was trained with (set those fields back), or a new workdir"
             )
     _check_same_optimizer(optimizer_of(meta), setup)
