@@ -1,6 +1,9 @@
 """What every command-line module shares: absl start-up, the `--config` flag of the commands that
 read a training config, one-line user errors, exit statuses.
 
+Each command's `define_flags(flag_values)` defines its flags on absl's FLAGS when it runs as a
+program; tests pass their own FlagValues, since several commands share flag names.
+
 No command takes positional arguments: a stray word (`--prompts=a b`) is a one-line error, not
 silently ignored. Flag names follow one convention across commands (README, "Command-line
 conventions").

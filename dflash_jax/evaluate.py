@@ -79,8 +79,6 @@ RENAMED_FLAGS = {"drafter_step": "step", "num_prompts": "limit", "out_dir": "out
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """The CLI's flags; defined when run as a program (tests use their own FlagValues, since
-    several CLIs share flag names)."""
     fv = dict(flag_values=flag_values)
     flags.DEFINE_string(
         "target",

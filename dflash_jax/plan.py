@@ -51,8 +51,6 @@ DEFAULT_HBM_GB = 80.0  # --hardware=cpu: plan for an 80 GB GPU
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """The command's flags; defined when run as a program (tests use their own FlagValues, since
-    several commands share flag names)."""
     fv = dict(flag_values=flag_values)
     cli.define_config(**fv)
     flags.DEFINE_integer(

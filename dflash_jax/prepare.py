@@ -22,8 +22,6 @@ RENAMED_FLAGS = {"epochs": "num_epochs"}
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """The command's flags; defined when run as a program (tests use their own FlagValues, since
-    several commands share flag names)."""
     fv = dict(flag_values=flag_values)
     cli.define_config(**fv)
     flags.DEFINE_bool("rebuild", False, "Rebuild the cache even if it is up to date.", **fv)

@@ -114,8 +114,6 @@ def _server(url: str, f):
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """The CLI's flags; defined when run as a program (tests use their own FlagValues, since
-    several CLIs share flag names)."""
     fv = dict(flag_values=flag_values)
     flags.DEFINE_string(
         "input",
