@@ -19,19 +19,24 @@ COLUMNS = (
 )
 
 
-def _row(cells: list[str], name_width: int) -> str:
-    widths = [name_width] + [w for _, w, _ in COLUMNS[1:]]
-    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+def _render(columns: tuple, rows: list[tuple], *, left: int = 1) -> list[str]:
+    """Header, rule and one line per row of values (None prints '-'): the first `left` columns
+    left-aligned, the others right-aligned; the first as wide as its longest value."""
+    widths = [max([columns[0][1], *(len(row[0]) for row in rows)])] + [w for _, w, _ in columns[1:]]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    header = line([title for title, _, _ in columns])
+    body = [line(["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(row, columns)]) for row in rows]
+    return [header, "-" * len(header), *body]
 
 
 def table(results: dict[str, dict]) -> str:
     """One row per prompt set (the last column: the speedup after the first token, the prefill
     left out), then each set's acceptance-length histogram as fractions."""
-    name_width = max([COLUMNS[0][1], *map(len, results)])
-    header = _row([title for title, _, _ in COLUMNS], name_width)
-    lines = [header, "-" * len(header)]
-    for name, r in results.items():
-        values = (
+    rows = [
+        (
             name,
             r["num_prompts"],
             r["tau"],
@@ -42,8 +47,9 @@ def table(results: dict[str, dict]) -> str:
             r["speedup"],
             r.get("decode_speedup"),  # None, or absent from older versions' results saved in a workdir
         )
-        cells = ["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, COLUMNS)]
-        lines.append(_row(cells, name_width))
+        for name, r in results.items()
+    ]
+    lines = _render(COLUMNS, rows)
     for name, r in results.items():
         hist = np.asarray(r["histogram"], float)
         fractions = hist / max(hist.sum(), 1)
@@ -75,32 +81,26 @@ def engine_table(ours: dict[str, dict], engine: dict) -> str:
     counters and speeds (decoding after the prompt, as the engine times it) and the fraction of
     texts equal to the target alone; then what a step costs in the engine."""
     served = engine["served"]
-    name_width = max([ENGINE_COLUMNS[0][1], *(len(name) for sets in served.values() for name in sets)])
-    widths = [name_width] + [w for _, w, _ in ENGINE_COLUMNS[1:]]
-
-    def row(cells):
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    header = row([title for title, _, _ in ENGINE_COLUMNS])
-    lines = [f"{engine['name']}, greedy, the first turn of every prompt:", header, "-" * len(header)]
-    for weights, sets in served.items():
-        for name, e in sets.items():
-            values = (
-                name,
-                weights,
-                ours.get(name, {}).get("tau"),
-                e["tau"],
-                e["steps"],
-                e["drafted"],
-                e["accepted"],
-                e["drafter"]["tokens_per_s"],
-                e["target"]["tokens_per_s"],
-                e["drafter"]["ms_per_token"],
-                e["target"]["ms_per_token"],
-                e["speedup"],
-                e["identical_outputs"],
-            )
-            lines.append(row(["-" if v is None else format(v, fmt) for v, (_, _, fmt) in zip(values, ENGINE_COLUMNS)]))
+    rows = [
+        (
+            name,
+            weights,
+            ours.get(name, {}).get("tau"),
+            e["tau"],
+            e["steps"],
+            e["drafted"],
+            e["accepted"],
+            e["drafter"]["tokens_per_s"],
+            e["target"]["tokens_per_s"],
+            e["drafter"]["ms_per_token"],
+            e["target"]["ms_per_token"],
+            e["speedup"],
+            e["identical_outputs"],
+        )
+        for weights, sets in served.items()
+        for name, e in sets.items()
+    ]
+    lines = [f"{engine['name']}, greedy, the first turn of every prompt:", *_render(ENGINE_COLUMNS, rows, left=2)]
     for weights, sets in served.items():
         for name, e in sets.items():
             if c := e.get("step_costs"):

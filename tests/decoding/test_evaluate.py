@@ -329,3 +329,19 @@ def test_the_table_shows_both_speedups_and_reads_results_saved_before_the_second
     header, _, new_row, old_row, *_ = report.table({"new": result, "old": old}).splitlines()
     assert header.split()[-3:] == ["after", "1st", "token"]
     assert new_row.split()[-2:] == ["1.50", "1.62"] and old_row.split()[-2:] == ["1.50", "-"]
+
+
+def test_the_engine_table_puts_each_served_set_under_its_columns():
+    figures = {"drafter": {"tokens_per_s": 12.0, "ms_per_token": 80.0}, "target": {"tokens_per_s": 10.0}}
+    figures["target"]["ms_per_token"] = 100.0
+    e = dict(figures, tau=2.25, steps=40, drafted=280, accepted=50, speedup=1.2, identical_outputs=1.0)
+    engine = {"name": "vLLM", "served": {"float32": {"heldout": e, "a-longer-set-name": e}}}
+    title, header, rule, ours, theirs = report.engine_table({"heldout": {"tau": 2.25}}, engine).splitlines()
+    assert title.startswith("vLLM") and set(rule) == {"-"} and len(rule) == len(header)
+    # Every line as wide as the header: the set column as wide as its longest name.
+    assert len(ours) == len(theirs) == len(header) and header.startswith("set" + " " * 16)
+    assert (
+        ours.split()
+        == ["heldout", "float32", "2.25", "2.25", "40", "280", "50"] + "12.0 10.0 80.00 100.00 1.20 1.00".split()
+    )
+    assert theirs.split()[:3] == ["a-longer-set-name", "float32", "-"]  # a set our decoder did not run
