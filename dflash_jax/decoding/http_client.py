@@ -144,11 +144,7 @@ class ChatCompletionsClient:
             except (OSError, http.client.HTTPException) as e:
                 if self._closed.is_set():
                     raise Cancelled(f"{url}: cancelled") from None
-                failure = (
-                    Unreachable
-                    if isinstance(e, (ConnectionRefusedError, socket.gaierror, _NoConnection))
-                    else ServerError
-                )
+                failure = Unreachable if isinstance(e, UNREACHABLE) else ServerError
                 problem = _connection_problem(e)
             else:
                 if 200 <= status < 300:

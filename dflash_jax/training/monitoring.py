@@ -32,7 +32,7 @@ class Monitor:
         self.active = jax.process_index() == 0
         self.total_steps = total_steps
         self._pending: list[dict] = []
-        self._last_time, self._last_step = time.perf_counter(), start_step
+        self._last_time = time.perf_counter()
         self._overall = self._epoch_bar = None
         self._tensorboard = self._wandb = None
         if not self.active:
@@ -94,7 +94,7 @@ class Monitor:
         self._pending.clear()
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
-        self._last_time, self._last_step = now, step
+        self._last_time = now
         applied = float(sums["updates_applied"])
         out = {
             **summarize(sums),
