@@ -118,8 +118,9 @@ def run(
     doc = sys.modules[main.__module__].__doc__ or ""
 
     def guarded(argv):
-        # JAX, Orbax and grain log every backend probe, save and read at INFO; keep ours.
-        for name in ("absl", "jax"):
+        # JAX, Orbax and grain log every backend probe, save and read at INFO, gguf-py every file it
+        # writes; keep ours.
+        for name in ("absl", "jax", "gguf"):
             logging.getLogger(name).setLevel(logging.WARNING)
         try:
             if len(argv) > 1:

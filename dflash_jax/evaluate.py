@@ -66,6 +66,7 @@ from dflash_jax.decoding.speculative import check_fits
 from dflash_jax.errors import UserError
 from dflash_jax.models import families
 from dflash_jax.models.architecture import DTYPES
+from dflash_jax.models.formats.gguf_export import llama_cpp_problems
 from dflash_jax.models.formats.gguf_target import served_gguf, widened_gguf
 from dflash_jax.models.formats.hf import read_config
 from dflash_jax.models.formats.hub import resolve_model
@@ -232,6 +233,9 @@ def _engine_prompts(f: flags.FlagValues, target: str) -> dict[str, list]:
 def _llama_cpp(f: flags.FlagValues, target: str, export: Path, prompts: dict[str, list]) -> _Engine:
     if unknown := sorted(set(f.engine_weights) - set(ENGINE_WEIGHTS)):
         raise UserError(f"--engine_weights={','.join(unknown)}: choose among {', '.join(ENGINE_WEIGHTS)}")
+    # Before a target GGUF is written for it: a drafter llama.cpp cannot serve.
+    if problems := llama_cpp_problems(read_config(export), families.target_config(read_config(target)).num_layers):
+        raise UserError(f"--engine=llama.cpp cannot serve {export}: {'; '.join(problems)}")
     binary = require_server()
     os.makedirs(f.output, exist_ok=True)
     served = served_gguf(target, Path(f.output) / "target.gguf")

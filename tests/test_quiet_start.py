@@ -80,6 +80,23 @@ def test_a_config_typo_is_one_line_whatever_the_extras(tmp_path):
     )
 
 
+def test_a_command_that_writes_a_gguf_file_prints_nothing_of_it(tmp_path):
+    """gguf-py logs every file it writes at INFO (absl prints INFO): a command keeps it quiet."""
+    script = (
+        "import os, gguf\n"
+        "from dflash_jax import cli\n"
+        "def main(argv):\n"
+        "    writer = gguf.GGUFWriter(os.environ['OUT'], 'llama')\n"
+        "    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file()\n"
+        "    writer.close(); print('wrote')\n"
+        "cli.run(main, lambda: None)\n"
+    )
+    env = dict(os.environ, OUT=str(tmp_path / "a.gguf"), JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "wrote\n", "")
+    assert (tmp_path / "a.gguf").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_a_command_that_starts_jax_prints_no_start_up_noise(tmp_path):
     """train counts the devices (JAX's platforms start), then stops at its UTF-16 data file."""

@@ -100,6 +100,19 @@ def run_cli(module, args: list[str]) -> None:
     module.main([], flag_values)
 
 
+def test_a_kind_llama_cpp_does_not_serve_is_refused_before_a_gguf_is_written(
+    chat_target, prompts_file, tmp_path, monkeypatch
+):
+    target = load_target(chat_target)
+    export = export_drafter(make_drafter(target, kind="domino", block_size=4, mask_id=3), tmp_path / "export")
+    monkeypatch.setenv("DFLASH_JAX_LLAMA_SERVER", str(tmp_path / "no-such-llama-server"))  # never looked for
+    out = tmp_path / "out"
+    args = [f"--drafter={export}", f"--target={chat_target}", f"--prompts={prompts_file}", f"--output={out}"]
+    with pytest.raises(UserError, match=r"^--engine=llama.cpp cannot serve .*export: .*not drafter kind 'domino'$"):
+        run_cli(evaluate, [*args, "--engine=llama.cpp"])
+    assert not out.exists()  # no target GGUF converted for a drafter the engine cannot load
+
+
 @pytest.mark.slow
 def test_workdir_and_its_export_report_the_same_tau_and_name_their_target(
     chat_target, workdir, prompts_file, tmp_path, capsys
