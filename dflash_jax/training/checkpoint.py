@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -272,8 +273,21 @@ class RunCheckpoints:
         return step, state, meta
 
     def restore_state(self, step: int, abstract_state: TrainState) -> TrainState:
-        """The train state alone (export needs neither data nor metadata)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+        """The train state alone (export needs neither data nor metadata). Weights other than the
+        model's that `abstract_state` describes are a one-line UserError: a sound checkpoint, of
+        another model."""
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            )
+        except ValueError as e:
+            if STRUCTURE_MISMATCH not in str(e):
+                raise
+            raise UserError(
+                f"the checkpoint of step {step} in {self.directory} holds other weights than the drafter its "
+                f"config describes ({_mismatch(str(e))}): written by another version of dflash_jax? Export or "
+                "resume it with that version"
+            ) from None
         return restored.state
 
     def restore_meta(self, step: int) -> dict[str, Any]:
@@ -340,6 +354,24 @@ def _unreadable_arrays(state_dir: str) -> str | None:
 
 def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or ["no detail"])[0].split(" [tensorstore_spec")[0]
+
+
+# Orbax's ValueError when a checkpoint's tree is not the one it is asked to restore into; each
+# difference follows as "path:" then "- Source: ..." (the tree asked for) and "- Target: ..." (disk).
+STRUCTURE_MISMATCH = "tree structures do not match"
+_DIFFERENCE = re.compile(r"^(\S+):\n\s*- Source: (.*)\n\s*- Target: (.*)$", re.MULTILINE)
+
+
+def _mismatch(message: str) -> str:
+    """Orbax's list of differences, as the parameters (or, if none differ, the first entries) the
+    checkpoint has that the model lacks and the other way round, cut short."""
+    differences = _DIFFERENCE.findall(message)
+    params = [d for d in differences if d[0].startswith("params.")] or differences[:1]
+    extra = [path for path, source, _ in params if source == "MISSING"]
+    missing = [path for path, _, target in params if target == "MISSING"]
+    parts = [f"{label} {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}" for label, paths in
+             (("it has", extra), ("it lacks", missing)) if paths]  # fmt: skip
+    return "; ".join(parts) or "their trees differ"
 
 
 def _read_failure(error: Exception, step_dir: str) -> str:

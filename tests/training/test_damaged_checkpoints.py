@@ -231,6 +231,36 @@ def test_a_checkpoint_the_config_does_not_fit_is_not_called_damaged(workdir):
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "6"]
 
 
+def test_weights_of_another_drafter_than_the_config_says_are_one_line_not_damage(tmp_path):
+    """A sound checkpoint whose weights are not those of the drafter its saved config describes (a
+    DFlash2 drafter's under a DFlash config.json, as an older version could write): export and
+    resume say so in one line, pass over no step and set none aside."""
+    target = target_config(read_config(TINY_TARGET))
+    cfgs = {
+        kind: DrafterConfig.for_target(target, num_layers=1, mask_token_id=5, block_size=4, kind=kind)
+        for kind in ("dflash", "dflash2")
+    }
+    state = init_train_state(
+        cfgs["dflash2"], make_optimizer(OptimizerConfig(), 10), seed=0, compute_dtype=jnp.float32, mesh=make_mesh(-1, 1)
+    )
+    meta = {"drafter_config": cfgs["dflash"].to_hf(), "config": {"target": {"path": TINY_TARGET}}, "best_tau": None}
+    checkpoints = RunCheckpoints(str(tmp_path / "checkpoints"), every_steps=1, keep=None, async_save=False)
+    for step in (2, 4):
+        checkpoints.save(step, state, meta, _Iterator(step), force=True)
+    checkpoints.wait()
+    expected = r"^the checkpoint of step 4 in .* holds other weights than the drafter its config describes \(it has params\.candidate_selector, params\.layers\.0\.attention_conv, .*\): written by another version of dflash_jax\?"
+    with pytest.raises(UserError, match=expected):
+        restore_params(Workdir(str(tmp_path)))
+    dflash = init_train_state(
+        cfgs["dflash"], make_optimizer(OptimizerConfig(), 10), seed=0, compute_dtype=jnp.float32, mesh=make_mesh(-1, 1)
+    )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), dflash)
+    with pytest.raises(UserError, match=expected):
+        checkpoints.resume(abstract, _Iterator(), check_meta=lambda meta: None)
+    checkpoints.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
 def run_cli(module, args: list[str]) -> None:
     """The CLI's main on its own FlagValues, as `python -m` would run it (without a process)."""
     flag_values = flags.FlagValues()
