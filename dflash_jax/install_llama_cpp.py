@@ -17,6 +17,7 @@ from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.decoding.engines.llama_cpp import BUILD, build_server, find_server
+from dflash_jax.errors import UserError
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -28,6 +29,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
+    if f.source and not Path(f.source).exists():  # said even when no build needs it
+        raise UserError(f"--source={f.source}: no such directory or file")
     server = None if f.force else find_server()
     if server is None:
         server = build_server(Path(f.source) if f.source else None, jobs=f.jobs or None)

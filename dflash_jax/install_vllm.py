@@ -16,12 +16,14 @@ about 5 minutes on 2 cores; a rerun finds it.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.decoding.engines.vllm import ENV_PYTHON, TORCH_INDEX, install_env, require_env
+from dflash_jax.errors import UserError
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -43,6 +45,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def main(argv, f: flags.FlagValues = flags.FLAGS):
     del argv
+    if f.python and shutil.which(f.python) is None:  # said even when no install needs it
+        raise UserError(f"--python={f.python}: no such Python (a path, or a command on PATH)")
     if f.vllm_python or os.environ.get(ENV_PYTHON):
         env = require_env(f.vllm_python)  # a vLLM of yours: checked, never installed into
     else:

