@@ -17,14 +17,16 @@ The README ("Serving") gives the llama.cpp, SGLang and vLLM commands.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from absl import flags
 
 from dflash_jax import cli
 from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.errors import UserError
+from dflash_jax.models import families
 from dflash_jax.models.architecture import DTYPES
-from dflash_jax.models.formats.gguf_export import served_kind, write_drafter_gguf
+from dflash_jax.models.formats.gguf_export import llama_cpp_problems, served_kind, write_drafter_gguf
 from dflash_jax.models.formats.gguf_target import served_gguf
 from dflash_jax.models.formats.hf import read_config
 from dflash_jax.models.formats.hub import resolve_model
@@ -65,10 +67,11 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     workdir = existing_workdir(f.workdir, "--workdir")  # checked here: opening the checkpoints would create it
     if f.output:
         check_writable(f.output, "--output")
+    target = _gguf_target(workdir, f) if f.format == "gguf" else None  # its problems, before anything is written
     out = export_checkpoint(workdir, step=f.step, out_dir=f.output, dtype=DTYPES[f.dtype])
     print(f"exported drafter to {out}")
-    if f.format == "gguf":
-        target_gguf = served_gguf(resolve_model(f.target or _run_target(workdir)), os.path.join(out, "target.gguf"))
+    if target is not None:
+        target_gguf = served_gguf(target, os.path.join(out, "target.gguf"))
         draft_tokens = draft_token_ids(out, f.draft_vocab) if f.draft_vocab else None
         gguf_file = write_drafter_gguf(out, target_gguf, os.path.join(out, "drafter.gguf"), draft_tokens)
         print(f"wrote {gguf_file} ({served_kind(read_config(out)).llama_cpp.spec_type}) for the target {target_gguf}")
@@ -81,9 +84,15 @@ def check_gguf_flags(f: flags.FlagValues) -> None:
         raise UserError(f"{' and '.join(given)} apply to --format=gguf only (the llama.cpp file)")
 
 
-def _run_target(workdir: Workdir) -> str:
-    """The target.path the run was trained against (its newest readable checkpoint's)."""
-    return run_meta(workdir)["config"]["target"]["path"]
+def _gguf_target(workdir: Workdir, f: flags.FlagValues) -> Path:
+    """--target, or the one the run was trained against, once llama.cpp is known to serve the
+    run's drafter (the checkpoint's config.json) beside it."""
+    meta = run_meta(workdir, f.step)
+    target = resolve_model(f.target or meta["config"]["target"]["path"])
+    num_layers = families.target_config(read_config(target)).num_layers
+    if problems := llama_cpp_problems(meta["drafter_config"], num_layers):
+        raise UserError(f"--format=gguf: llama.cpp cannot serve the drafter of {workdir.root}: {'; '.join(problems)}")
+    return target
 
 
 def run() -> None:

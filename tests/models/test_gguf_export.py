@@ -147,6 +147,42 @@ def test_a_drafter_llama_cpp_cannot_serve_is_one_line(kind, fields, reason, targ
             write_drafter_gguf(export, target_gguf, tmp_path / "d.gguf")
 
 
+def test_export_refuses_the_gguf_of_a_kind_llama_cpp_does_not_serve_before_writing(target, target_gguf, tmp_path):
+    """`export --format=gguf` of a Domino run: one line, and no HF export written before it."""
+    import jax.numpy as jnp
+    from absl import flags
+
+    from dflash_jax import export
+    from dflash_jax.training.checkpoint import RunCheckpoints
+    from dflash_jax.training.mesh import make_mesh
+    from dflash_jax.training.optim.optimizer import OptimizerConfig, make_optimizer
+    from dflash_jax.training.step import init_train_state
+
+    cfg = make_drafter(target, kind="domino", block_size=4, mask_id=3).cfg
+    state = init_train_state(
+        cfg, make_optimizer(OptimizerConfig(), 10), seed=0, compute_dtype=jnp.float32, mesh=make_mesh(-1, 1)
+    )
+    meta = {"drafter_config": cfg.to_hf(), "config": {"target": {"path": str(target_gguf)}}, "best_tau": None}
+    checkpoints = RunCheckpoints(str(tmp_path / "run" / "checkpoints"), every_steps=1, keep=None, async_save=False)
+    checkpoints.save(2, state, meta, _Iterator(), force=True)
+    checkpoints.close()
+    flag_values = flags.FlagValues()
+    export.define_flags(flag_values)
+    flag_values(["export", f"--workdir={tmp_path / 'run'}", "--format=gguf", f"--output={tmp_path / 'out'}"])
+    with pytest.raises(
+        UserError, match=r"^--format=gguf: llama.cpp cannot serve the drafter of .*run: .*not drafter kind 'domino'$"
+    ):
+        export.main([], flag_values)
+    assert not (tmp_path / "out").exists()
+
+
+class _Iterator:
+    """A data iterator's checkpointed state."""
+
+    def get_state(self):
+        return {"epoch": 0, "step": 2}
+
+
 def test_llama3_rope_factors_follow_the_published_rule():
     """Llama 3.1's scaling: high frequencies kept, low ones divided by the factor, a smooth ramp between."""
     hf = {
