@@ -235,3 +235,16 @@ def test_a_target_gguf_cannot_be_written_for_is_one_line(tmp_path):
     moe = with_tiny_qwen3_tokenizer(write_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe"))
     with pytest.raises(UserError, match=r"Qwen3MoeForCausalLM targets are not written to GGUF here \(only "):
         write_target_gguf(moe, tmp_path / "moe.gguf")
+
+
+def test_a_large_gguf_file_is_written_under_a_progress_bar(tiny_gguf, tmp_path, monkeypatch, capfd):
+    """Past gguf.PROGRESS_BYTES of tensors (a real target's gigabytes) the writing shows its bytes
+    and rate; a small file is written without a line."""
+    from dflash_jax.models.formats import gguf
+    from dflash_jax.models.formats.gguf_target import widened_gguf
+
+    widened_gguf(tiny_gguf, tmp_path / "small.gguf")
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(gguf, "PROGRESS_BYTES", 0)
+    widened_gguf(tiny_gguf, tmp_path / "large.gguf")
+    assert "Writing: 100%" in capfd.readouterr().err

@@ -112,12 +112,18 @@ def copy_field(writer, name: str, field) -> None:
     writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
 
 
+# A GGUF file of more tensor bytes than this is written under a progress bar (a real target's:
+# gigabytes, minutes).
+PROGRESS_BYTES = 1 << 30
+
+
 def write_file(writer, out_file: Path) -> Path:
     """Everything a `gguf.GGUFWriter` opened on `out_file` holds, written: header, metadata, tensors."""
     out_file.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    size = sum(info.nbytes for shard in writer.tensors for info in shard.values())
+    writer.write_tensors_to_file(progress=size > PROGRESS_BYTES)
     writer.close()
     return out_file
 
