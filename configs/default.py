@@ -43,7 +43,8 @@ def get_config():
     # from them on both seeds, where DFlash2's does on one of two (docs/experiments.md).
     c.train.num_anchors = 0
     # train.loss '': each drafter kind's own slot weights (D-PACE for DFlash, DFlash2 and XPress,
-    # the position decay for DSpark and Domino), chosen by held-out tau (docs/experiments.md).
+    # the position decay for DSpark and Domino), chosen by held-out tau (docs/experiments.md); and
+    # train.dpace_alpha -1 its D-PACE smoothing (0.3 for DFlash, the paper's 0.5 for the others).
     # Muon for the drafter's matrices: +0.11 held-out tau@64 over AdamW at 3e-3, three seeds; at
     # 6e-3 +0.02 more, ahead on each seed (docs/experiments.md).
     c.train.optimizer = "muon"

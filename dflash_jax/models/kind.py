@@ -125,10 +125,12 @@ class Kind:
     # Their rows are looked up or scored one token at a time, not a linear map to orthogonalize,
     # and Newton-Schulz on a [V, r] matrix would cost more than the rest of the drafter's update.
     adam_params: tuple[str, ...] = ()
-    # Training defaults: the slot weighting `train.loss` '' stands for, and the loss decay γ
-    # whatever the block size (0: the paper's for the block size).
+    # Training defaults: the slot weighting `train.loss` '' stands for, the loss decay γ
+    # whatever the block size (0: the paper's for the block size), and D-PACE's smoothing α that
+    # `train.dpace_alpha` -1 stands for (its paper's 0.5).
     loss: str = "dflash"
     loss_decay_gamma: float = 0.0
+    dpace_alpha: float = 0.5
     # The anchors a row that `train.num_anchors` 0 stands for, per token of the row
     # (data.seq_len), and at most this many of them from one document (0: no cap).
     anchors_per_token: float = 1 / 8

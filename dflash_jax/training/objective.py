@@ -64,8 +64,9 @@ class ObjectiveSettings:
     # docs/design.md §3.3: how each slot's loss is weighted: 'dflash' (the paper's position decay)
     # or 'dpace' (D-PACE confidence weights); '' = the drafter kind's own (`Kind.loss`).
     loss: str = ""
-    # 'dpace': smoothing of the target token's probability, in [0, 1].
-    dpace_alpha: float = 0.5
+    # 'dpace': smoothing of the target token's probability, in [0, 1]; -1 = the drafter kind's
+    # (`Kind.dpace_alpha`).
+    dpace_alpha: float = -1.0
     # 'dflash': γ of the position decay; 0 = the paper's value for the block size, or the
     # drafter kind's own (`Kind.loss_decay_gamma`, as its authors train it).
     loss_decay_gamma: float = 0.0
@@ -100,6 +101,7 @@ class ObjectiveConfig(ObjectiveSettings):
     drafter: DrafterConfig = dataclasses.field(kw_only=True)
     loss: str = dataclasses.field(kw_only=True)  # resolved: never ''
     loss_decay_gamma: float = dataclasses.field(kw_only=True)  # resolved: never 0
+    dpace_alpha: float = dataclasses.field(kw_only=True)  # resolved: never -1
     total_steps: int = 0  # the run's length (`step.build_train_step`): what schedules over it read
 
     @property

@@ -191,6 +191,7 @@ def test_loss_terms_mix_the_final_and_unary_cross_entropies(target, decay, step,
     blocks = scored_blocks(labels, mask, realised_embeds=target.embed(realised))
     cfg = objective.ObjectiveConfig(
         loss="dflash",
+        dpace_alpha=0.5,  # unread: the position decay weighs the slots
         loss_decay_gamma=4.0,
         base_loss_weight=0.6,
         base_loss_decay=decay,

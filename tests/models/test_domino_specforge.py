@@ -92,6 +92,7 @@ def test_loss_terms_equal_specforges_in_float64(models, step, lam):
     with jax.enable_x64(True):
         cfg = objective.ObjectiveConfig(
             loss="dflash",
+            dpace_alpha=0.5,  # unread: the position decay weighs the slots
             loss_decay_gamma=GAMMA,
             base_loss_weight=1.0,
             base_loss_decay=0.5,

@@ -307,7 +307,7 @@ def test_released_layout_trains_one_step_exports_and_loads_back(tmp_path):
         target_graphdef=graphdef,
         target_params=target_params,
         tx=tx,
-        cfg=objective.ObjectiveConfig(num_anchors=8, loss="dflash", loss_decay_gamma=4.0, drafter=cfg),
+        cfg=objective.ObjectiveConfig(num_anchors=8, loss="dflash", loss_decay_gamma=4.0, dpace_alpha=0.5, drafter=cfg),
         grad_accum_steps=1,
         mesh=mesh,
         state_sharding=jax.tree.map(lambda x: x.sharding, state),

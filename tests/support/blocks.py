@@ -23,7 +23,7 @@ def scored_blocks(labels: np.ndarray, label_mask: np.ndarray, **fields) -> objec
 
 def objective_config(target, *, num_layers: int = 1, **fields) -> objective.ObjectiveConfig:
     """The objective of a drafter for `target` (a TransformerConfig): `fields` are the drafter's
-    (DrafterConfig) or the objective's; the loss and γ, unless given, are the drafter kind's (as
+    (DrafterConfig) or the objective's; the loss, γ and D-PACE's α, unless given, are the drafter kind's (as
     training/config/run_config.py resolves them)."""
     drafter_fields = {f.name for f in dataclasses.fields(DrafterConfig)}
     drafter = DrafterConfig.for_target(
@@ -33,4 +33,5 @@ def objective_config(target, *, num_layers: int = 1, **fields) -> objective.Obje
     kind = drafter.kind_spec
     settings["loss"] = settings.get("loss") or kind.loss
     settings.setdefault("loss_decay_gamma", kind.loss_decay_gamma or objective.PAPER_LOSS_DECAY_GAMMA[8])
+    settings.setdefault("dpace_alpha", kind.dpace_alpha)
     return objective.ObjectiveConfig(**settings, drafter=drafter)

@@ -51,6 +51,7 @@ OBJECTIVES = {
     kind: objective.ObjectiveConfig(
         num_anchors=12,
         loss="dflash",
+        dpace_alpha=0.5,  # unread: the position decay weighs the slots
         loss_decay_gamma=4.0,
         attention_chunk_blocks=4,
         lm_head_chunk_blocks=4,

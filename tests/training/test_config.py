@@ -105,7 +105,7 @@ def test_tiny_config_resolves(tiny_run, tmp_path):
         ({"seed": -1}, 1, "seed=-1 must be at least 0"),
         ({"distributed.process_id": -2}, 1, "distributed.process_id=-2 must be at least -1"),
         ({"train.loss": "focal"}, 1, "train.loss='focal' is not one of dflash, dpace"),
-        ({"train.dpace_alpha": 1.5}, 1, r"train.dpace_alpha=1.5 must be in \[0, 1\]"),
+        ({"train.dpace_alpha": 1.5}, 1, r"train.dpace_alpha=1.5 must be in \[0, 1\] \(or -1, the drafter kind.s\)"),
         ({"train.optimizer": "sgd"}, 1, "train.optimizer='sgd' is not one of adamw, muon"),
         ({"train.ema_decay": 1.0}, 1, r"train.ema_decay=1.0 must be in \[0, 1\)"),
         ({"train.num_epochs": "six"}, 1, "train.num_epochs='six' must be an integer"),
@@ -296,6 +296,19 @@ def test_the_kind_sets_the_anchors_that_train_num_anchors_0_leaves_to_it(kind):
     assert (objective.num_anchors, objective.anchors_per_document) == (100, 32)
     config.train.anchors_per_document = 0
     assert resolve(config, num_devices=1).objective.anchors_per_document == 0  # no cap, as set
+
+
+@pytest.mark.parametrize("kind", sorted(kinds.KINDS))
+def test_the_kind_sets_d_paces_alpha_unless_train_dpace_alpha_is_set(kind):
+    """The default run leaves D-PACE's α to the kind (0.3 for DFlash, the paper's 0.5 for the
+    others); a set α, 0 included, is kept."""
+    config = load_config_file(config_file("default"))
+    config.drafter.kind = kind
+    assert config.train.dpace_alpha == -1
+    assert resolve(config, num_devices=1).objective.dpace_alpha == (0.3 if kind == "dflash" else 0.5)
+    for alpha in (0.0, 0.8):
+        config.train.dpace_alpha = alpha
+        assert resolve(config, num_devices=1).objective.dpace_alpha == alpha
 
 
 def test_xpress_on_dflash2s_backbone_keeps_the_convolutions_sizes(tiny_run, tmp_path):

@@ -85,6 +85,7 @@ DRAFTER = DrafterConfig.for_target(TARGET, num_layers=1, mask_token_id=VOCAB - 1
 OBJECTIVE = objective.ObjectiveConfig(
     num_anchors=16,
     loss="dflash",
+    dpace_alpha=0.5,  # the paper's, read where a test switches to loss="dpace"
     loss_decay_gamma=4.0,
     attention_chunk_blocks=8,
     lm_head_chunk_blocks=8,

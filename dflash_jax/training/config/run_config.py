@@ -259,8 +259,8 @@ def _drafter(settings: DrafterConfig, target: TransformerConfig) -> DrafterConfi
 
 
 def _objective(train: TrainSettings, drafter: DrafterConfig, seq_len: int) -> ObjectiveConfig:
-    """The train section's objective fields, with the slot weighting, γ and anchors resolved for
-    the drafter's kind, block size and row length."""
+    """The train section's objective fields, with the slot weighting, γ, D-PACE's α and anchors
+    resolved for the drafter's kind, block size and row length."""
     kind = drafter.kind_spec
     gamma = train.loss_decay_gamma or kind.loss_decay_gamma or PAPER_LOSS_DECAY_GAMMA.get(drafter.block_size)
     anchors = {}
@@ -274,6 +274,7 @@ def _objective(train: TrainSettings, drafter: DrafterConfig, seq_len: int) -> Ob
             **_fields_of(train, ObjectiveSettings),
             "loss": train.loss or kind.loss,
             "loss_decay_gamma": float(gamma),
+            "dpace_alpha": train.dpace_alpha if train.dpace_alpha >= 0 else kind.dpace_alpha,
             **anchors,
         },
         drafter=drafter,

@@ -114,8 +114,8 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
         for name in ("warmup_fraction", "b1", "b2", "ema_decay"):
             if not 0 <= getattr(self, name) < 1:
                 out.append(f"train.{name}={getattr(self, name)} must be in [0, 1)")
-        if not 0 <= self.dpace_alpha <= 1:
-            out.append(f"train.dpace_alpha={self.dpace_alpha} must be in [0, 1]")
+        if not (0 <= self.dpace_alpha <= 1 or self.dpace_alpha == -1):
+            out.append(f"train.dpace_alpha={self.dpace_alpha} must be in [0, 1] (or -1, the drafter kind's)")
         if self.selector_alpha < 0:
             out.append(f"train.selector_alpha={self.selector_alpha} must be at least 0")
         for name in ("base_loss_weight", "base_loss_decay"):
