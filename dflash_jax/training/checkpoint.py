@@ -369,8 +369,10 @@ def _mismatch(message: str) -> str:
     params = [d for d in differences if d[0].startswith("params.")] or differences[:1]
     extra = [path for path, source, _ in params if source == "MISSING"]
     missing = [path for path, _, target in params if target == "MISSING"]
-    parts = [f"{label} {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}" for label, paths in
-             (("it has", extra), ("it lacks", missing)) if paths]  # fmt: skip
+    parts = []
+    for label, paths in (("it has", extra), ("it lacks", missing)):
+        if paths:
+            parts.append(f"{label} {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}")
     return "; ".join(parts) or "their trees differ"
 
 

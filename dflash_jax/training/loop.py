@@ -300,8 +300,8 @@ def _warn_if_engines_cannot_serve(setup: TrainSetup) -> None:
 
 def _check_resumable(meta: dict, setup: TrainSetup) -> None:
     """A checkpoint's weights only restore into the drafter that wrote them, and its optimizer
-    state into the optimizer that did: a one-line UserError otherwise (restoring would fail
-    deep in Orbax, as if the checkpoint were damaged)."""
+    state into the optimizer that did: a one-line UserError naming the settings that changed
+    (restoring would only name the weights that differ)."""
     if "drafter_config" in meta:
         # Both as their config.json reads back: the drafter's shape, not its training-only fields.
         saved, now = (
