@@ -148,6 +148,12 @@ def test_a_header_with_absurd_sizes_is_refused_before_reading(export, tmp_path, 
     expect(one_line_error(load_drafter, weights.parent), f"{weights}: tensor {name!r} ", expected)
 
 
+def test_an_export_without_its_weights_file_is_one_line_naming_the_directory(export, tmp_path):
+    copy = damaged_copy(export, tmp_path)
+    (copy / "model.safetensors").unlink()
+    expect(one_line_error(load_drafter, copy), f"{copy}: ", "no weights: neither")
+
+
 def test_bytes_after_the_data_are_one_line_from_the_reader(export, tmp_path):
     weights = damaged_copy(export, tmp_path) / "model.safetensors"
     with open(weights, "ab") as f:

@@ -178,7 +178,7 @@ class SafetensorsReader:
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
-                raise FileNotFoundError(f"no *.safetensors files in {path}")
+                raise ModelError(f"{path}: no weights: neither *.safetensors files nor model.safetensors.index.json")
             self.files = {name: f for f in files for name in safetensors_header(f)}
 
     def names(self) -> Collection[str]:
