@@ -49,6 +49,7 @@ BYTES_PER_WORKER = 32 << 20
 def ensure_cache(data: DataConfig, target_path: str, *, rebuild: bool = False) -> cache_lib.TokenizedCache:
     """The cache for `data` and the tokenizer in `target_path`, built if missing or stale."""
     cache_dir = resolve_cache_dir(data, target_path)
+    cache_lib.check_replaceable(cache_dir)
     inputs = cache_inputs(data, target_path)
     manifest = cache_lib.read_manifest(cache_dir)
     if manifest is not None and not rebuild:

@@ -158,6 +158,18 @@ def read_manifest(directory: str) -> dict | None:
     return manifest if manifest.get("complete") else None
 
 
+def check_replaceable(directory: str) -> None:
+    """A build replaces its cache directory whole (`publish`): refuses, in one line, one that holds
+    anything and is no tokenized cache (someone's files), which the build would delete."""
+    held = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    if held and MANIFEST not in held:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise DataError(
+            f"data.cache_dir={directory} holds {shown} and is no tokenized cache, which a build would "
+            "replace whole: name a new or empty directory ('' for one under ~/.cache/dflash_jax)"
+        )
+
+
 @_writing
 def new_partial_dir(final_dir: str) -> str:
     """A fresh hidden directory beside `final_dir` to build into, marked with its builder."""

@@ -16,6 +16,7 @@ from dflash_jax.data.build import cache_inputs, ensure_cache, stale_reasons
 from dflash_jax.data.cache import read_manifest
 from dflash_jax.data.formats import normalize_record
 from dflash_jax.data.sample_encoder import SampleEncoder
+from dflash_jax.errors import DataError
 from support.chat_data import QWEN3_STYLE_TEMPLATE, chat, data_config, write_jsonl, write_tiny_target
 
 JSONL_RECORDS = [
@@ -132,6 +133,22 @@ def test_tokenizing_on_two_processes_builds_the_same_cache(tmp_path, target, sou
 
 
 @pytest.mark.slow
+def test_a_cache_dir_holding_someones_files_is_refused_and_left_as_it_was(tmp_path, target, sources):
+    """A build replaces its cache directory whole: a directory of other files is refused in one
+    line, before anything is built; an empty one is built into."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me\n")
+    with pytest.raises(DataError, match=rf"^data.cache_dir={theirs} holds notes.txt and is no tokenized cache"):
+        ensure_cache(data_config(sources, theirs), target)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".theirs")] == []
+    assert (theirs / "notes.txt").read_text() == "keep me\n" and len(list(theirs.iterdir())) == 1
+    (tmp_path / "empty").mkdir()
+    assert ensure_cache(data_config(sources, tmp_path / "empty"), target).num_samples == len(
+        JSONL_RECORDS + PARQUET_RECORDS
+    )
+
+
 def test_prepare_command_builds_the_cache_and_prints_steps(tmp_path, target, sources):
     config = tmp_path / "config.py"
     config.write_text(

@@ -186,6 +186,25 @@ def test_export_uses_the_newest_readable_checkpoint(workdir, tmp_path, caplog, c
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def test_export_refuses_to_replace_a_directory_that_is_no_drafter_export(workdir, tmp_path, capsys):
+    """An export replaces its directory whole: a model's directory given as --output is left as
+    it was, with one line; a previous export, or an empty directory, is replaced."""
+    model = Path(shutil.copytree(TINY_TARGET, tmp_path / "a_model"))
+    before = fingerprint(model)
+    with pytest.raises(UserError) as raised:
+        run_cli(export, [f"--workdir={workdir}", f"--output={model}"])
+    assert str(raised.value).startswith(f"--output={model} holds README.md, config.json, ")
+    assert str(raised.value).endswith(
+        "and is no drafter export, which an export would replace whole: name a new or empty directory"
+    )
+    assert fingerprint(model) == before
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "empty"):  # the second time over the first's export
+        run_cli(export, [f"--workdir={workdir}", f"--output={out}"])
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert capsys.readouterr().out.count("exported drafter to") == 2
+
+
 def test_evaluate_reads_its_target_and_drafter_from_readable_checkpoints_warning_once(workdir, caplog):
     """evaluate reads the run's metadata (the target, the drafter's config) and then its weights:
     a damage found by either is said once."""

@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dflash_jax.errors import ModelError
-from dflash_jax.models import families
+from dflash_jax.models import families, kinds
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.formats.gguf import GgufTensors, gguf_source, model_dir, weights_file
@@ -339,6 +339,7 @@ def export_drafter(
     """Write config.json + model.safetensors in the format of docs/design.md §5, atomically, with
     copies of `extra_files` (those that exist) beside them."""
     out_dir = Path(out_dir)
+    check_replaceable(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     for path in extra_files:
@@ -354,6 +355,28 @@ def export_drafter(
     (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf(), indent=2) + "\n")
     _replace_dir(tmp, out_dir)
     return out_dir
+
+
+def check_replaceable(out_dir: str | os.PathLike, name: str = "") -> None:
+    """An export replaces its directory whole: refuses, in one line (naming the flag `name`), a
+    directory that holds anything and is no drafter export (a model, someone's files), which the
+    export would delete."""
+    out_dir = Path(out_dir)
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if not held:
+        return
+    try:
+        architectures = read_config(out_dir).get("architectures")
+    except (FileNotFoundError, ModelError):
+        architectures = None
+    if isinstance(architectures, list) and any(a in kinds.ARCHITECTURES for a in architectures if isinstance(a, str)):
+        return
+    shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    where = f"{name}={out_dir}" if name else str(out_dir)
+    raise ModelError(
+        f"{where} holds {shown} and is no drafter export, which an export would replace whole: "
+        "name a new or empty directory"
+    )
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
