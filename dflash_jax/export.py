@@ -28,7 +28,7 @@ from dflash_jax.models import families
 from dflash_jax.models.architecture import DTYPES
 from dflash_jax.models.formats.gguf_export import llama_cpp_problems, served_kind, write_drafter_gguf
 from dflash_jax.models.formats.gguf_target import served_gguf
-from dflash_jax.models.formats.hf import check_replaceable, read_config
+from dflash_jax.models.formats.hf import read_config, replace_problem
 from dflash_jax.models.formats.hub import resolve_model
 from dflash_jax.training.drafters import export_checkpoint, run_meta
 from dflash_jax.training.workdir import Workdir, check_writable, existing_workdir
@@ -67,7 +67,8 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
     workdir = existing_workdir(f.workdir, "--workdir")  # checked here: opening the checkpoints would create it
     if f.output:
         check_writable(f.output, "--output")
-    check_replaceable(f.output or workdir.export, "--output")
+    if problem := replace_problem(f.output or workdir.export):
+        raise UserError(f"--output={problem}: name a new or empty directory")
     target = _gguf_target(workdir, f) if f.format == "gguf" else None  # its problems, before anything is written
     out = export_checkpoint(workdir, step=f.step, out_dir=f.output, dtype=DTYPES[f.dtype])
     print(f"exported drafter to {out}")

@@ -122,6 +122,23 @@ def test_a_training_workdir_that_is_a_file_is_a_config_error(place):
         assert str(raised.value) == line.format(p=place)
 
 
+def test_a_workdir_whose_export_directory_holds_someones_files_is_refused_before_training(place):
+    """The run's export replaces workdir/export (and export_best) whole at its end: one holding
+    other files is refused at the start, in one line, and left as it was."""
+    (place / "run" / "export_best").mkdir()
+    (place / "run" / "export_best" / "notes.txt").write_text("keep me\n")
+    before = contents(place)
+    config = load_config_file(str(REPO / "configs" / "default.py"))
+    config.workdir = str(place / "run")
+    with pytest.raises(ConfigError) as raised:
+        resolve(config, num_devices=1)
+    assert str(raised.value) == (
+        f"workdir={place}/run: {place}/run/export_best holds notes.txt and is no drafter export, which an "
+        "export would replace whole: move it away, or choose another workdir"
+    )
+    assert contents(place) == before
+
+
 def test_directories_that_do_not_exist_are_accepted(place):
     check_writable(str(place / "new" / "deeper"), "--output")
     check_writable(str(place / "adir" / "new" / "out.jsonl"), "--output", directory=False)

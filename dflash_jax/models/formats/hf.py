@@ -339,7 +339,8 @@ def export_drafter(
     """Write config.json + model.safetensors in the format of docs/design.md §5, atomically, with
     copies of `extra_files` (those that exist) beside them."""
     out_dir = Path(out_dir)
-    check_replaceable(out_dir)
+    if problem := replace_problem(out_dir):
+        raise ModelError(f"{problem}: name a new or empty directory")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     for path in extra_files:
@@ -357,26 +358,21 @@ def export_drafter(
     return out_dir
 
 
-def check_replaceable(out_dir: str | os.PathLike, name: str = "") -> None:
-    """An export replaces its directory whole: refuses, in one line (naming the flag `name`), a
-    directory that holds anything and is no drafter export (a model, someone's files), which the
-    export would delete."""
+def replace_problem(out_dir: str | os.PathLike) -> str | None:
+    """Why an export may not replace `out_dir` whole (None: it may): the directory holds files and
+    is no drafter export (a model, someone's files), which the export would delete."""
     out_dir = Path(out_dir)
     held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     if not held:
-        return
+        return None
     try:
         architectures = read_config(out_dir).get("architectures")
     except (FileNotFoundError, ModelError):
         architectures = None
     if isinstance(architectures, list) and any(a in kinds.ARCHITECTURES for a in architectures if isinstance(a, str)):
-        return
+        return None
     shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-    where = f"{name}={out_dir}" if name else str(out_dir)
-    raise ModelError(
-        f"{where} holds {shown} and is no drafter export, which an export would replace whole: "
-        "name a new or empty directory"
-    )
+    return f"{out_dir} holds {shown} and is no drafter export, which an export would replace whole"
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -26,6 +26,7 @@ from dflash_jax.errors import ConfigError, ModelError, UserError
 from dflash_jax.models import kinds
 from dflash_jax.models.architecture import DTYPES, TransformerConfig
 from dflash_jax.models.drafter_config import MASK_TOKEN, DrafterConfig
+from dflash_jax.models.formats.hf import replace_problem
 from dflash_jax.training.config.schema import check_field_names, require, section
 from dflash_jax.training.config.sections import (
     CheckpointSettings,
@@ -123,6 +124,9 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     if check_files:
         require(bool(top.workdir), "workdir is empty: set --config.workdir=/path/to/run")
         check_writable(top.workdir, "workdir")
+        for out in (Workdir.at(top.workdir).export, Workdir.at(top.workdir).export_best):
+            if problem := replace_problem(out):
+                raise ConfigError(f"workdir={top.workdir}: {problem}: move it away, or choose another workdir")
     target_path, target = _target(target_section.path, target, check_files)
     data = _data(config, check_files)
     _check_blocks(drafter_section, train, target, data.seq_len)
