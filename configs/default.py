@@ -40,7 +40,8 @@ def get_config():
     c.train.num_epochs = 3  # 186 steps each; 2 epochs: -0.05 held-out tau (docs/experiments.md)
     # 0: each drafter kind's anchors for the row (`Kind.anchors_per_token`): 64 a row for DFlash2 and
     # XPress; 192, at most 64 a document, for DFlash, DSpark and Domino, whose held-out tau gains
-    # from them on both seeds, where DFlash2's does on one of two (docs/experiments.md).
+    # from them on both seeds, where DFlash2's does on two of three, at 2.4 times the step
+    # (docs/experiments.md).
     c.train.num_anchors = 0
     # train.loss '': each drafter kind's own slot weights (D-PACE for DFlash, DFlash2 and XPress,
     # the position decay for DSpark and Domino), chosen by held-out tau (docs/experiments.md); and

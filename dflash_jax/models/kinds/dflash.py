@@ -11,8 +11,8 @@ KIND = Kind(
     ("DFlashDraftModel",),
     # D-PACE's weights: +5 % held-out τ over the position decay's on the default job, two seeds.
     loss="dpace",
-    # +0.9 % held-out τ over the paper's α 0.5, on both seeds; 0.2 is level with 0.5 (the kinds
-    # with a head keep 0.5: the selector's loses at 0.3).
+    # Held-out τ over the paper's α 0.5: +0.9 % on two seeds, +0.2 % on three (behind on the
+    # third); 0.2 is level with 0.5 (the kinds with a head keep 0.5: the selector's loses at 0.3).
     dpace_alpha=0.3,
     # +3.0 % held-out τ over 1 anchor per 8 row tokens, at twice the step (two seeds).
     **PER_CONVERSATION_ANCHORS,

@@ -189,8 +189,9 @@ KIND = Kind(
         (r"embed_proj\.2\.kernel", (None, VOCAB)),
     ),
     head_flops=_head_flops,
-    # Slot weights exp(-k/2), whatever the block size: +1.1 % held-out τ over SpecForge's γ 4 on
-    # the default job, ahead on both seeds (D-PACE's are level with γ 4; uniform ones, -7 %).
+    # Slot weights exp(-k/2), whatever the block size: held-out τ over SpecForge's γ 4 on the
+    # default job +1.1 % on two seeds, +0.5 % on three (behind on the third; D-PACE's are level
+    # with γ 4; uniform ones, -7 %).
     loss="dflash",
     loss_decay_gamma=2.0,
     # +5.0 % held-out τ over 1 anchor per 8 row tokens, at twice the step (two seeds).
