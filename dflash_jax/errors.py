@@ -6,6 +6,11 @@ anything else is a bug and keeps its traceback. Every message names what is wron
 """
 
 
+def some_of(names: list[str], most: int = 4) -> str:
+    """`names` as a message lists them: the first `most`, then how many more there are."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 class UserError(Exception):
     """A mistake in the user's input: a config field, a file, a row of data."""
 

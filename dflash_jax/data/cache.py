@@ -28,7 +28,7 @@ import uuid
 
 import numpy as np
 
-from dflash_jax.errors import DataError
+from dflash_jax.errors import DataError, some_of
 
 MANIFEST = "manifest.json"
 TOKENS = "tokens.u32"
@@ -163,9 +163,8 @@ def check_replaceable(directory: str) -> None:
     anything and is no tokenized cache (someone's files), which the build would delete."""
     held = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
     if held and MANIFEST not in held:
-        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
         raise DataError(
-            f"data.cache_dir={directory} holds {shown} and is no tokenized cache, which a build would "
+            f"data.cache_dir={directory} holds {some_of(held)} and is no tokenized cache, which a build would "
             "replace whole: name a new or empty directory ('' for one under ~/.cache/dflash_jax)"
         )
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from dflash_jax.errors import ModelError
+from dflash_jax.errors import ModelError, some_of
 from dflash_jax.models import families, kinds
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.drafter_config import DrafterConfig
@@ -371,8 +371,7 @@ def replace_problem(out_dir: str | os.PathLike) -> str | None:
         architectures = None
     if isinstance(architectures, list) and any(a in kinds.ARCHITECTURES for a in architectures if isinstance(a, str)):
         return None
-    shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-    return f"{out_dir} holds {shown} and is no drafter export, which an export would replace whole"
+    return f"{out_dir} holds {some_of(held)} and is no drafter export, which an export would replace whole"
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

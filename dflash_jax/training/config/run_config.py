@@ -124,7 +124,8 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     if check_files:
         require(bool(top.workdir), "workdir is empty: set --config.workdir=/path/to/run")
         check_writable(top.workdir, "workdir")
-        for out in (Workdir.at(top.workdir).export, Workdir.at(top.workdir).export_best):
+        workdir = Workdir.at(top.workdir)
+        for out in (workdir.export, workdir.export_best):
             if problem := replace_problem(out):
                 raise ConfigError(f"workdir={top.workdir}: {problem}: move it away, or choose another workdir")
     target_path, target = _target(target_section.path, target, check_files)
