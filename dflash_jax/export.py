@@ -26,6 +26,7 @@ from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.errors import UserError
 from dflash_jax.models import families
 from dflash_jax.models.architecture import DTYPES
+from dflash_jax.models.drafter_format import kind_of
 from dflash_jax.models.formats.gguf_export import llama_cpp_problems, served_kind, write_drafter_gguf
 from dflash_jax.models.formats.gguf_target import served_gguf
 from dflash_jax.models.formats.hf import read_config, replace_problem
@@ -71,7 +72,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         raise UserError(f"--output={problem}: name a new or empty directory")
     target = _gguf_target(workdir, f) if f.format == "gguf" else None  # its problems, before anything is written
     out = export_checkpoint(workdir, step=f.step, out_dir=f.output, dtype=DTYPES[f.dtype])
-    print(f"exported drafter to {out}")
+    print(f"exported drafter to {out} ({kind_of(read_config(out)).served_by()})")
     if target is not None:
         target_gguf = served_gguf(target, os.path.join(out, "target.gguf"))
         draft_tokens = draft_token_ids(out, f.draft_vocab) if f.draft_vocab else None

@@ -44,7 +44,8 @@ def main(argv, f: flags.FlagValues = flags.FLAGS) -> int:  # cli.run has refused
             )
         return cli.EXIT_STOPPED
     if jax.process_index() == 0:
-        print(summary(setup.workdir, final_evaluation(setup), already_finished=outcome.already_finished))
+        evaluation = final_evaluation(setup)
+        print(summary(setup.workdir, setup.drafter.kind_spec, evaluation, already_finished=outcome.already_finished))
     return 0
 
 

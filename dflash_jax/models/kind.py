@@ -154,6 +154,18 @@ class Kind:
         """The config.json `architectures` entry the export writes."""
         return self.architectures[0]
 
+    def served_by(self) -> str:
+        """The engines this project has seen serve its exports, or why vLLM does not (README
+        "Serving" has the rest)."""
+        engines = []
+        if self.vllm.method:
+            engines.append(f"vLLM's '{self.vllm.method}' method" + (" (GPU builds)" if self.vllm.cpu_refused else ""))
+        if self.llama_cpp is not None:
+            engines.append(f"llama.cpp's {self.llama_cpp.spec_type} (export --format=gguf)")
+        if engines:
+            return "served by " + " and ".join(engines)
+        return f"{self.vllm.refused}; `dflash-jax evaluate` decodes it"
+
     def read_fields(self, field: FieldReader) -> dict:
         """Its fields from a released config.json (absent: their defaults)."""
         found = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash_jax.decoding import report
+from dflash_jax.models.kind import Kind
 from dflash_jax.training.workdir import Workdir
 
 REAL_MODEL_COMMAND = (
@@ -11,7 +12,7 @@ REAL_MODEL_COMMAND = (
 )
 
 
-def summary(workdir: Workdir, evaluation: dict | None, *, already_finished: bool) -> str:
+def summary(workdir: Workdir, kind: Kind, evaluation: dict | None, *, already_finished: bool) -> str:
     lines = ["", "=" * 72]
     lines.append("dflash_jax: this run had already finished" if already_finished else "dflash_jax: training finished")
     if evaluation is not None:
@@ -23,7 +24,7 @@ def summary(workdir: Workdir, evaluation: dict | None, *, already_finished: bool
             )
         lines.append(f"evaluation: {workdir.eval} (eval.json, eval.png)")
     lines += [
-        f"drafter export (SGLang / vLLM / DFlash format): {workdir.export}",
+        f"drafter export: {workdir.export} ({kind.served_by()})",
         "",
         "the same with a real Qwen3 checkpoint:",
         "    " + REAL_MODEL_COMMAND,

@@ -56,6 +56,15 @@ def test_names_fields_and_architectures_do_not_collide():
             assert getattr(DrafterConfig(), f.name) == f.default
 
 
+def test_a_kind_says_which_engines_serve_its_exports():
+    said = {name: kind.served_by() for name, kind in kinds.KINDS.items()}
+    assert said["dflash"] == "served by vLLM's 'dflash' method and llama.cpp's draft-dflash (export --format=gguf)"
+    assert said["dflash2"].startswith("served by vLLM's 'dflash' method (GPU builds) and llama.cpp's draft-dflash")
+    assert said["dspark"].startswith("served by vLLM's 'dspark' method (GPU builds) and llama.cpp's draft-dspark")
+    assert said["domino"] == "vLLM has no Domino drafter; `dflash-jax evaluate` decodes it"
+    assert said["xpress"].startswith("vLLM serves XPress only in its open PR #54448")
+
+
 @pytest.mark.parametrize("name", sorted(kinds.KINDS))
 def test_a_kind_round_trips_its_config_json(name):
     kind = kinds.KINDS[name]

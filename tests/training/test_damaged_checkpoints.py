@@ -25,6 +25,7 @@ from safetensors.numpy import load_file
 
 from dflash_jax import evaluate, export
 from dflash_jax.errors import UserError
+from dflash_jax.models import kinds
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.families import target_config
 from dflash_jax.models.formats.hf import read_config
@@ -178,7 +179,8 @@ def test_export_uses_the_newest_readable_checkpoint(workdir, tmp_path, caplog, c
     damage(workdir, 6, "array_data_cut")
     with caplog.at_level(logging.WARNING):
         run_cli(export, [f"--workdir={workdir}", f"--output={tmp_path / 'exported'}"])
-    assert capsys.readouterr().out == f"exported drafter to {tmp_path / 'exported'}\n"
+    served = kinds.get(DrafterConfig().kind).served_by()  # the fixture's kind
+    assert capsys.readouterr().out == f"exported drafter to {tmp_path / 'exported'} ({served})\n"
     assert len(warnings(caplog)) == 1
     want, got = load_file(Path(reference) / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
     assert want.keys() == got.keys()

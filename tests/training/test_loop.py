@@ -26,6 +26,7 @@ from safetensors.numpy import load_file, save_file
 from dflash_jax.data.pipeline import DataPipeline
 from dflash_jax.decoding.draft_vocab import draft_token_ids
 from dflash_jax.errors import UserError
+from dflash_jax.models import kinds as drafter_kinds
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.formats.hf import load_drafter
 from dflash_jax.training.checkpoint import (
@@ -175,6 +176,8 @@ def test_resume_after_hard_kill_and_sigterm_is_exact(tiny_run, compilation_cache
     proc = testing.start_training(extended, env, tmp_path / "extended.log")
     output = testing.finish(proc, tmp_path / "extended.log")
     assert proc.returncode == 0 and "dflash_jax: training finished" in output, output[-3000:]
+    # The summary says where the export is and which engines serve the kind.
+    assert f"drafter export: {reference / 'export'} ({drafter_kinds.get(kind).served_by()})" in output
     assert Workdir.at(str(reference)).finished_step() == TOTAL_STEPS + 12
     assert sorted(train_metrics(reference)) == list(range(1, TOTAL_STEPS + 13))
 
