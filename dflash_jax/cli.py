@@ -85,11 +85,28 @@ def define_config(default: str | None = None, flag_values: flags.FlagValues = fl
 
 
 def define_sampling_flags(temperature_help: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """--temperature, --top_p and --top_k, read back by `sampling_config`."""
+    """--temperature, --top_p and --top_k, read back by `sampling_config`, and --seed."""
     fv = dict(flag_values=flag_values)
     flags.DEFINE_float("temperature", 0.0, temperature_help, lower_bound=0, **fv)
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).", **fv)
     flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_bound=0, **fv)
+    flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
+
+
+def define_dtype_flag(what: str, choices: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """--dtype, left out: `default_dtype()`'s (read back by `dtype_flag`)."""
+    flags.DEFINE_enum(
+        "dtype",
+        None,
+        choices,
+        f"{what} (default: float32 on a CPU, bfloat16 on an accelerator).",
+        flag_values=flag_values,
+    )
+
+
+def dtype_flag(f: flags.FlagValues) -> str:
+    """--dtype's value, or `default_dtype()` where it was left out."""
+    return f.dtype or default_dtype()
 
 
 def sampling_config(f: flags.FlagValues):

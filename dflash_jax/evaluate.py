@@ -105,7 +105,6 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "batch_size", 1, "Prompts decoded together (speed-ups are usually quoted at 1).", lower_bound=1, **fv
     )
     cli.define_sampling_flags("0: greedy (lossless); > 0: rejection sampling.", flag_values)
-    flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
     flags.DEFINE_float(
         "confidence_threshold",
         0.0,
@@ -123,13 +122,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_bool("enable_thinking", False, "Render prompts with thinking enabled (Qwen3 templates).", **fv)
-    flags.DEFINE_enum(
-        "dtype",
-        None,
-        sorted(DTYPES),
-        "Weight and compute dtype of both models (default: float32 on a CPU, bfloat16 on an accelerator).",
-        **fv,
-    )
+    cli.define_dtype_flag("Weight and compute dtype of both models", sorted(DTYPES), flag_values)
     flags.DEFINE_string("output", "eval_results", "Directory for eval.json and eval.png.", **fv)
     flags.DEFINE_enum("engine", None, ENGINES, "Also serve the prompts with this engine.", **fv)
     flags.DEFINE_integer(
@@ -177,7 +170,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         batch_size=f.batch_size,
         sampling=sampling,
         enable_thinking=f.enable_thinking,
-        dtype=DTYPES[f.dtype or cli.default_dtype()],
+        dtype=DTYPES[cli.dtype_flag(f)],
         seed=f.seed,
         confidence_threshold=f.confidence_threshold,
         draft_vocab=f.draft_vocab,
@@ -271,7 +264,7 @@ def _vllm(f: flags.FlagValues, target: str, export: Path, prompts: dict[str, lis
     served, converted = hf_target(Path(target), Path(f.output))
     if converted:
         print(f"vLLM loads no GGUF file on a CPU: serving the target's weights dequantized to float32 from {served}")
-    dtype = f.dtype or cli.default_dtype()
+    dtype = cli.dtype_flag(f)
     longest = max((len(p) for sets in prompts.values() for p in sets), default=0)
     positions = families.target_config(read_config(target)).max_position_embeddings
     chat = ChatTokenizer(target, enable_thinking=f.enable_thinking)

@@ -68,7 +68,7 @@ def make_backend(f):
         target_dir = resolve_model(f.target)
     except UserError as e:
         raise UserError(f"--target={e}") from None
-    dtype = DTYPES[f.dtype or cli.default_dtype()]
+    dtype = DTYPES[cli.dtype_flag(f)]
     target = load_target(target_dir, param_dtype=dtype, compute_dtype=dtype)
     max_prompt_len = f.max_prompt_len or target.cfg.max_position_embeddings - f.max_new_tokens
     if max_prompt_len < 1:
@@ -148,17 +148,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         lower_bound=0,
         **fv,
     )
-    flags.DEFINE_enum(
-        "dtype",
-        None,
-        sorted(DTYPES),
-        "jax back-end: weight and compute dtype (default: float32 on a CPU, bfloat16 on an accelerator).",
-        **fv,
-    )
+    cli.define_dtype_flag("jax back-end: weight and compute dtype", sorted(DTYPES), flag_values)
     flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response at most.", lower_bound=1, **fv)
     cli.define_sampling_flags("0: greedy, as the DFlash recipe.", flag_values)
     flags.DEFINE_bool("enable_thinking", False, "Qwen3 thinking mode (the recipe disables it).", **fv)
-    flags.DEFINE_integer("seed", 0, "Sampling seed.", **fv)
     flags.DEFINE_integer("limit", 0, "At most this many rows regenerated in this run (0: all).", lower_bound=0, **fv)
     flags.mark_flags_as_required(["input", "output"], **fv)
 

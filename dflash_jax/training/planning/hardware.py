@@ -72,87 +72,50 @@ class Accelerator:
         return f"{self.cloud_prefix}-{chips * self.cores_per_chip}"
 
 
+def _gpu(name: str, device_kind: str, *peaks: float) -> Accelerator:
+    """An NVIDIA part, 8 to a host, compiled for its target config gpu_targets/<name>.txtpb."""
+    return Accelerator(name, XLA_GPU, device_kind, *peaks, chips_per_host=8, gpu_target=f"{name}.txtpb")
+
+
+def _tpu(
+    generation: str, device_kind: str, *peaks: float, hbm_gib: int, cloud_prefix: str = "", **topology
+) -> Accelerator:
+    """A TPU generation, 4 chips to a host: `--hardware=tpu-<generation>`, the cloud's slices named
+    `<cloud_prefix>-N` (the generation's name unless given)."""
+    return Accelerator(
+        f"tpu-{generation}",
+        LIBTPU,
+        device_kind,
+        *peaks,
+        chips_per_host=4,
+        hbm_gib=hbm_gib,
+        generation=generation,
+        cloud_prefix=cloud_prefix or generation,
+        **topology,
+    )
+
+
+# Each record: the part, JAX's device kind, then its published peaks per device: dense bf16 matmul
+# FLOP/s, HBM bytes/s, link bytes/s each way.
 ACCELERATORS = {
     part.name: part
     for part in (
         # NVIDIA H100 Tensor Core GPU datasheet, SXM5: 989.4 TFLOP/s bf16, HBM3 3.35 TB/s, NVLink 4 900 GB/s.
-        Accelerator(
-            "h100",
-            XLA_GPU,
-            "NVIDIA H100",
-            matmul_flops=989.4e12,
-            memory_bandwidth=3.35e12,
-            link_bandwidth=450e9,
-            chips_per_host=8,
-            gpu_target="h100.txtpb",
-        ),
+        _gpu("h100", "NVIDIA H100", 989.4e12, 3.35e12, 450e9),
         # NVIDIA H200 datasheet, SXM: the H100's compute, HBM3e 4.8 TB/s, NVLink 4 900 GB/s.
-        Accelerator(
-            "h200",
-            XLA_GPU,
-            "NVIDIA H200",
-            matmul_flops=989.4e12,
-            memory_bandwidth=4.8e12,
-            link_bandwidth=450e9,
-            chips_per_host=8,
-            gpu_target="h200.txtpb",
-        ),
+        _gpu("h200", "NVIDIA H200", 989.4e12, 4.8e12, 450e9),
         # NVIDIA HGX B200 datasheet, per GPU: 2.25 PFLOP/s bf16 dense (4.5 with sparsity), HBM3e 8 TB/s,
         # NVLink 5 1.8 TB/s.
-        Accelerator(
-            "b200",
-            XLA_GPU,
-            "NVIDIA B200",
-            matmul_flops=2250e12,
-            memory_bandwidth=8.0e12,
-            link_bandwidth=900e9,
-            chips_per_host=8,
-            gpu_target="b200.txtpb",
-        ),
+        _gpu("b200", "NVIDIA B200", 2250e12, 8.0e12, 900e9),
         # TPUs per chip, from Google Cloud's system architecture page of each: bf16 peak, HBM bandwidth
         # and size, and the inter-chip interconnect (ICI) bandwidth, of which each way takes half.
         # v5e: 197 TFLOP/s, 819 GB/s, 16 GiB, ICI 1,600 Gbps.
-        Accelerator(
-            "tpu-v5e",
-            LIBTPU,
-            "TPU v5 lite",
-            matmul_flops=197e12,
-            memory_bandwidth=819e9,
-            link_bandwidth=100e9,
-            chips_per_host=4,
-            hbm_gib=16,
-            generation="v5e",
-            cloud_prefix="v5litepod",
-        ),
+        _tpu("v5e", "TPU v5 lite", 197e12, 819e9, 100e9, hbm_gib=16, cloud_prefix="v5litepod"),
         # v5p: 459 TFLOP/s, 2,765 GB/s, 95 GiB, ICI 4,800 Gbps; two TensorCores a chip (4 chips are a
         # "v5p-8"), and no slice smaller than 2x2x1.
-        Accelerator(
-            "tpu-v5p",
-            LIBTPU,
-            "TPU v5",
-            matmul_flops=459e12,
-            memory_bandwidth=2765e9,
-            link_bandwidth=300e9,
-            chips_per_host=4,
-            hbm_gib=95,
-            generation="v5p",
-            cloud_prefix="v5p",
-            cores_per_chip=2,
-            smallest_slice=(2, 2, 1),
-        ),
+        _tpu("v5p", "TPU v5", 459e12, 2765e9, 300e9, hbm_gib=95, cores_per_chip=2, smallest_slice=(2, 2, 1)),
         # v6e (Trillium): 918 TFLOP/s, 1,640 GB/s, 32 GiB, ICI 3,584 Gbps.
-        Accelerator(
-            "tpu-v6e",
-            LIBTPU,
-            "TPU v6 lite",
-            matmul_flops=918e12,
-            memory_bandwidth=1640e9,
-            link_bandwidth=224e9,
-            chips_per_host=4,
-            hbm_gib=32,
-            generation="v6e",
-            cloud_prefix="v6e",
-        ),
+        _tpu("v6e", "TPU v6 lite", 918e12, 1640e9, 224e9, hbm_gib=32),
     )
 }
 NAMES = (*ACCELERATORS, CPU)  # --hardware
