@@ -176,7 +176,7 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
             "rerun the same command to go on"
         ) from None
     print(
-        f"{counts['regenerated']} rows regenerated into {f.output} ({counts['done_before']} were done "
+        f"{counts['regenerated']} rows regenerated into {f.output} ({counts['done_before']} done "
         f"before), {counts['failed']} failed" + (f" (see {failures_path(f.output)})" if counts["failed"] else "")
     )
 

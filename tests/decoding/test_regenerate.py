@@ -175,7 +175,7 @@ class InterruptedBackend:
             yield line, Regenerated(messages + [{"role": "assistant", "content": f"r{line}"}], ["stop"])
 
 
-def test_resumes_without_duplicating_or_losing_rows(server, tmp_path):
+def test_resumes_without_duplicating_or_losing_rows(server, tmp_path, capsys):
     rows = [chat(f"question {i}") for i in range(10)]
     source, output = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     with pytest.raises(KeyboardInterrupt):
@@ -188,7 +188,9 @@ def test_resumes_without_duplicating_or_losing_rows(server, tmp_path):
     with open(output, "a") as f:
         f.write('{"messages": [{"role": "user", "content": "question 5"}], "regener')
 
+    capsys.readouterr()
     run_cli([f"--input={source}", f"--output={output}", "--backend=http", f"--server_url={server}"])
+    assert capsys.readouterr().out.endswith(f"5 rows regenerated into {output} (5 done before), 0 failed\n")
     lines = [r["regenerated"]["line"] for r in read_jsonl(output)]
     assert sorted(lines) == list(range(1, 11))
     assert len(FakeOpenAI.requests) == 7  # only the rows not done before were asked for
