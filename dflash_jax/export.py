@@ -72,12 +72,13 @@ def main(argv, f: flags.FlagValues = flags.FLAGS):
         raise UserError(f"--output={problem}: name a new or empty directory")
     target = _gguf_target(workdir, f) if f.format == "gguf" else None  # its problems, before anything is written
     out = export_checkpoint(workdir, step=f.step, out_dir=f.output, dtype=DTYPES[f.dtype])
-    print(f"exported drafter to {out} ({kind_of(read_config(out)).served_by()})")
+    exported = read_config(out)
+    print(f"exported drafter to {out} ({kind_of(exported).served_by()})")
     if target is not None:
         target_gguf = served_gguf(target, os.path.join(out, "target.gguf"))
         draft_tokens = draft_token_ids(out, f.draft_vocab) if f.draft_vocab else None
         gguf_file = write_drafter_gguf(out, target_gguf, os.path.join(out, "drafter.gguf"), draft_tokens)
-        print(f"wrote {gguf_file} ({served_kind(read_config(out)).llama_cpp.spec_type}) for the target {target_gguf}")
+        print(f"wrote {gguf_file} ({served_kind(exported).llama_cpp.spec_type}) for the target {target_gguf}")
 
 
 def check_gguf_flags(f: flags.FlagValues) -> None:
