@@ -45,7 +45,9 @@ def get_config():
     c.train.num_anchors = 0
     # train.loss '': each drafter kind's own slot weights (D-PACE for DFlash, DFlash2 and XPress,
     # the position decay for DSpark and Domino), chosen by held-out tau (docs/experiments.md); and
-    # train.dpace_alpha -1 its D-PACE smoothing (0.3 for DFlash, the paper's 0.5 for the others).
+    # train.dpace_alpha -1 its D-PACE smoothing (0.3 for DFlash, the paper's 0.5 for the others);
+    # train.warmup_fraction -1 and train.grad_clip_norm 0 its schedule (SpecForge's 0.015 and 0.5
+    # for DFlash and Domino, the paper's 0.04 and 1.0 for the others).
     # Muon for the drafter's matrices: +0.11 held-out tau@64 over AdamW at 3e-3, three seeds; at
     # 6e-3 +0.02 more, ahead on each seed (docs/experiments.md).
     c.train.optimizer = "muon"

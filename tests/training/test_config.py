@@ -23,7 +23,7 @@ from dflash_jax.training.config.run_config import resolve
 from dflash_jax.training.config.schema import FIELDS_DOCUMENTED, base_config, check_field_path, field_paths
 from dflash_jax.training.config.targets import target_for_plan
 from dflash_jax.training.objective import ObjectiveConfig, ObjectiveSettings
-from dflash_jax.training.optim.optimizer import OptimizerConfig
+from dflash_jax.training.optim.optimizer import PAPER_WARMUP_FRACTION, OptimizerConfig, learning_rate_schedule
 from support import training_runs as testing
 from support.stderr import user_lines
 
@@ -162,7 +162,10 @@ def test_defaults_of_the_objective_and_optimizer_are_the_train_sections():
     config = base_config()
     config.target.path = str(testing.REPO / "assets" / "tiny-qwen3")
     setup = resolve(config, num_devices=1, check_files=False)
-    assert setup.optimizer == OptimizerConfig()
+    kind = setup.drafter.kind_spec  # the schedule the run leaves to it
+    assert setup.optimizer == dataclasses.replace(
+        OptimizerConfig(), warmup_fraction=kind.warmup_fraction, grad_clip_norm=kind.grad_clip_norm
+    )
     defaulted = [f.name for f in dataclasses.fields(ObjectiveConfig) if f.default is not dataclasses.MISSING]
     assert {name: getattr(setup.objective, name) for name in defaulted} == {
         name: getattr(ObjectiveConfig, name) for name in defaulted
@@ -180,7 +183,7 @@ def test_every_section_default_passes_its_own_checks():
         ("train", {"b2": 1.0}, r"train.b2=1.0 must be in \[0, 1\)"),
         ("train", {"attention": "flash"}, "train.attention='flash' is not one of"),
         ("train", {"anchor_scheme": "token"}, "train.anchor_scheme='token' is not one of document, response, row"),
-        ("train", {"grad_clip_norm": 0.0}, "train.grad_clip_norm=0.0 must be > 0"),
+        ("train", {"grad_clip_norm": -1.0}, r"train.grad_clip_norm=-1.0 must be > 0 \(or 0, the drafter kind's\)"),
         ("target", {"dtype": "fp8"}, "target.dtype='fp8' is not one of"),
         ("log", {"every_steps": 0}, "log.every_steps=0 must be at least 1"),
         ("distributed", {"num_processes": -1}, "distributed.num_processes=-1 must be at least 0"),
@@ -309,6 +312,27 @@ def test_the_kind_sets_d_paces_alpha_unless_train_dpace_alpha_is_set(kind):
     for alpha in (0.0, 0.8):
         config.train.dpace_alpha = alpha
         assert resolve(config, num_devices=1).objective.dpace_alpha == alpha
+
+
+@pytest.mark.parametrize("kind", sorted(kinds.KINDS))
+def test_the_kind_sets_the_schedule_unless_the_run_does(kind):
+    """The default run leaves the warmup and the clip to the kind (SpecForge's 0.015 and 0.5 for
+    DFlash and Domino, the paper's 0.04 and 1.0 for the others); a set value, a warmup of 0
+    included, is kept, and the schedule the optimizer builds is the resolved one."""
+    config = load_config_file(config_file("default"))
+    config.drafter.kind = kind
+    assert (config.train.warmup_fraction, config.train.grad_clip_norm) == (-1, 0)
+    optimizer = resolve(config, num_devices=1).optimizer
+    specforge = kind in ("dflash", "domino")
+    assert (optimizer.warmup_fraction, optimizer.grad_clip_norm) == ((0.015, 0.5) if specforge else (-1, 0))
+    warmup_steps = round((0.015 if specforge else PAPER_WARMUP_FRACTION) * 1000)
+    schedule = learning_rate_schedule(optimizer, 1000)
+    assert schedule(warmup_steps) == pytest.approx(optimizer.learning_rate)
+    assert schedule(warmup_steps - 1) < optimizer.learning_rate
+    config.train.warmup_fraction, config.train.grad_clip_norm = 0.0, 2.0
+    optimizer = resolve(config, num_devices=1).optimizer
+    assert (optimizer.warmup_fraction, optimizer.grad_clip_norm) == (0.0, 2.0)
+    assert learning_rate_schedule(optimizer, 1000)(0) == pytest.approx(optimizer.learning_rate)
 
 
 def test_xpress_on_dflash2s_backbone_keeps_the_convolutions_sizes(tiny_run, tmp_path):

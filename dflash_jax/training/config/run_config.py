@@ -27,6 +27,7 @@ from dflash_jax.models import kinds
 from dflash_jax.models.architecture import DTYPES, TransformerConfig
 from dflash_jax.models.drafter_config import MASK_TOKEN, DrafterConfig
 from dflash_jax.models.formats.hf import replace_problem
+from dflash_jax.models.kind import Kind
 from dflash_jax.training.config.schema import check_field_names, require, section
 from dflash_jax.training.config.sections import (
     CheckpointSettings,
@@ -144,7 +145,7 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         compute_dtype=DTYPES[train.compute_dtype],
         drafter=drafter,
         objective=_objective(train, drafter, data.seq_len),
-        optimizer=OptimizerConfig(**_fields_of(train, OptimizerConfig)),
+        optimizer=_optimizer(train, drafter.kind_spec),
         data=data,
         mesh_shape=shape,
         run=RunSettings(
@@ -283,6 +284,17 @@ def _objective(train: TrainSettings, drafter: DrafterConfig, seq_len: int) -> Ob
             **anchors,
         },
         drafter=drafter,
+    )
+
+
+def _optimizer(train: TrainSettings, kind: Kind) -> OptimizerConfig:
+    """The train section's optimizer fields, with the schedule the run leaves to the drafter's kind."""
+    return OptimizerConfig(
+        **{
+            **_fields_of(train, OptimizerConfig),
+            "warmup_fraction": train.warmup_fraction if train.warmup_fraction >= 0 else kind.warmup_fraction,
+            "grad_clip_norm": train.grad_clip_norm or kind.grad_clip_norm,
+        }
     )
 
 

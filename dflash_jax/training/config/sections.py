@@ -108,12 +108,15 @@ class TrainSettings(ObjectiveSettings, OptimizerConfig):
         )
         if self.loss and self.loss not in LOSSES:  # '' = the drafter kind's own
             out.append(f"train.loss={self.loss!r} is not one of {', '.join(LOSSES)} (or '', the drafter kind's)")
-        for name in ("learning_rate", "grad_clip_norm"):
-            if not getattr(self, name) > 0:
-                out.append(f"train.{name}={getattr(self, name)} must be > 0")
-        for name in ("warmup_fraction", "b1", "b2", "ema_decay"):
+        if not self.learning_rate > 0:
+            out.append(f"train.learning_rate={self.learning_rate} must be > 0")
+        if not self.grad_clip_norm >= 0:
+            out.append(f"train.grad_clip_norm={self.grad_clip_norm} must be > 0 (or 0, the drafter kind's)")
+        for name in ("b1", "b2", "ema_decay"):
             if not 0 <= getattr(self, name) < 1:
                 out.append(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        if not (0 <= self.warmup_fraction < 1 or self.warmup_fraction == -1):
+            out.append(f"train.warmup_fraction={self.warmup_fraction} must be in [0, 1) (or -1, the drafter kind's)")
         if not (0 <= self.dpace_alpha <= 1 or self.dpace_alpha == -1):
             out.append(f"train.dpace_alpha={self.dpace_alpha} must be in [0, 1] (or -1, the drafter kind's)")
         if self.selector_alpha < 0:

@@ -24,6 +24,10 @@ OPTIMIZERS = ("adamw", "muon")
 # one learning rate serves both optimizers and the AdamW-trained vectors.
 MUON_UPDATE_RMS = 0.2
 
+# The paper's schedule: what a run gets where neither it nor its drafter kind sets one.
+PAPER_WARMUP_FRACTION = 0.04
+PAPER_GRAD_CLIP_NORM = 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -32,15 +36,17 @@ class OptimizerConfig:
     # 'adamw' or 'muon' (the drafter's matrices by Muon, norm scales by AdamW).
     optimizer: str = "adamw"
     learning_rate: float = 6e-4
-    # Linear warmup over this share of the steps, then cosine to 0.
-    warmup_fraction: float = 0.04
+    # Linear warmup over this share of the steps, then cosine to 0; -1: the drafter kind's
+    # (`Kind.warmup_fraction`), else the paper's 0.04.
+    warmup_fraction: float = -1.0
     # AdamW's (Muon's vectors included).
     b1: float = 0.9
     b2: float = 0.999
     # Applies to matrices only (norm scales shrinking towards 0 is not regularization).
     weight_decay: float = 0.0
-    # Clips the global gradient norm.
-    grad_clip_norm: float = 1.0
+    # Clips the global gradient norm; 0: the drafter kind's (`Kind.grad_clip_norm`), else the
+    # paper's 1.0.
+    grad_clip_norm: float = 0.0
     # > 0: evaluate and export an exponential moving average of the weights with this decay
     # (training/optim/ema.py); 0 = the last weights.
     ema_decay: float = 0.0
@@ -48,7 +54,8 @@ class OptimizerConfig:
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup over `warmup_fraction` of training, then cosine to 0."""
-    warmup = int(round(cfg.warmup_fraction * total_steps))
+    fraction = cfg.warmup_fraction if cfg.warmup_fraction >= 0 else PAPER_WARMUP_FRACTION
+    warmup = int(round(fraction * total_steps))
     return optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1)
     )
@@ -79,5 +86,5 @@ def make_optimizer(
             weight_decay=cfg.weight_decay,
             mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
         )
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), update)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm or PAPER_GRAD_CLIP_NORM), update)
     return with_weight_average(tx, cfg.ema_decay) if cfg.ema_decay > 0 else tx
