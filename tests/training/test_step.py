@@ -288,6 +288,27 @@ def test_weight_average_follows_its_recursion_and_is_what_is_served():
     assert served_params(params, plain.init(params)) is params
 
 
+def test_a_clip_left_to_the_kind_is_the_papers_where_the_kind_sets_none():
+    """grad_clip_norm 0 (a kind without its own, or an OptimizerConfig built by hand) clips at the
+    paper's 1.0: AdamW's updates are then those of 1.0, and not those of no clip (a large gradient
+    clipped, then a small one, move AdamW's moments otherwise than unclipped)."""
+
+    def updates(clip: float) -> list[np.ndarray]:
+        params = {"w": jnp.zeros((2, 3))}
+        tx = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_fraction=0.0, grad_clip_norm=clip), 10)
+        state, out = tx.init(params), []
+        for scale in (100.0, 0.01):
+            grads = {"w": scale * jnp.arange(1.0, 7.0).reshape(2, 3)}
+            update, state = tx.update(grads, state, params)
+            out.append(np.asarray(update["w"]))
+        return out
+
+    unset, paper, none = updates(0.0), updates(1.0), updates(1e9)
+    for got, want in zip(unset, paper):
+        np.testing.assert_array_equal(got, want)
+    assert not np.allclose(unset[1], none[1])
+
+
 def test_muon_leaves_vocabulary_tables_to_adamw():
     from dflash_jax.models import kinds
     from dflash_jax.training.optim.muon import muon_labels
