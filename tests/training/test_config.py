@@ -17,6 +17,7 @@ from dflash_jax.errors import ConfigError
 from dflash_jax.models import kinds
 from dflash_jax.models.drafter_config import section_fields
 from dflash_jax.models.formats.gguf_export import llama_cpp_problems
+from dflash_jax.training.checkpoint import changed_settings
 from dflash_jax.training.config import sections
 from dflash_jax.training.config.presets import load_config_file
 from dflash_jax.training.config.run_config import resolve
@@ -318,13 +319,26 @@ def test_the_kind_sets_d_paces_alpha_unless_train_dpace_alpha_is_set(kind):
 def test_the_kind_sets_the_schedule_unless_the_run_does(kind):
     """The default run leaves the warmup and the clip to the kind (SpecForge's 0.015 and 0.5 for
     DFlash and Domino, the paper's 0.04 and 1.0 for the others); a set value, a warmup of 0
-    included, is kept, and the schedule the optimizer builds is the resolved one."""
+    included, is kept, and the schedule the optimizer builds is the resolved one. The config the
+    run records holds the resolved values, so that a checkpoint saved before a kind took its own
+    schedule compares with what the run trains with, not with -1 and 0."""
     config = load_config_file(config_file("default"))
     config.drafter.kind = kind
     assert (config.train.warmup_fraction, config.train.grad_clip_norm) == (-1, 0)
-    optimizer = resolve(config, num_devices=1).optimizer
+    setup = resolve(config, num_devices=1)
+    optimizer = setup.optimizer
     specforge = kind in ("dflash", "domino")
-    assert (optimizer.warmup_fraction, optimizer.grad_clip_norm) == ((0.015, 0.5) if specforge else (-1, 0))
+    assert (optimizer.warmup_fraction, optimizer.grad_clip_norm) == ((0.015, 0.5) if specforge else (0.04, 1.0))
+    recorded = setup.config_dict["train"]
+    assert (recorded["warmup_fraction"], recorded["grad_clip_norm"]) == (
+        optimizer.warmup_fraction,
+        optimizer.grad_clip_norm,
+    )
+    assert (recorded["num_anchors"], recorded["loss"]) == (setup.objective.num_anchors, setup.objective.loss)
+    before = {"config": {**setup.config_dict, "train": {**recorded, "warmup_fraction": 0.04, "grad_clip_norm": 1.0}}}
+    assert changed_settings(before, setup.config_dict) == (
+        "train.grad_clip_norm: 1.0 -> 0.5; train.warmup_fraction: 0.04 -> 0.015" if specforge else ""
+    )
     warmup_steps = round((0.015 if specforge else PAPER_WARMUP_FRACTION) * 1000)
     schedule = learning_rate_schedule(optimizer, 1000)
     assert schedule(warmup_steps) == pytest.approx(optimizer.learning_rate)

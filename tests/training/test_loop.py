@@ -379,7 +379,7 @@ def test_a_short_run_in_process_trains_exports_and_knows_it_finished(tiny_run, t
         longer = train(resolve(config, num_devices=1))
     assert (longer.finished, longer.already_finished, longer.step) == (True, False, 4)
     assert (
-        "resuming with settings other than the checkpoint's: train.grad_clip_norm: 0.0 -> 0.5; train.max_steps: 3 -> 4"
+        "resuming with settings other than the checkpoint's: train.grad_clip_norm: 1.0 -> 0.5; train.max_steps: 3 -> 4"
         in caplog.text
     )
     # Another drafter cannot take its weights: one line naming what differs, the checkpoints kept.

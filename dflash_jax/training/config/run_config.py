@@ -40,7 +40,7 @@ from dflash_jax.training.config.sections import (
 from dflash_jax.training.config.targets import target_architecture, target_directory
 from dflash_jax.training.mesh import mesh_shape
 from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig, ObjectiveSettings
-from dflash_jax.training.optim.optimizer import OptimizerConfig
+from dflash_jax.training.optim.optimizer import PAPER_GRAD_CLIP_NORM, PAPER_WARMUP_FRACTION, OptimizerConfig
 from dflash_jax.training.workdir import Workdir, check_writable
 
 
@@ -77,7 +77,10 @@ class TrainSetup:
     log: LogSettings
     eval: EvalSettings
     distributed: DistributedSettings
-    config_dict: dict  # the config as the user wrote it, for checkpoints and experiment trackers
+    # The config as the user wrote it, each setting left to the drafter's kind (0 or -1) replaced
+    # by the value the run trains with: what checkpoints record, a resumed run compares, and
+    # experiment trackers show.
+    config_dict: dict
 
     def with_run(self, **fields) -> TrainSetup:
         """This setup with fields of its run settings replaced (`attention="fused"`, `scan_layers=True`):
@@ -137,6 +140,7 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
     _check_drafter_kind(drafter, train)
     shape = _mesh(section(config, "mesh"), num_devices, target, data.global_batch_rows, train.grad_accum_steps)
     evaluation = _evaluation(section(config, "eval"), drafter.kind, data, target_path, check_files)
+    objective, optimizer = _objective(train, drafter, data.seq_len), _optimizer(train, drafter.kind_spec)
     return TrainSetup(
         workdir=Workdir.at(top.workdir) if top.workdir else None,
         target_path=target_path,
@@ -144,8 +148,8 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         target_dtype=DTYPES[target_section.dtype],
         compute_dtype=DTYPES[train.compute_dtype],
         drafter=drafter,
-        objective=_objective(train, drafter, data.seq_len),
-        optimizer=_optimizer(train, drafter.kind_spec),
+        objective=objective,
+        optimizer=optimizer,
         data=data,
         mesh_shape=shape,
         run=RunSettings(
@@ -162,8 +166,18 @@ def _resolve(config, num_devices, target, check_files) -> TrainSetup:
         log=section(config, "log"),
         eval=evaluation,
         distributed=section(config, "distributed"),
-        config_dict=json.loads(config.to_json_best_effort()),
+        config_dict=_as_trained(json.loads(config.to_json_best_effort()), objective, optimizer),
     )
+
+
+def _as_trained(config_dict: dict, *resolved) -> dict:
+    """`config_dict` with its train section's fields as the `resolved` settings hold them (the
+    objective's and optimizer's, the kind's defaults filled in): a checkpoint from before a kind
+    took a default then compares with what this run trains with, not with its -1 or 0."""
+    train = dict(config_dict["train"])
+    for settings in resolved:
+        train.update({f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name in train})
+    return {**config_dict, "train": json.loads(json.dumps(train))}  # tuples as the JSON lists a checkpoint holds
 
 
 def _target(path: str, target: TransformerConfig | None, check_files: bool) -> tuple[str, TransformerConfig]:
@@ -288,12 +302,14 @@ def _objective(train: TrainSettings, drafter: DrafterConfig, seq_len: int) -> Ob
 
 
 def _optimizer(train: TrainSettings, kind: Kind) -> OptimizerConfig:
-    """The train section's optimizer fields, with the schedule the run leaves to the drafter's kind."""
+    """The train section's optimizer fields, with the schedule the run leaves to the drafter's kind,
+    or to the paper where the kind sets none."""
+    warmup = next(f for f in (train.warmup_fraction, kind.warmup_fraction, PAPER_WARMUP_FRACTION) if f >= 0)
     return OptimizerConfig(
         **{
             **_fields_of(train, OptimizerConfig),
-            "warmup_fraction": train.warmup_fraction if train.warmup_fraction >= 0 else kind.warmup_fraction,
-            "grad_clip_norm": train.grad_clip_norm or kind.grad_clip_norm,
+            "warmup_fraction": warmup,
+            "grad_clip_norm": train.grad_clip_norm or kind.grad_clip_norm or PAPER_GRAD_CLIP_NORM,
         }
     )
 
