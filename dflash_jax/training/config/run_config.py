@@ -40,7 +40,7 @@ from dflash_jax.training.config.sections import (
 from dflash_jax.training.config.targets import target_architecture, target_directory
 from dflash_jax.training.mesh import mesh_shape
 from dflash_jax.training.objective import PAPER_LOSS_DECAY_GAMMA, ObjectiveConfig, ObjectiveSettings
-from dflash_jax.training.optim.optimizer import PAPER_GRAD_CLIP_NORM, PAPER_WARMUP_FRACTION, OptimizerConfig
+from dflash_jax.training.optim.optimizer import OptimizerConfig, with_schedule
 from dflash_jax.training.workdir import Workdir, check_writable
 
 
@@ -176,7 +176,7 @@ def _as_trained(config_dict: dict, *resolved) -> dict:
     took a default then compares with what this run trains with, not with its -1 or 0."""
     train = dict(config_dict["train"])
     for settings in resolved:
-        train.update({f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name in train})
+        train.update({k: v for k, v in _fields_of(settings, type(settings)).items() if k in train})
     return {**config_dict, "train": json.loads(json.dumps(train))}  # tuples as the JSON lists a checkpoint holds
 
 
@@ -304,13 +304,8 @@ def _objective(train: TrainSettings, drafter: DrafterConfig, seq_len: int) -> Ob
 def _optimizer(train: TrainSettings, kind: Kind) -> OptimizerConfig:
     """The train section's optimizer fields, with the schedule the run leaves to the drafter's kind,
     or to the paper where the kind sets none."""
-    warmup = next(f for f in (train.warmup_fraction, kind.warmup_fraction, PAPER_WARMUP_FRACTION) if f >= 0)
-    return OptimizerConfig(
-        **{
-            **_fields_of(train, OptimizerConfig),
-            "warmup_fraction": warmup,
-            "grad_clip_norm": train.grad_clip_norm or kind.grad_clip_norm or PAPER_GRAD_CLIP_NORM,
-        }
+    return with_schedule(
+        OptimizerConfig(**_fields_of(train, OptimizerConfig)), kind.warmup_fraction, kind.grad_clip_norm
     )
 
 

@@ -52,10 +52,17 @@ class OptimizerConfig:
     ema_decay: float = 0.0
 
 
+def with_schedule(cfg: OptimizerConfig, warmup_fraction: float = -1.0, grad_clip_norm: float = 0.0) -> OptimizerConfig:
+    """`cfg` with the warmup and clip it leaves unset (-1, 0) taken from those given (a drafter
+    kind's), and the paper's where those are unset too."""
+    warmup = next(f for f in (cfg.warmup_fraction, warmup_fraction, PAPER_WARMUP_FRACTION) if f >= 0)
+    clip = cfg.grad_clip_norm or grad_clip_norm or PAPER_GRAD_CLIP_NORM
+    return dataclasses.replace(cfg, warmup_fraction=warmup, grad_clip_norm=clip)
+
+
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup over `warmup_fraction` of training, then cosine to 0."""
-    fraction = cfg.warmup_fraction if cfg.warmup_fraction >= 0 else PAPER_WARMUP_FRACTION
-    warmup = int(round(fraction * total_steps))
+    warmup = int(round(with_schedule(cfg).warmup_fraction * total_steps))
     return optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1)
     )
@@ -66,6 +73,7 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW or Muon; weight decay applies to matrices only.
     `adam_params`: the drafter kind's matrices Muon leaves to AdamW (`Kind.adam_params`)."""
+    cfg = with_schedule(cfg)
     schedule = learning_rate_schedule(cfg, total_steps)
     if cfg.optimizer == "muon":
         # Muon takes every 2-D leaf (all the drafter's matrices) and decays them; the rest get
@@ -86,5 +94,5 @@ def make_optimizer(
             weight_decay=cfg.weight_decay,
             mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
         )
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm or PAPER_GRAD_CLIP_NORM), update)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), update)
     return with_weight_average(tx, cfg.ema_decay) if cfg.ema_decay > 0 else tx
