@@ -361,6 +361,7 @@ def test_a_run_resumes_exactly_from_before_its_damaged_checkpoint(tiny_run, comp
     ):
         result = command(args, env)
         assert result.returncode == 1
-        [line] = user_lines(result.stderr)
-        assert line.startswith(prefix + expected), line
+        lines = user_lines(result.stderr)
+        assert len(lines) == 1, result.stderr[-3000:]
+        assert lines[0].startswith(prefix + expected), lines[0]
     assert not (tmp_path / "none").exists()
