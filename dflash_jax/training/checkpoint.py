@@ -17,8 +17,9 @@ reads, saying in one warning line which it passed over and why; none readable is
 the directory. Damage is found cheaply before any restore: Orbax's marks (its `commit_success.txt`
 of a finished save, its items, the JSON it writes) and the arrays' database (its index, and every
 stored value's last byte); otherwise by the restore failing. Nothing is
-deleted: export and evaluate leave a damaged checkpoint where it is; a resumed run, which saves
-those steps again, keeps it beside them as `<step>.damaged`. A byte changed inside the arrays'
+deleted: export and evaluate leave a damaged checkpoint where it is (and the unfinished save of a
+run training in the same workdir); a resumed run, which saves those steps again, keeps it beside
+them as `<step>.damaged`, and removes what its own saves that never finished left. A byte changed inside the arrays'
 data goes unnoticed (Orbax keeps no checksum of it).
 
 A second manager keeps the drafter weights with the best acceptance length (tau) measured
@@ -59,6 +60,8 @@ ITEMS, JSON_ITEMS = ("state", "meta", "data"), ("meta", "data")
 COMMITTED, STEP_METADATA, STATE_METADATA = "commit_success.txt", "_CHECKPOINT_METADATA", "state/_METADATA"
 # A damaged step a resumed run keeps beside the steps it saves again (Orbax sees no step in the name).
 DAMAGED_SUFFIX = ".damaged"
+# Orbax's mark of a save in progress: it writes step N into `N<UNFINISHED>-<time>`, renamed when done.
+UNFINISHED = ".orbax-checkpoint-tmp"
 
 T = TypeVar("T")
 
@@ -123,10 +126,16 @@ def changed_settings(meta: dict[str, Any], config: dict[str, Any], *, most: int 
 
 
 class RunCheckpoints:
-    """The train-state checkpoints in `directory` (a workdir's `checkpoints/`)."""
+    """The train-state checkpoints in `directory` (a workdir's `checkpoints/`): those a run saves
+    and resumes from, or (`reading`) those export and evaluate read."""
 
-    def __init__(self, directory: str, *, every_steps: int, keep: int | None, async_save: bool):
+    def __init__(self, directory: str, *, every_steps: int, keep: int | None, async_save: bool, reading: bool = False):
+        """`reading`: only read, so that the save a run training in the same workdir has in
+        progress stays untouched; a run (not `reading`) first removes what its own saves that
+        never finished left."""
         self.directory = directory
+        if not reading:
+            _remove_unfinished_saves(directory)
         with _without_orbax_metadata_lines():  # it reads every step's metadata
             self.manager = ocp.CheckpointManager(
                 self.directory,
@@ -136,7 +145,11 @@ class RunCheckpoints:
                     save_decision_policy=save_policies.FixedIntervalPolicy(every_steps),
                     max_to_keep=keep,
                     enable_async_checkpointing=async_save,
-                    cleanup_tmp_directories=True,  # leftovers of saves that never finished
+                    create=not reading,
+                    # Not Orbax's clean-up of unfinished saves: it runs in a thread of its own, which a
+                    # command that stops at once leaves running into the interpreter's exit (a
+                    # traceback on stderr), and in a reader it would delete a running save.
+                    cleanup_tmp_directories=False,
                 ),
             )
         self._saving: tuple[int, int] | None = None  # (step, bytes) of the latest save started
@@ -318,7 +331,7 @@ class RunCheckpoints:
             if thread is not threading.current_thread() and not thread.daemon:
                 join_by(thread, deadline)
         for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
-            if step is not None and name.startswith(f"{step}.orbax-checkpoint-tmp"):
+            if step is not None and name.startswith(f"{step}{UNFINISHED}"):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)  # the partial save
         free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
         kept = self.manager.all_steps(read=True)
@@ -427,6 +440,17 @@ def _without_orbax_metadata_lines():
         yield
     finally:
         logger.removeFilter(quiet)
+
+
+def _remove_unfinished_saves(directory: str) -> None:
+    """Removes the directories of saves that never finished (a run killed while it saved), before
+    the run saves again: by process 0, the others waiting for it."""
+    if jax.process_index() == 0 and os.path.isdir(directory):
+        for name in os.listdir(directory):
+            if UNFINISHED in name:
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("dflash_jax: unfinished saves removed")
 
 
 def _free_name(path: str) -> str:

@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from dflash_jax.models import kinds
 from dflash_jax.models.drafter_config import DrafterConfig
 from dflash_jax.models.families import target_config
 from dflash_jax.models.formats.hf import read_config
-from dflash_jax.training.checkpoint import RunCheckpoints
+from dflash_jax.training.checkpoint import RunCheckpoints, join_by
 from dflash_jax.training.drafters import export_checkpoint, load_any_drafter, restore_params
 from dflash_jax.training.mesh import make_mesh
 from dflash_jax.training.optim.optimizer import OptimizerConfig, make_optimizer
@@ -238,6 +240,26 @@ def test_resume_keeps_the_damaged_step_aside_and_saves_it_again(workdir, saved, 
     checkpoints.close()
     assert sorted(os.listdir(checkpoints_dir)) == ["2", "4", "6", "6.damaged"]
     assert_same(params_of(workdir), params_of(saved.workdir, 6))
+
+
+def test_export_leaves_a_running_save_alone_and_a_run_removes_its_unfinished_saves_at_once(workdir):
+    """Reading a workdir (export, evaluate) while a run saves in it leaves the run's save in
+    progress where it is, also after any thread the reading started has ended; a run starting in
+    the workdir removes what a save that never finished left, before its constructor returns (a
+    thread doing it could outlive a command that stops at once, and print a traceback)."""
+    checkpoints_dir = workdir / "checkpoints"
+    unfinished = checkpoints_dir / "8.orbax-checkpoint-tmp-1796654328"
+    (unfinished / "state").mkdir(parents=True)
+    before = set(threading.enumerate())
+    export_checkpoint(Workdir(str(workdir)), out_dir=str(workdir / "exported"))
+    deadline = time.monotonic() + 10
+    for thread in set(threading.enumerate()) - before:
+        join_by(thread, deadline)
+    assert sorted(os.listdir(checkpoints_dir)) == ["2", "4", "6", unfinished.name]
+    checkpoints = RunCheckpoints(str(checkpoints_dir), every_steps=1, keep=None, async_save=False)
+    assert sorted(os.listdir(checkpoints_dir)) == ["2", "4", "6"]
+    assert checkpoints.latest_step() == 6
+    checkpoints.close()
 
 
 def test_a_checkpoint_the_config_does_not_fit_is_not_called_damaged(workdir):
