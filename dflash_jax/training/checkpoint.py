@@ -16,11 +16,11 @@ directory, metadata that is not JSON) is passed over: `newest_readable` reads th
 reads, saying in one warning line which it passed over and why; none readable is one line naming
 the directory. Damage is found cheaply before any restore: Orbax's marks (its `commit_success.txt`
 of a finished save, its items, the JSON it writes) and the arrays' database (its index, and every
-stored value's last byte); otherwise by the restore failing. Nothing is
-deleted: export and evaluate leave a damaged checkpoint where it is (and the unfinished save of a
-run training in the same workdir); a resumed run, which saves those steps again, keeps it beside
-them as `<step>.damaged`, and removes what its own saves that never finished left. A byte changed inside the arrays'
-data goes unnoticed (Orbax keeps no checksum of it).
+stored value's last byte); otherwise by the restore failing. Nothing is deleted: export and
+evaluate leave a damaged checkpoint where it is (and the unfinished save of a run training in the
+same workdir); a resumed run, which saves those steps again, keeps it beside them as
+`<step>.damaged`, and removes what its own saves that never finished left. A byte changed inside
+the arrays' data goes unnoticed (Orbax keeps no checksum of it).
 
 A second manager keeps the drafter weights with the best acceptance length (tau) measured
 during training.
