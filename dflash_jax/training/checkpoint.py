@@ -130,9 +130,8 @@ class RunCheckpoints:
     and resumes from, or (`reading`) those export and evaluate read."""
 
     def __init__(self, directory: str, *, every_steps: int, keep: int | None, async_save: bool, reading: bool = False):
-        """`reading`: only read, so that the save a run training in the same workdir has in
-        progress stays untouched; a run (not `reading`) first removes what its own saves that
-        never finished left."""
+        """`reading`: only read (see `reading_only`); a run (not `reading`) first removes what its
+        own saves that never finished left."""
         self.directory = directory
         if not reading:
             _remove_unfinished_saves(directory)
@@ -154,6 +153,12 @@ class RunCheckpoints:
             )
         self._saving: tuple[int, int] | None = None  # (step, bytes) of the latest save started
         self._threads_before_save: set[threading.Thread] = set()
+
+    @classmethod
+    def reading_only(cls, directory: str) -> RunCheckpoints:
+        """The checkpoints as export and evaluate read them: nothing removed or created, so that
+        the save a run training in the same workdir has in progress stays untouched."""
+        return cls(directory, every_steps=1, keep=None, async_save=False, reading=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -330,9 +335,8 @@ class RunCheckpoints:
         for thread in set(threading.enumerate()) - self._threads_before_save:
             if thread is not threading.current_thread() and not thread.daemon:
                 join_by(thread, deadline)
-        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
-            if step is not None and name.startswith(f"{step}{UNFINISHED}"):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)  # the partial save
+        if step is not None:
+            _remove_unfinished(self.directory, step)  # the partial save
         free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
         kept = self.manager.all_steps(read=True)
         kept_text = f"the last good checkpoint is step {max(kept)}" if kept else "no checkpoint was saved before"
@@ -442,13 +446,19 @@ def _without_orbax_metadata_lines():
         logger.removeFilter(quiet)
 
 
+def _remove_unfinished(directory: str, step: int | None = None) -> None:
+    """Removes the directories of unfinished saves in `directory`: `step`'s, or every step's."""
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        unfinished = UNFINISHED in name if step is None else name.startswith(f"{step}{UNFINISHED}")
+        if unfinished:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
 def _remove_unfinished_saves(directory: str) -> None:
     """Removes the directories of saves that never finished (a run killed while it saved), before
     the run saves again: by process 0, the others waiting for it."""
-    if jax.process_index() == 0 and os.path.isdir(directory):
-        for name in os.listdir(directory):
-            if UNFINISHED in name:
-                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    if jax.process_index() == 0:
+        _remove_unfinished(directory)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("dflash_jax: unfinished saves removed")
 

@@ -61,7 +61,7 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
         state = checkpoints.restore_state(step, abstract)
         return cfg, served_params(state.params, state.opt_state)
 
-    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False, reading=True)
+    checkpoints = RunCheckpoints.reading_only(workdir.checkpoints)
     try:
         return checkpoints.newest_readable(read, step=step)[1]
     finally:
@@ -71,7 +71,7 @@ def restore_params(workdir: Workdir, step: int | None = None) -> tuple[DrafterCo
 def run_meta(workdir: Workdir, step: int | None = None) -> dict:
     """The metadata (the run's config, the drafter's config.json) of a run's checkpoint: `step`'s,
     or the newest readable one's."""
-    checkpoints = RunCheckpoints(workdir.checkpoints, every_steps=1, keep=None, async_save=False, reading=True)
+    checkpoints = RunCheckpoints.reading_only(workdir.checkpoints)
     try:
         return checkpoints.newest_readable(checkpoints.restore_meta, step=step)[1]
     finally:

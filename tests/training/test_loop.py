@@ -64,7 +64,7 @@ def logged_steps(workdir: Path) -> int:
 
 
 def latest_checkpoint(workdir: Path) -> int | None:
-    checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
+    checkpoints = RunCheckpoints.reading_only(Workdir.at(str(workdir)).checkpoints)
     try:
         return checkpoints.latest_step()
     finally:
@@ -209,7 +209,7 @@ def test_non_finite_training_stops_with_a_message_and_finite_checkpoints(tiny_ru
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
 
     # Resuming it with the other optimizer: one line, before any step.
-    checkpoints = RunCheckpoints(Workdir.at(str(workdir)).checkpoints, every_steps=1, keep=None, async_save=False)
+    checkpoints = RunCheckpoints.reading_only(Workdir.at(str(workdir)).checkpoints)
     saved = optimizer_of(checkpoints.restore_meta(2))
     checkpoints.close()
     other = {"adamw": "muon", "muon": "adamw"}[saved]
