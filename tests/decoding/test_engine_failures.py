@@ -132,6 +132,14 @@ def test_a_server_killed_mid_request_ends_the_evaluation_in_one_line(evaluation,
     assert line.startswith("error: llama.cpp's llama-server on port "), line
     assert "exited with code -9" in line, line
     assert _llama_servers(serving=model) == []  # the server is gone, and nothing it started
+    _kept_log(line).unlink()
+
+
+def _kept_log(line: str) -> Path:
+    """The server log an engine failure's line names: kept, and what the server wrote."""
+    log = Path(line.rsplit(" (its whole log: ", 1)[1].removesuffix(")"))
+    assert "llama" in log.read_text(), line
+    return log
 
 
 @pytest.mark.slow
@@ -143,6 +151,7 @@ def test_a_hung_server_ends_the_evaluation_at_the_request_timeout(evaluation, tm
     assert done.returncode == 1 and ENGINE_TIMEOUT <= seconds < BOUND, (done.returncode, seconds)
     assert f"no answer within {ENGINE_TIMEOUT} s; the server is still running" in line, line
     assert _llama_servers(serving=model) == []  # stopped: SIGTERM reaches a stopped server with SIGCONT
+    _kept_log(line).unlink()
 
 
 class _Forking(EngineServer):
@@ -176,6 +185,8 @@ def test_a_dead_server_leaves_no_worker_and_says_so_in_one_line():
     assert len(group_members(server.process.pid)) == 1  # the worker outlives its server...
     server.close()
     assert group_members(server.process.pid) == []  # ...until the group is stopped
+    assert message.endswith(f" (its whole log: {server.log.name})") and os.path.exists(server.log.name)
+    os.unlink(server.log.name)
 
 
 def test_a_start_up_that_points_at_its_cause_is_reported_by_that_cause():
@@ -197,4 +208,16 @@ def test_a_start_up_that_points_at_its_cause_is_reported_by_that_cause():
     script = f"import sys; print({chr(10).join(log)!r}); sys.exit(1)"
     with pytest.raises(UserError) as raised:
         _FailingVllm([sys.executable, "-c", script], free_port(), start_timeout=60, request_timeout=10)
-    assert str(raised.value) == f"vLLM exited with code 1: {log[2]}"
+    message, kept = str(raised.value).rsplit(" (its whole log: ", 1)
+    assert message == f"vLLM exited with code 1: {log[2]}"
+    kept = Path(kept.removesuffix(")"))
+    assert kept.read_text().splitlines() == log  # the whole log outlives the failed server
+    kept.unlink()
+
+
+def test_a_server_that_ends_well_leaves_no_log():
+    server = _Forking()
+    log = Path(server.log.name)
+    assert log.exists()
+    server.close()
+    assert not log.exists()

@@ -6,7 +6,8 @@ itself is dead), on a free port of 127.0.0.1, and waits for its `/health` (bound
 `start_timeout`); it sends requests (each bounded by `request_timeout`, no HTTP proxy) and stops
 the server: SIGTERM (and SIGCONT, for a stopped one) to the group, a bounded wait, then SIGKILL.
 Every failure is one `UserError` naming the engine, what failed, whether the server is still
-running, and the last line of its log that explains it. An engine module subclasses it with its
+running, the last line of its log that explains it, and where its whole log is kept (a failed
+server's log outlives the command; a server that ends well leaves none). An engine module subclasses it with its
 command line, its `complete` (one prompt, greedy, the engine's counters as a `Completion`) and
 the log lines that explain its failures (`FAILURE`).
 
@@ -82,7 +83,9 @@ class EngineServer:
     ):
         self.port, self.request_timeout = port, request_timeout
         self.url = f"http://{HOST}:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="engine-server-", suffix=".log")  # explains a failure
+        # Explains a failure: kept where one is reported (`_failure`), removed on a clean close.
+        self.log = tempfile.NamedTemporaryFile(prefix="dflash-jax-engine-server-", suffix=".log", delete=False)
+        self._keep_log = False
         self._served_from = 0  # where the log stood when the server became healthy
         try:
             self.process = subprocess.Popen(
@@ -90,6 +93,7 @@ class EngineServer:
             )
         except BaseException:
             self.log.close()
+            os.unlink(self.log.name)
             raise
         try:
             self._wait_healthy(start_timeout)
@@ -101,7 +105,7 @@ class EngineServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise UserError(f"{self.engine} exited with code {self.process.returncode}: {self.log_tail()}")
+                raise self._failure(f"{self.engine} exited with code {self.process.returncode}")
             try:
                 with _OPENER.open(f"{self.url}/health", timeout=HEALTH_TIMEOUT) as response:
                     if response.status == 200:
@@ -110,7 +114,7 @@ class EngineServer:
             except (urllib.error.URLError, OSError, http.client.HTTPException):
                 pass
             time.sleep(0.5)
-        raise UserError(f"{self.engine} did not become healthy within {timeout:.0f} s: {self.log_tail()}")
+        raise self._failure(f"{self.engine} did not become healthy within {timeout:.0f} s")
 
     def log_tail(self) -> str:
         """The log's last line that explains a failure (`FAILURE`); before the server became
@@ -162,7 +166,12 @@ class EngineServer:
             self.process.wait(timeout=2)  # a server that is dying says so in its exit code
         code = self.process.returncode
         state = "is still running" if code is None else f"exited with code {code}"
-        return UserError(f"{self.engine} on port {self.port}: {problem}; the server {state}: {self.log_tail()}")
+        return self._failure(f"{self.engine} on port {self.port}: {problem}; the server {state}")
+
+    def _failure(self, message: str) -> UserError:
+        """`message`, the log's line that explains it, and where the whole log is kept."""
+        self._keep_log = True
+        return UserError(f"{message}: {self.log_tail()} (its whole log: {self.log.name})")
 
     def complete(self, prompt: Sequence[int], max_new_tokens: int, *, cache_prompt: bool = False) -> Completion:
         """One prompt's greedy completion and the engine's counters (`cache_prompt`: reuse the
@@ -173,6 +182,8 @@ class EngineServer:
         if not self.log.closed:
             stop_group(self.process)
             self.log.close()
+            if not self._keep_log:
+                os.unlink(self.log.name)
 
     def __enter__(self):
         return self
