@@ -24,7 +24,7 @@ from dflash_jax.models.formats.hub import resolve_model
 from support.chat_data import chat, write_jsonl
 from support.decoding_models import make_drafter, perturbed
 from support.gguf_checkpoint import CORPUS, write_tiny_gguf
-from support.stderr import user_lines
+from support.stderr import kept_log, user_lines
 from support.training_runs import REPO
 
 ENGINE_TIMEOUT = 5  # seconds a request may take in the hang test
@@ -137,8 +137,8 @@ def test_a_server_killed_mid_request_ends_the_evaluation_in_one_line(evaluation,
 
 def _kept_log(line: str) -> Path:
     """The server log an engine failure's line names: kept, and what the server wrote."""
-    log = Path(line.rsplit(" (its whole log: ", 1)[1].removesuffix(")"))
-    assert "llama" in log.read_text(), line
+    log = kept_log(line)
+    assert log is not None and "llama" in log.read_text(), line
     return log
 
 
@@ -208,9 +208,8 @@ def test_a_start_up_that_points_at_its_cause_is_reported_by_that_cause():
     script = f"import sys; print({chr(10).join(log)!r}); sys.exit(1)"
     with pytest.raises(UserError) as raised:
         _FailingVllm([sys.executable, "-c", script], free_port(), start_timeout=60, request_timeout=10)
-    message, kept = str(raised.value).rsplit(" (its whole log: ", 1)
-    assert message == f"vLLM exited with code 1: {log[2]}"
-    kept = Path(kept.removesuffix(")"))
+    kept = kept_log(str(raised.value))
+    assert str(raised.value) == f"vLLM exited with code 1: {log[2]} (its whole log: {kept})"
     assert kept.read_text().splitlines() == log  # the whole log outlives the failed server
     kept.unlink()
 

@@ -36,6 +36,7 @@ from dflash_jax.models.formats.hf import export_drafter, load_drafter, load_targ
 from dflash_jax.models.formats.hub import resolve_model
 from support import training_runs
 from support.decoding_models import make_drafter, make_target
+from support.stderr import kept_log
 
 TARGET = os.path.join(ASSETS, "tiny-qwen3")
 PROMPTS = 8  # of the held-out prompts
@@ -47,7 +48,12 @@ def _evaluate(args: list[str]) -> None:
     flag_values = flags.FlagValues()
     evaluate.define_flags(flag_values)
     flag_values(["evaluate", *args])
-    evaluate.main([], flag_values)
+    try:
+        evaluate.main([], flag_values)
+    except UserError as e:  # a server that failed: its kept log, for the test's report
+        if log := kept_log(str(e)):
+            print(log.read_text(errors="replace")[-20000:])
+        raise
 
 
 @pytest.fixture(scope="module")

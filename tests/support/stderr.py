@@ -1,10 +1,12 @@
 """A command's stderr as the user reads it, without the lines the CUDA plugin of the `gpu-compile`
 extra logs from C++ whenever jax is imported on a machine without a GPU (no Python logger or
-environment variable silences them; JAX_PLATFORMS=cpu does not either). Every other line stays."""
+environment variable silences them; JAX_PLATFORMS=cpu does not either). Every other line stays.
+And the server log an engine failure's line names."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 PLUGIN_NOISE = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
@@ -14,3 +16,9 @@ PLUGIN_NOISE = re.compile(
 
 def user_lines(stderr: str) -> list[str]:
     return [line for line in stderr.strip().splitlines() if not PLUGIN_NOISE.match(line)]
+
+
+def kept_log(message: str) -> Path | None:
+    """The server log an engine failure's line says it kept (`EngineServer._failure`), if any."""
+    _, found, rest = message.rpartition(" (its whole log: ")
+    return Path(rest.removesuffix(")")) if found else None
