@@ -7,9 +7,9 @@ itself is dead), on a free port of 127.0.0.1, and waits for its `/health` (bound
 the server: SIGTERM (and SIGCONT, for a stopped one) to the group, a bounded wait, then SIGKILL.
 Every failure is one `UserError` naming the engine, what failed, whether the server is still
 running, the last line of its log that explains it, and where its whole log is kept (a failed
-server's log outlives the command; a server that ends well leaves none). An engine module subclasses it with its
-command line, its `complete` (one prompt, greedy, the engine's counters as a `Completion`) and
-the log lines that explain its failures (`FAILURE`).
+server's log outlives the command; a server that ends well leaves none). An engine module
+subclasses it with its command line, its `complete` (one prompt, greedy, the engine's counters
+as a `Completion`) and the log lines that explain its failures (`FAILURE`).
 
 `run_prompts`, `forward_cost`, `engine_figures` and `evaluate_engine` measure any engine.
 """
