@@ -136,6 +136,9 @@ def test_a_server_that_cannot_start_is_one_line_and_leaves_nothing(vllm_env, tmp
     assert str(raised.value).startswith("vLLM exited with code 1: OSError: Repo id must be in the form"), raised.value
     assert "\n" not in str(raised.value)
     assert not any(str(tmp_path) in " ".join(args) for args in _commands())  # nothing it started is left
+    log = kept_log(str(raised.value))
+    assert "no_such_model" in log.read_text()  # its whole log, kept
+    log.unlink()
 
 
 def _commands() -> list[list[str]]:
