@@ -24,7 +24,7 @@ from dflash_jax.models.formats.hub import resolve_model
 from support.chat_data import chat, write_jsonl
 from support.decoding_models import make_drafter, perturbed
 from support.gguf_checkpoint import CORPUS, write_tiny_gguf
-from support.stderr import kept_log, user_lines
+from support.stderr import kept_log, remove_kept_log, user_lines
 from support.training_runs import REPO
 
 ENGINE_TIMEOUT = 5  # seconds a request may take in the hang test
@@ -132,14 +132,7 @@ def test_a_server_killed_mid_request_ends_the_evaluation_in_one_line(evaluation,
     assert line.startswith("error: llama.cpp's llama-server on port "), line
     assert "exited with code -9" in line, line
     assert _llama_servers(serving=model) == []  # the server is gone, and nothing it started
-    _kept_log(line).unlink()
-
-
-def _kept_log(line: str) -> Path:
-    """The server log an engine failure's line names: kept, and what the server wrote."""
-    log = kept_log(line)
-    assert log is not None and "llama" in log.read_text(), line
-    return log
+    remove_kept_log(line, holding="llama")
 
 
 @pytest.mark.slow
@@ -151,7 +144,7 @@ def test_a_hung_server_ends_the_evaluation_at_the_request_timeout(evaluation, tm
     assert done.returncode == 1 and ENGINE_TIMEOUT <= seconds < BOUND, (done.returncode, seconds)
     assert f"no answer within {ENGINE_TIMEOUT} s; the server is still running" in line, line
     assert _llama_servers(serving=model) == []  # stopped: SIGTERM reaches a stopped server with SIGCONT
-    _kept_log(line).unlink()
+    remove_kept_log(line, holding="llama")
 
 
 class _Forking(EngineServer):

@@ -36,7 +36,7 @@ from dflash_jax.models.formats.hf import export_drafter, load_drafter, load_targ
 from dflash_jax.models.formats.hub import resolve_model
 from support import training_runs
 from support.decoding_models import make_drafter, make_target
-from support.stderr import kept_log
+from support.stderr import kept_log, remove_kept_log
 
 TARGET = os.path.join(ASSETS, "tiny-qwen3")
 PROMPTS = 8  # of the held-out prompts
@@ -136,9 +136,7 @@ def test_a_server_that_cannot_start_is_one_line_and_leaves_nothing(vllm_env, tmp
     assert str(raised.value).startswith("vLLM exited with code 1: OSError: Repo id must be in the form"), raised.value
     assert "\n" not in str(raised.value)
     assert not any(str(tmp_path) in " ".join(args) for args in _commands())  # nothing it started is left
-    log = kept_log(str(raised.value))
-    assert "no_such_model" in log.read_text()  # its whole log, kept
-    log.unlink()
+    remove_kept_log(str(raised.value), holding="no_such_model")  # its whole log, kept
 
 
 def _commands() -> list[list[str]]:

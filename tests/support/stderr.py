@@ -22,3 +22,11 @@ def kept_log(message: str) -> Path | None:
     """The server log an engine failure's line says it kept (`EngineServer._failure`), if any."""
     _, found, rest = message.rpartition(" (its whole log: ")
     return Path(rest.removesuffix(")")) if found else None
+
+
+def remove_kept_log(message: str, holding: str) -> None:
+    """Checks that the log an engine failure's line names was kept and holds `holding`, then
+    removes it, so that a test leaves no log behind."""
+    log = kept_log(message)
+    assert log is not None and holding in log.read_text(errors="replace"), message
+    log.unlink()
