@@ -65,7 +65,7 @@ def define_config(default: str | None = None, flag_values: flags.FlagValues = fl
     from dflash_jax.training.config.schema import FIELDS_DOCUMENTED  # only these commands need the schema
 
     with _flag_errors_exit():
-        _checked_config_arguments(sys.argv)
+        _checked_config_arguments(sys.argv, has_default=default is not None)
         flags.DEFINE_bool(
             PRINT_CONFIG_FLAG,
             False,
@@ -174,7 +174,7 @@ def _parse_flags(argv: list[str], *, doc: str, renamed: Mapping[str, str]) -> li
     with _flag_errors_exit():
         check_renamed_flags(arguments, renamed)
         if CONFIG_FLAG in flags.FLAGS:
-            argv = _checked_config_arguments(argv)
+            argv = _checked_config_arguments(argv, has_default=flags.FLAGS[CONFIG_FLAG].default is not None)
         return flags.FLAGS(argv)
 
 
@@ -225,21 +225,25 @@ def check_renamed_flags(arguments: list[str], renamed: Mapping[str, str]) -> Non
             raise UserError(f"--{name} is now --{renamed[name]}")
 
 
-def _checked_config_arguments(argv: list[str]) -> list[str]:
-    """What ml_collections would report with a traceback, caught first: an override of a field
-    that does not exist (naming the closest one), a config file that does not exist, and
-    variants given to a config file that has none. Returns argv with a config file that is not
-    here replaced by the bundled config of its name (`configs/qwen3.py` from any directory)."""
+def _checked_config_arguments(argv: list[str], *, has_default: bool) -> list[str]:
+    """What ml_collections would report with a traceback or a misleading line, caught first: an
+    override of a field that does not exist (naming the closest one), overrides without the config
+    file they change (`has_default`: the command has one of its own), a config file that does not
+    exist, and variants given to a config file that has none. Returns argv with a config file that
+    is not here replaced by the bundled config of its name (`configs/qwen3.py` from any directory)."""
     from dflash_jax.training.config.presets import check_variants_accepted
     from dflash_jax.training.config.schema import check_field_path
 
     out = list(argv)
+    overrides, config_given = [], False
     for i, arg in enumerate(argv[1:], start=1):
         if arg == "--":
             break
         if override := _CONFIG_OVERRIDE.fullmatch(arg.split("=", 1)[0]):
             check_field_path(override.group(1))
+            overrides.append(arg.split("=", 1)[0])
         elif config_file := _CONFIG_FILE.fullmatch(arg):
+            config_given = True
             inline = config_file.group(1) is not None  # --config=value, else --config value
             at = i if inline else i + 1
             value = config_file.group(1) if inline else argv[at] if at < len(argv) else ""
@@ -251,6 +255,11 @@ def _checked_config_arguments(argv: list[str]) -> list[str]:
                 )
             check_variants_accepted(found, variants, shown_as=path)
             out[at] = (f"--{CONFIG_FLAG}=" if inline else "") + found + colon + variants
+    if overrides and not config_given and not has_default:  # absl would call them unknown flags
+        raise ConfigError(
+            f"{overrides[0]} overrides a field of the config file, and no --{CONFIG_FLAG}=FILE is given "
+            "(`dflash-jax list-configs` lists the bundled ones)"
+        )
     return out
 
 

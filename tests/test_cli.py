@@ -134,6 +134,21 @@ def test_variants_given_to_a_config_without_variants_are_one_line():
     check_variants_accepted(str(REPO / "configs" / "qwen3.py"), "8b", shown_as="configs/qwen3.py")
 
 
+def test_overrides_without_the_config_file_they_change_are_one_line():
+    """`prepare` and `plan` take no config file of their own: their overrides alone were
+    absl's "Unknown command line flag"; `train` has the default run's file."""
+    argv = ["prepare", "--config.data.train=t.jsonl", "--config.data.seq_len=512"]
+    with pytest.raises(ConfigError) as e:
+        cli._checked_config_arguments(argv, has_default=False)
+    assert str(e.value) == (
+        "--config.data.train overrides a field of the config file, and no --config=FILE is given "
+        "(`dflash-jax list-configs` lists the bundled ones)"
+    )
+    assert cli._checked_config_arguments(argv, has_default=True) == argv
+    with_file = ["prepare", "--config", "configs/default.py", *argv[1:]]
+    assert cli._checked_config_arguments(with_file, has_default=False) == with_file
+
+
 def test_print_config_shows_every_field_with_its_comment():
     text = describe_config(load_config_file(str(REPO / "configs" / "qwen3.py"), "4b,b10"))
     assigned = re.findall(r"^([\w.]+) = ", text, re.M)
@@ -200,6 +215,12 @@ DISPATCH = "from dflash_jax.commands import main; main()"
             ["-m", "dflash_jax.prepare", "--config=configs/default.py", "--config.train.learnin_rate=3e-4"],
             "config error: no field train.learnin_rate; did you mean train.learning_rate?",
         ),
+        # an override without the config file it changes (absl: "Unknown command line flag")
+        (
+            ["-m", "dflash_jax.prepare", "--config.data.seq_len=512"],
+            "config error: --config.data.seq_len overrides a field of the config file, and no "
+            "--config=FILE is given (`dflash-jax list-configs` lists the bundled ones)",
+        ),
         # variants for a config file that has none (ml_collections: a TypeError's traceback)
         (
             ["train.py", "--config=configs/default.py:8b"],
@@ -215,7 +236,7 @@ DISPATCH = "from dflash_jax.commands import main; main()"
             "error: unexpected arguments ['runs/b']: every input is a flag, --name=value",
         ),
     ],
-    ids=["regenerate", "prepare", "variants", "renamed", "required", "positional"],
+    ids=["regenerate", "prepare", "no-config-file", "variants", "renamed", "required", "positional"],
 )
 def test_user_errors_are_one_line(args, line):
     result = run(*args)
