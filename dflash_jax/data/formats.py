@@ -148,18 +148,37 @@ def _json_error(e: json.JSONDecodeError) -> str:
 def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
     """The sample a decoded record holds, in `data_format` ('auto' picks by field name: the first
     of `messages`, `conversations`, `text` present and not null)."""
+    data_format = _record_format(record, data_format, FORMATS[1:])
+    if data_format == "text":
+        return _plain_text(record["text"])
+    messages = _messages(record, data_format)
+    check_assistant_turns(messages, data_format)
+    return Conversation(messages)
+
+
+def chat_messages(record: Any) -> tuple[dict[str, str], ...]:
+    """A chat record's messages (`messages` or `conversations`), read as training reads them, its
+    assistant turns unchecked: a prompt to answer, or a conversation to regenerate."""
+    return _messages(record, _record_format(record, "auto", ("messages", "conversations")))
+
+
+def _record_format(record: Any, data_format: str, formats: tuple[str, ...]) -> str:
+    """`data_format`, or with 'auto' the first of `formats` the record holds (not null first)."""
     if not isinstance(record, dict):
         raise BadSample("unknown_format", f"the row is a JSON {_json_type(record)}, not an object")
     if data_format == "auto":
-        data_format = next((f for f in FORMATS[1:] if record.get(f) is not None), None) or next(
-            (f for f in FORMATS[1:] if f in record), ""
+        data_format = next((f for f in formats if record.get(f) is not None), None) or next(
+            (f for f in formats if f in record), ""
         )
     if data_format not in record:
         fields = ", ".join(f"`{k}`" for k in sorted(record)[:8]) or "none"
-        wanted = "`messages`, `conversations` or `text`" if not data_format else f"`{data_format}` (data.format)"
+        names = [f"`{f}`" for f in formats]
+        wanted = f"`{data_format}` (data.format)" if data_format else f"{', '.join(names[:-1])} or {names[-1]}"
         raise BadSample("unknown_format", f"the record has no {wanted} field (its fields: {fields})")
-    if data_format == "text":
-        return _plain_text(record["text"])
+    return data_format
+
+
+def _messages(record: dict, data_format: str) -> tuple[dict[str, str], ...]:
     turns = record[data_format]
     if not isinstance(turns, list):
         hint = (
@@ -168,9 +187,7 @@ def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
             else ""
         )
         raise BadSample("bad_message", f"`{data_format}` is {a_json_type(turns)}, not a list of messages{hint}")
-    messages = tuple(_message(turn, f"{data_format}[{i}]", data_format) for i, turn in enumerate(turns))
-    check_assistant_turns(messages, data_format)
-    return Conversation(messages)
+    return tuple(_message(turn, f"{data_format}[{i}]", data_format) for i, turn in enumerate(turns))
 
 
 def _plain_text(text: Any) -> PlainText:

@@ -5,7 +5,7 @@ Each name is a hub dataset (read from the Hugging Face cache: `hf download --rep
 ID --include FILES` fetches it), the files of one split in their published layout, and the rows
 those files hold. Every preset's rows are OpenAI `messages` (role/content) or ShareGPT
 `conversations` (from/value), which `formats.normalize_record` (training) and
-`prompt_sets.conversation` (regeneration) map to messages; the preset names which.
+`formats.chat_messages` (evaluation prompts, regeneration) map to messages; the preset names which.
 """
 
 from __future__ import annotations

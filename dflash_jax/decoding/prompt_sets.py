@@ -37,7 +37,7 @@ from dflash_jax.data.build import ensure_cache
 from dflash_jax.data.formats import (
     UTF8_BOM,
     BadSample,
-    a_json_type,
+    chat_messages,
     control_token_pattern,
     decode_json_line,
     find_control_text,
@@ -53,14 +53,6 @@ from dflash_jax.models.formats.hub import resolve_dataset_files
 BUNDLED_DATA = ASSETS / "data"
 BUNDLED_SETS = ("heldout_prompts", "stdlib_heldout")
 Messages = list[dict[str, str]]
-ROLES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "tool": "tool",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,34 +113,12 @@ class BadRow(DataError, ValueError):
 
 
 def conversation(record: Any) -> list[dict[str, str]]:
-    """A record's messages as [{"role", "content"}, ...] in OpenAI roles."""
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    if "messages" in record:
-        turns, role_key, content_key = record["messages"], "role", "content"
-    elif "conversations" in record:
-        turns, role_key, content_key = record["conversations"], "from", "value"
-    else:
-        raise ValueError(f"no `messages` or `conversations` field (fields: {sorted(record)[:8]})")
-    if not isinstance(turns, list) or not turns:
-        raise ValueError("the conversation must be a non-empty list of turns")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise ValueError(f"turn {i} is {a_json_type(turn)}, not an object with `{role_key}` and `{content_key}`")
-        role, content = turn.get(role_key), turn.get(content_key)
-        if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"turn {i} has role {role!r} (known: {', '.join(sorted(ROLES))})")
-        if not isinstance(content, str):
-            what = "missing" if content_key not in turn else a_json_type(content)
-            raise ValueError(f"turn {i} content is {what}, not a string")
-        surrogate = next((c for c in content if "\ud800" <= c <= "\udfff"), None)
-        if surrogate:
-            raise ValueError(
-                f"turn {i} content holds a lone surrogate \\u{ord(surrogate):04x}, which is not a character"
-            )
-        messages.append({"role": ROLES[role], "content": content})
-    return messages
+    """A record's messages as [{"role", "content"}, ...] in OpenAI roles, read as training data is
+    (`formats.chat_messages`); a row that is not a chat is a ValueError."""
+    try:
+        return list(chat_messages(record))
+    except BadSample as e:
+        raise ValueError(e.detail) from None
 
 
 def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:

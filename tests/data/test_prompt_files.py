@@ -26,6 +26,36 @@ def test_a_byte_order_mark_is_ignored(tmp_path, tokenizer):
     assert len(got) == 2 and all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
+def test_prompt_rows_are_read_as_training_reads_its_rows(tmp_path, tokenizer):
+    """The spellings training takes (data/formats.py), one reader for both: ShareGPT from/value,
+    ShareGPT turns with OpenAI keys, OpenAI content as a list of text parts."""
+    question = "What is the capital of France?"
+    rows = [
+        {"conversations": [{"from": "human", "value": question}]},
+        {"conversations": [{"role": "user", "content": question}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is the capital "},
+                        {"type": "text", "text": "of France?"},
+                    ],
+                }
+            ]
+        },
+    ]
+    _, want = load_prompts(str(write_jsonl(tmp_path / "plain.jsonl", [chat(question)])), tokenizer)
+    _, got = load_prompts(str(write_jsonl(tmp_path / "spellings.jsonl", rows)), tokenizer)
+    assert len(got) == 3 and all(np.array_equal(ids, want[0]) for ids in got)
+    text_only = write_jsonl(tmp_path / "text.jsonl", [{"text": question}])
+    with pytest.raises(DataError) as raised:
+        load_prompts(str(text_only), tokenizer)
+    assert str(raised.value) == (
+        f"{text_only}:1: the record has no `messages` or `conversations` field (its fields: `text`)"
+    )
+
+
 def test_reasoning_in_earlier_assistant_turns_is_not_control_text(tmp_path, tokenizer):
     record = chat("What is the capital?", "<think>\nEasy.\n</think>\n\nParis.", "And of Spain?")
     _, [prompt] = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", [record])), tokenizer)
@@ -45,7 +75,7 @@ def test_reasoning_in_earlier_assistant_turns_is_not_control_text(tmp_path, toke
         ),
         (
             b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}\n',
-            "{path}:1: turn 0 content holds a lone surrogate \\ud800",
+            "{path}:1: messages[0].content holds a lone surrogate \\ud800 at character 4, which is not a character",
         ),
         (
             b'{"messages": [{"role": "user", "content": "hi<|im_end|>"}]}\n',
@@ -55,8 +85,8 @@ def test_reasoning_in_earlier_assistant_turns_is_not_control_text(tmp_path, toke
             b'{"messages": [{"role": "user", "content": "<|MASK|>"}]}\n',
             "{path}:1: the content of turn 1 (user) holds the text '<|MASK|>'",
         ),
-        (b'{"messages": [{"role": "user", "content": null}]}\n', "{path}:1: turn 0 content is null, not a string"),
-        (b'{"messages": [{"role": "user"}]}\n', "{path}:1: turn 0 content is missing, not a string"),
+        (b'{"messages": [{"role": "user", "content": null}]}\n', "{path}:1: messages[0].content is null, not a string"),
+        (b'{"messages": [{"role": "user"}]}\n', "{path}:1: messages[0] has no `content` field"),
         (
             b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "user", "cont',
             "{path}:2: the last line is truncated",

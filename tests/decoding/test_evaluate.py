@@ -160,7 +160,7 @@ def test_user_errors_are_caught_before_any_model_loads(workdir, tmp_path, args, 
 def test_bad_inputs_are_clear_errors(chat_target, tmp_path):
     tokenizer = ChatTokenizer(chat_target)
     bad = write_jsonl(tmp_path / "bad.jsonl", [chat("fine"), {"messages": [{"role": "robot", "content": "x"}]}])
-    with pytest.raises(BadRow, match=r"bad.jsonl:2: turn 0 has role 'robot'"):
+    with pytest.raises(BadRow, match=r"bad.jsonl:2: messages\[0\].role is 'robot' \(known: "):
         load_prompts(str(bad), tokenizer)
     broken = write_jsonl(tmp_path / "broken.jsonl", ["{not json"])
     with pytest.raises(BadRow, match=r"broken.jsonl:1: not valid JSON"):
