@@ -295,7 +295,7 @@ def _warn_if_engines_cannot_serve(setup: TrainSetup) -> None:
     llama.cpp capture target layer i's feature at the input of layer i + 1, which the last layer
     does not have (docs/design.md §2); llama.cpp has limits of its own (models/formats/gguf_export.py)."""
     for problem in llama_cpp_problems(setup.drafter.to_hf(), setup.target.num_layers):
-        log.warning("the exported drafter will not be servable: %s", problem)
+        log.warning("serving the export: %s", problem)  # each names the engines it rules out
 
 
 def _check_resumable(meta: dict, setup: TrainSetup) -> None:
