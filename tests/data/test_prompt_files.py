@@ -85,6 +85,7 @@ def test_reasoning_in_earlier_assistant_turns_is_not_control_text(tmp_path, toke
             b'{"messages": [{"role": "user", "content": "<|MASK|>"}]}\n',
             "{path}:1: the content of turn 1 (user) holds the text '<|MASK|>'",
         ),
+        (b'{"messages": []}\n', "{path}:1: the message list is empty"),
         (b'{"messages": [{"role": "user", "content": null}]}\n', "{path}:1: messages[0].content is null, not a string"),
         (b'{"messages": [{"role": "user"}]}\n', "{path}:1: messages[0] has no `content` field"),
         (

@@ -34,9 +34,11 @@ ROWS = [
     {"text": "no conversation"},
     chat("FAIL always"),
     chat("FLAKY once"),  # the first request gets a 503, the retry succeeds
+    {"messages": []},
+    {"conversations": [{"role": "user", "content": "ten"}]},  # ShareGPT turns spelled the OpenAI way
 ]
-GOOD_LINES = {1, 2, 3, 4, 8}
-BAD_LINES = {5, 6, 7}
+GOOD_LINES = {1, 2, 3, 4, 8, 10}
+BAD_LINES = {5, 6, 7, 9}
 
 
 class FakeOpenAI(BaseHTTPRequestHandler):
@@ -149,6 +151,8 @@ def test_http_backend_rewrites_every_assistant_turn_and_records_failures(server,
     failures = {f["line"]: f["error"] for f in read_jsonl(tmp_path / "out.failures.jsonl")}
     assert set(failures) == BAD_LINES
     assert "not valid JSON" in failures[5] and "no `messages`" in failures[6] and "HTTP 400" in failures[7]
+    assert failures[9].endswith("the message list is empty")
+    assert rows[10]["messages"][0] == {"role": "user", "content": "ten"}
     request = FakeOpenAI.requests[0]
     assert request["model"] == "served/name" and request["temperature"] == 0.0 and request["max_tokens"] == 64
     assert request["chat_template_kwargs"] == {"enable_thinking": False}
