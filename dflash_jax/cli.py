@@ -239,9 +239,10 @@ def _checked_config_arguments(argv: list[str], *, has_default: bool) -> list[str
     for i, arg in enumerate(argv[1:], start=1):
         if arg == "--":
             break
-        if override := _CONFIG_OVERRIDE.fullmatch(arg.split("=", 1)[0]):
+        name = arg.split("=", 1)[0]
+        if override := _CONFIG_OVERRIDE.fullmatch(name):
             check_field_path(override.group(1))
-            overrides.append(arg.split("=", 1)[0])
+            overrides.append(name)
         elif config_file := _CONFIG_FILE.fullmatch(arg):
             config_given = True
             inline = config_file.group(1) is not None  # --config=value, else --config value

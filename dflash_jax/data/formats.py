@@ -159,7 +159,10 @@ def normalize_record(record: Any, data_format: str) -> Conversation | PlainText:
 def chat_messages(record: Any) -> tuple[dict[str, str], ...]:
     """A chat record's messages (`messages` or `conversations`), read as training reads them, its
     assistant turns unchecked: a prompt to answer, or a conversation to regenerate."""
-    return _messages(record, _record_format(record, "auto", ("messages", "conversations")))
+    messages = _messages(record, _record_format(record, "auto", ("messages", "conversations")))
+    if not messages:
+        raise BadSample("bad_message", "the message list is empty")
+    return messages
 
 
 def _record_format(record: Any, data_format: str, formats: tuple[str, ...]) -> str:

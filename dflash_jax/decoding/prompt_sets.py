@@ -116,12 +116,9 @@ def conversation(record: Any) -> list[dict[str, str]]:
     """A record's messages as [{"role", "content"}, ...] in OpenAI roles, read as training data is
     (`formats.chat_messages`); a row that is not a chat is a ValueError."""
     try:
-        messages = list(chat_messages(record))
+        return list(chat_messages(record))
     except BadSample as e:
         raise ValueError(e.detail) from None
-    if not messages:
-        raise ValueError("the message list is empty")
-    return messages
 
 
 def prompt_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
